@@ -1,0 +1,63 @@
+"""Bitwise gates: compare two runs' fingerprint streams and name the first mismatch."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import pandas as pd
+
+from taxbench.records import METRICS
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    step: int
+    rank: int
+    metric: str  # one of METRICS, or "missing_record" when one run has a step the other lacks
+    expected: str | None
+    actual: str | None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    gate: str
+    reference: str
+    candidate: str
+    agree: bool
+    compared_steps: int
+    first_mismatch: Mismatch | None
+    from_step: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def compare_runs(
+    gate: str, reference_name: str, reference: pd.DataFrame, candidate_name: str, candidate: pd.DataFrame,
+    from_step: int = 0,
+) -> Verdict:
+    """Bitwise agreement on every step > from_step; the first mismatch by (step, rank, metric order)."""
+    columns = ["step", "rank", *METRICS]
+    ref = reference.loc[reference["step"] > from_step, columns]
+    cand = candidate.loc[candidate["step"] > from_step, columns]
+    merged = ref.merge(cand, on=["step", "rank"], how="outer", suffixes=("_ref", "_cand"), indicator=True)
+    merged = merged.sort_values(["step", "rank"], kind="stable")
+    candidates: list[Mismatch] = []
+    missing = merged[merged["_merge"] != "both"]
+    if not missing.empty:
+        row = missing.iloc[0]
+        present = "reference" if row["_merge"] == "left_only" else "candidate"
+        candidates.append(Mismatch(int(row["step"]), int(row["rank"]), "missing_record",
+                                   "present" if present == "reference" else None,
+                                   "present" if present == "candidate" else None))
+    both = merged[merged["_merge"] == "both"]
+    differs = pd.DataFrame({m: both[f"{m}_ref"] != both[f"{m}_cand"] for m in METRICS})
+    bad_rows = differs.any(axis=1)
+    if bad_rows.any():
+        index = bad_rows[bad_rows].index[0]
+        row = both.loc[index]
+        metric = next(m for m in METRICS if differs.loc[index, m])
+        candidates.append(Mismatch(int(row["step"]), int(row["rank"]), metric,
+                                   str(row[f"{metric}_ref"]), str(row[f"{metric}_cand"])))
+    first = min(candidates, key=lambda m: (m.step, m.rank)) if candidates else None
+    return Verdict(gate, reference_name, candidate_name, first is None, int(both["step"].nunique()), first, from_step)

@@ -1,0 +1,269 @@
+"""Structured config schema for taxbench (Hydra/OmegaConf) and the checks Hydra cannot express.
+
+The schema is registered in Hydra's ConfigStore so that wrong types and unknown keys are rejected at compose time;
+`validate` adds the cross-field rules (batch divisibility, parallel layout, value ranges) with messages that name the
+key, the offending value and what would be accepted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem; the message says what is wrong and how to fix it."""
+
+
+class Precision(str, Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class Device(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Launcher(str, Enum):
+    inprocess = "inprocess"
+    local = "local"
+    slurm = "slurm"
+
+
+class DataParallel(str, Enum):
+    ddp = "ddp"
+    fsdp = "fsdp"
+
+
+@dataclass
+class ModelConfig:
+    kind: str = "dense"  # a name from taxbench.workloads, or "custom" with `target`
+    target: str | None = None  # import path of a factory(cfg) -> nn.Module for kind=custom
+    vocab_size: int = 256
+    seq_len: int = 64
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    d_ff: int = 256
+    n_experts: int = 0
+    top_k: int = 0
+    moe_d_ff: int = 0
+    aux_loss_coef: float = 0.01
+    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to a custom factory
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 3e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    data_parallel: DataParallel = DataParallel.ddp
+
+
+@dataclass
+class DataConfig:
+    kind: str = "synthetic"  # synthetic | shards
+    path: str | None = None
+    seed: int = 1234
+
+
+@dataclass
+class RecipeConfig:
+    name: str = MISSING
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    micro_batch_size: int = 4
+    global_batch_size: int = 8
+    precision: Precision = Precision.fp32
+    seed: int = 0
+
+
+@dataclass
+class PolicyConfig:
+    """Execution policy of one arm. Only these fields may differ between the two arms of a pair."""
+
+    name: str = MISSING
+    deterministic: bool = False
+    cudnn_benchmark: bool = True
+    allow_tf32: bool = True
+    cublas_workspace_config: str | None = None
+    nccl_algo: str | None = None
+    nvte_allow_nondeterministic_algo: bool = True
+    fill_uninitialized_memory: bool = False
+    # Fast paths of custom kernels (e.g. MoE combine via index_put_(accumulate=True)) are used unless this is set.
+    deterministic_kernels: bool = False
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "local"
+    launcher: Launcher = Launcher.local
+    device: Device = Device.cpu
+    cpu_ranks: int = 2  # world size when device=cpu
+    gpus: int = 8  # world size when device=cuda
+    gpus_per_node: int = 8
+    nodes: int = 1
+    threads_per_rank: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0 picks a free port
+    # Slurm (cluster=slurm)
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    time_min: int = 60
+    setup: list[str] = field(default_factory=list)
+    sbatch_args: dict[str, Any] = field(default_factory=dict)
+    submitit_dir: str | None = None
+
+
+@dataclass
+class FaultConfig:
+    """Deliberate corruption of one run, to check that the gates catch it (harness self-test)."""
+
+    enabled: bool = False
+    arm: str = "deterministic"
+    replica: int = 1
+    step: int = 3
+    rank: int = 0
+    kind: str = "flip_param_bit"
+
+
+@dataclass
+class ExperimentConfig:
+    name: str = MISSING
+    out_dir: str = "runs"
+    steps: int = 60  # steps per arm and replica
+    block_steps: int = 6  # steps per interleaved block
+    warmup_steps: int = 6  # fixed minimum warmup, checked by MSER-5
+    resume_step: int = 20  # the restart-replay replica checkpoints here and resumes
+    order_seed: int = 0  # seeds the randomized arm order per round
+    confidence: float = 0.95
+    fault: FaultConfig = field(default_factory=FaultConfig)
+
+
+@dataclass
+class TaxbenchConfig:
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    arms: dict[str, PolicyConfig] = field(default_factory=dict)
+    # Per-arm changes to its copy of the recipe/cluster, e.g. `+arm_overrides.deterministic.recipe.micro_batch_size=2`.
+    # The pair is refused unless they leave everything but the policy unchanged: this is how two existing recipes are
+    # checked for comparability.
+    arm_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
+    experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+
+
+ARM_NAMES = ("baseline", "deterministic")
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="taxbench_schema", node=TaxbenchConfig)
+    cs.store(group="recipe", name="recipe_schema", node=RecipeConfig)
+    cs.store(group="mode", name="policy_schema", node=PolicyConfig)
+    cs.store(group="cluster", name="cluster_schema", node=ClusterConfig)
+
+
+def to_typed(cfg: DictConfig | dict[str, Any]) -> TaxbenchConfig:
+    """Merge a plain or Hydra config onto the schema and return typed dataclasses.
+
+    This also catches keys that Hydra's `+key=value` lets through (unknown fields of a structured node).
+    """
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(TaxbenchConfig), cfg)
+        typed = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None)
+        raise ConfigError(f"{key + ': ' if key else ''}{exc.msg if hasattr(exc, 'msg') else exc}") from exc
+    assert isinstance(typed, TaxbenchConfig)
+    return typed
+
+
+def world_size(cluster: ClusterConfig) -> int:
+    return cluster.gpus if cluster.device is Device.cuda else cluster.cpu_ranks
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def validate(cfg: TaxbenchConfig) -> None:
+    """Cross-field rules; raises ConfigError naming the key, the value and the fix."""
+    recipe, cluster, exp = cfg.recipe, cfg.cluster, cfg.experiment
+    _require(
+        sorted(cfg.arms) == sorted(ARM_NAMES),
+        f"arms must be exactly {list(ARM_NAMES)}, got {sorted(cfg.arms)}; select policies with "
+        "mode@arms.baseline=<mode> and mode@arms.deterministic=<mode>",
+    )
+    for key, value in (
+        ("experiment.steps", exp.steps),
+        ("experiment.block_steps", exp.block_steps),
+        ("recipe.micro_batch_size", recipe.micro_batch_size),
+        ("recipe.global_batch_size", recipe.global_batch_size),
+        ("cluster.threads_per_rank", cluster.threads_per_rank),
+        ("recipe.model.seq_len", recipe.model.seq_len),
+        ("recipe.model.n_layers", recipe.model.n_layers),
+    ):
+        _require(value >= 1, f"{key}={value} must be >= 1")
+    _require(world_size(cluster) >= 1, f"world size must be >= 1 (cluster.cpu_ranks / cluster.gpus), got {world_size(cluster)}")
+    _require(
+        exp.steps % exp.block_steps == 0,
+        f"experiment.steps={exp.steps} is not a multiple of experiment.block_steps={exp.block_steps}; "
+        f"use e.g. experiment.steps={exp.steps - exp.steps % exp.block_steps or exp.block_steps}",
+    )
+    _require(
+        0 <= exp.warmup_steps < exp.steps,
+        f"experiment.warmup_steps={exp.warmup_steps} must be in [0, experiment.steps={exp.steps})",
+    )
+    _require(
+        1 <= exp.resume_step < exp.steps,
+        f"experiment.resume_step={exp.resume_step} must be in [1, experiment.steps={exp.steps}) so that steps remain "
+        "after the resume to compare",
+    )
+    _require(0 < exp.confidence < 1, f"experiment.confidence={exp.confidence} must be in (0, 1), e.g. 0.95")
+    _require(
+        recipe.model.d_model % recipe.model.n_heads == 0,
+        f"recipe.model.d_model={recipe.model.d_model} is not divisible by recipe.model.n_heads={recipe.model.n_heads}",
+    )
+    par = recipe.parallel
+    for key, value in (("tp", par.tp), ("pp", par.pp), ("ep", par.ep)):
+        _require(value >= 1, f"recipe.parallel.{key}={value} must be >= 1")
+    ws = world_size(cluster)
+    model_parallel = par.tp * par.pp
+    _require(
+        ws % model_parallel == 0,
+        f"world size {ws} is not divisible by tp*pp = {par.tp}*{par.pp} = {model_parallel}; change cluster.gpus "
+        "(or cluster.cpu_ranks) or the recipe's parallel layout",
+    )
+    dp = ws // model_parallel
+    _require(
+        recipe.global_batch_size % (recipe.micro_batch_size * dp) == 0,
+        f"recipe.global_batch_size={recipe.global_batch_size} is not divisible by micro_batch_size*dp = "
+        f"{recipe.micro_batch_size}*{dp}; pick a global batch that is a multiple of {recipe.micro_batch_size * dp}",
+    )
+    fault = exp.fault
+    if fault.enabled:
+        _require(fault.arm in ARM_NAMES, f"experiment.fault.arm={fault.arm!r} must be one of {list(ARM_NAMES)}")
+        _require(1 <= fault.step <= exp.steps, f"experiment.fault.step={fault.step} must be in [1, {exp.steps}]")
+        _require(0 <= fault.rank < ws, f"experiment.fault.rank={fault.rank} must be in [0, {ws})")
+        _require(fault.replica in (0, 1), f"experiment.fault.replica={fault.replica} must be 0 or 1")

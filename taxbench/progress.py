@@ -1,0 +1,48 @@
+"""Console progress for long work (rank 0 only): steps done, steps/s and time left.
+
+A live bar on a terminal; a plain line every 10% when output goes to a log file.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+
+@contextmanager
+def step_progress(total: int, description: str, enabled: bool = True) -> Iterator[Callable[[], None]]:
+    if not enabled or total <= 0:
+        yield lambda: None
+        return
+    console = Console(file=sys.stderr)
+    if console.is_terminal:
+        columns = (
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.speed:>6.1f} steps/s"),
+            TimeRemainingColumn(),
+        )
+        with Progress(*columns, console=console, transient=True) as bar:
+            task = bar.add_task(description, total=total)
+            yield lambda: bar.advance(task)
+        return
+
+    start, done, next_report = time.perf_counter(), 0, max(1, total // 10)
+
+    def advance() -> None:
+        nonlocal done, next_report
+        done += 1
+        if done >= next_report or done == total:
+            elapsed = time.perf_counter() - start
+            rate = done / elapsed if elapsed > 0 else 0.0
+            eta = (total - done) / rate if rate > 0 else 0.0
+            print(f"{description}: {done}/{total} steps, {rate:.1f} steps/s, ETA {eta:.0f}s", file=sys.stderr, flush=True)
+            next_report += max(1, total // 10)
+
+    yield advance

@@ -1,0 +1,301 @@
+"""One training run of one arm on one rank: seeded init, timed steps, fingerprints, checkpoint/resume.
+
+Timing covers zero_grad, forward, backward, gradient reduction, clipping and the optimizer step; data loading is
+timed separately and fingerprinting runs after the timer stops, so the harness stays out of the numbers it reports.
+On CUDA, step times come from CUDA events and digests stay on the device until the block ends (one sync per block).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from taxbench import fingerprint, policy
+from taxbench.config import FaultConfig, PolicyConfig, Precision, TaxbenchConfig
+from taxbench.data import build_source
+from taxbench.distributed import DistContext
+from taxbench.records import StepWriter, steps_file
+from taxbench.workloads import build_model
+
+
+@dataclass
+class RngSnapshot:
+    python: Any
+    numpy: Any
+    torch_cpu: torch.Tensor
+    torch_cuda: list[torch.Tensor] | None
+
+    @classmethod
+    def capture(cls) -> RngSnapshot:
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        return cls(random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda)
+
+    @classmethod
+    def seeded(cls, seed: int) -> RngSnapshot:
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)  # also seeds every CUDA device
+        return cls.capture()
+
+    def restore(self) -> None:
+        random.setstate(self.python)
+        np.random.set_state(self.numpy)
+        torch.set_rng_state(self.torch_cpu)
+        if self.torch_cuda is not None:
+            torch.cuda.set_rng_state_all(self.torch_cuda)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"python": self.python, "numpy": self.numpy, "torch_cpu": self.torch_cpu, "torch_cuda": self.torch_cuda}
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> RngSnapshot:
+        return cls(state["python"], state["numpy"], state["torch_cpu"], state["torch_cuda"])
+
+
+class StepTimer:
+    """perf_counter on CPU; CUDA events (read at block end) on GPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def start(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def stop(self, started: Any) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return (started, event)
+        return time.perf_counter() - started
+
+    def seconds(self, measured: Any) -> float:
+        if self.cuda:
+            start, end = measured
+            return float(start.elapsed_time(end)) / 1000.0
+        return float(measured)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: TaxbenchConfig,
+        arm: str,
+        replica: str,
+        arm_policy: PolicyConfig,
+        ctx: DistContext,
+        run_dir: Path,
+        fault: FaultConfig | None = None,
+    ) -> None:
+        recipe = cfg.recipe
+        self.arm, self.replica, self.policy, self.ctx = arm, replica, arm_policy, ctx
+        self.run_dir = run_dir
+        self.fault = fault if fault is not None and fault.enabled else None
+        self.step = 0
+        self.grad_clip = recipe.optimizer.grad_clip
+        self.autocast_dtype = torch.bfloat16 if recipe.precision is Precision.bf16 else None
+        dp_size = ctx.world_size // (recipe.parallel.tp * recipe.parallel.pp)
+        dp_rank = ctx.rank // (recipe.parallel.tp * recipe.parallel.pp)
+        self.grad_accum = recipe.global_batch_size // (recipe.micro_batch_size * dp_size)
+        self.tokens_per_step = self.grad_accum * recipe.micro_batch_size * recipe.model.seq_len
+
+        rng = RngSnapshot.seeded(recipe.seed)
+        with policy.active(arm_policy):
+            model = build_model(recipe.model, arm_policy.deterministic_kernels).to(ctx.device)
+        self.raw_model = model
+        self.model: torch.nn.Module = (
+            DistributedDataParallel(model, process_group=ctx.group_for(arm_policy))
+            if ctx.world_size > 1
+            else model
+        )
+        opt = recipe.optimizer
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, weight_decay=opt.weight_decay
+        )
+        self.data = build_source(
+            recipe.data, recipe.model.vocab_size, recipe.model.seq_len, recipe.micro_batch_size, dp_rank, dp_size
+        )
+        self.rng = RngSnapshot(rng.python, rng.numpy, rng.torch_cpu, rng.torch_cuda)
+        self.timer = StepTimer(ctx.device)
+        self.writer = StepWriter(steps_file(run_dir, ctx.rank))
+        self._pending: list[tuple[dict[str, Any], Any, torch.Tensor]] = []
+
+    @contextmanager
+    def activated(self) -> Iterator[None]:
+        """This run's RNG streams and policy, so that runs can be interleaved in one process."""
+        self.rng.restore()
+        with policy.active(self.policy):
+            try:
+                yield
+            finally:
+                self.rng = RngSnapshot.capture()
+
+    def run_block(self, steps: int, block: int, on_step: Callable[[], None] | None = None) -> None:
+        with self.activated():
+            _sync(self.ctx.device)
+            window_start = time.perf_counter()
+            for _ in range(steps):
+                self._train_step(block)
+                if on_step is not None:
+                    on_step()
+            _sync(self.ctx.device)
+            window = time.perf_counter() - window_start
+            self._flush(window / steps)
+
+    def _train_step(self, block: int) -> None:
+        self.step += 1
+        data_start = time.perf_counter()
+        batches = [self.data.next_batch() for _ in range(self.grad_accum)]
+        batches = [(x.to(self.ctx.device, non_blocking=True), y.to(self.ctx.device, non_blocking=True)) for x, y in batches]
+        data_s = time.perf_counter() - data_start
+
+        started = self.timer.start()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=self.ctx.device)
+        for i, (inputs, targets) in enumerate(batches):
+            last = i == len(batches) - 1
+            sync_ctx = self.model.no_sync() if isinstance(self.model, DistributedDataParallel) and not last else nullcontext()
+            with sync_ctx:
+                loss = self._loss(inputs, targets)
+                (loss / self.grad_accum).backward()
+            loss_sum += loss.detach()
+        params = [p for p in self.raw_model.parameters() if p.grad is not None]
+        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        self.optimizer.step()
+        measured = self.timer.stop(started)
+
+        self._inject_fault()
+        loss_mean = loss_sum / self.grad_accum
+        digests = torch.stack(
+            [
+                fingerprint.float_bits(loss_mean.float()),
+                self._digest(p.grad for p in params),
+                fingerprint.float_bits(grad_norm.float()),
+                self._digest(self.raw_model.parameters()),
+                self._digest(self._optimizer_tensors()),
+            ]
+        )
+        record = {
+            "arm": self.arm,
+            "replica": self.replica,
+            "rank": self.ctx.rank,
+            "step": self.step,
+            "block": block,
+            "data_s": data_s,
+            "tokens": self.tokens_per_step,
+        }
+        self._pending.append((record, measured, digests))
+        if self.ctx.device.type == "cpu":
+            self._flush(None)
+
+    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        autocast = (
+            torch.autocast(self.ctx.device.type, dtype=self.autocast_dtype)
+            if self.autocast_dtype is not None
+            else nullcontext()
+        )
+        with autocast:
+            logits = self.model(inputs)
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        aux = getattr(self.raw_model, "aux_loss", None)
+        if callable(aux):
+            extra = aux()
+            if extra is not None:
+                loss = loss + extra
+        return loss
+
+    def _digest(self, tensors: Any) -> torch.Tensor:
+        digest = fingerprint.tensors_digest(tensors)
+        return digest if digest is not None else torch.zeros((), dtype=torch.int64, device=self.ctx.device)
+
+    def _optimizer_tensors(self) -> Iterator[torch.Tensor]:
+        for param in self.raw_model.parameters():
+            for key, value in sorted(self.optimizer.state.get(param, {}).items()):
+                if isinstance(value, torch.Tensor):
+                    yield value
+
+    def _inject_fault(self) -> None:
+        fault = self.fault
+        if fault is None or fault.step != self.step or fault.rank != self.ctx.rank:
+            return
+        if fault.kind != "flip_param_bit":
+            raise ValueError(f"experiment.fault.kind={fault.kind!r} is unknown; use 'flip_param_bit'")
+        with torch.no_grad():
+            first = next(self.raw_model.parameters())
+            flat = first.view(-1)[:1]
+            int_dtype = {4: torch.int32, 2: torch.int16, 8: torch.int64}[flat.element_size()]
+            flat.view(int_dtype).bitwise_xor_(1)
+
+    def _flush(self, window_per_step: float | None) -> None:
+        """Turn pending steps into records: one host copy of all digests, then one line per step."""
+        if not self._pending:
+            return
+        digests = torch.stack([d for _, _, d in self._pending]).cpu().tolist()
+        for (record, measured, _), values in zip(self._pending, digests, strict=True):
+            seconds = self.timer.seconds(measured)
+            loss_bits, grads, norm_bits, params, optim = values
+            record.update(
+                time_s=seconds,
+                wall_s=window_per_step if self.timer.cuda else seconds,
+                device_s=seconds if self.timer.cuda else None,
+                loss=_bits_to_float(loss_bits),
+                loss_bits=fingerprint.bits_hex(loss_bits, torch.float32),
+                grad_norm=_bits_to_float(norm_bits),
+                grad_norm_bits=fingerprint.bits_hex(norm_bits, torch.float32),
+                grads=fingerprint.to_hex(grads),
+                params=fingerprint.to_hex(params),
+                optim=fingerprint.to_hex(optim),
+            )
+            self.writer.write(record)
+        self._pending.clear()
+        self.writer.sync()
+
+    def save_checkpoint(self, path: Path) -> None:
+        self._flush(None)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state = {
+            "step": self.step,
+            "model": self.raw_model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "data": self.data.state_dict(),
+            "rng": self.rng.state_dict(),
+        }
+        tmp = path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        tmp.replace(path)
+
+    def load_checkpoint(self, path: Path) -> None:
+        state = torch.load(path, map_location=self.ctx.device, weights_only=False)
+        self.raw_model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.data.load_state_dict(state["data"])
+        self.rng = RngSnapshot.from_state_dict(state["rng"])
+        self.step = int(state["step"])
+        self.writer.truncate_after(self.step)
+
+    def close(self) -> None:
+        self._flush(None)
+        self.writer.close()
+
+
+def _bits_to_float(bits: int) -> float:
+    return float(np.array([bits & 0xFFFFFFFF], dtype=np.uint32).view(np.float32)[0])
