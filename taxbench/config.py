@@ -43,8 +43,9 @@ class DataParallel(str, Enum):
 
 @dataclass
 class ModelConfig:
-    kind: str = "dense"  # a name from taxbench.workloads, or "custom" with `target`
-    target: str | None = None  # import path of a factory(cfg) -> nn.Module for kind=custom
+    kind: str = "dense"  # a name from taxbench.workloads (dense, moe), or "custom" with `factory`
+    # kind=custom: a Hydra node {_target_: my_pkg.build, ...kwargs} instantiated to an nn.Module (tokens -> logits)
+    factory: dict[str, Any] | None = None
     vocab_size: int = 256
     seq_len: int = 64
     d_model: int = 64
@@ -55,7 +56,7 @@ class ModelConfig:
     top_k: int = 0
     moe_d_ff: int = 0
     aux_loss_coef: float = 0.01
-    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to a custom factory
+    n_shared_experts: int = 0  # MoE: always-active experts of width moe_d_ff each (DeepSeek/Nemotron style)
 
 
 @dataclass
@@ -79,8 +80,11 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     kind: str = "synthetic"  # synthetic | shards
-    path: str | None = None
+    path: str | None = None  # kind=shards: a folder built by `taxbench build-shards`
     seed: int = 1234
+    loader: str = "auto"  # kind=shards: auto (DALI on GPU ranks where installed, else torch) | torch | dali
+    num_workers: int = 0  # torch DataLoader workers / DALI threads; never changes the sample order
+    verify_checksums: bool = False  # hash every shard against its index once before the ranks start
 
 
 @dataclass
@@ -157,7 +161,20 @@ class ExperimentConfig:
     resume_step: int = 20  # the restart-replay replica checkpoints here and resumes
     order_seed: int = 0  # seeds the randomized arm order per round
     confidence: float = 0.95
+    # Preemption safety: every run checkpoints every N blocks (0: never) and a restarted experiment resumes from there.
+    checkpoint_every_blocks: int = 1
     fault: FaultConfig = field(default_factory=FaultConfig)
+
+
+@dataclass
+class ReportConfig:
+    """What is written after an experiment: the HTML/markdown report and the wandb run."""
+
+    html: bool = True  # report/report.html (self-contained) and report/report.md beside the runs
+    wandb: bool = True  # needs the wandb extra; WANDB_MODE=offline unless the environment sets WANDB_MODE
+    wandb_project: str = "taxbench"
+    wandb_entity: str | None = None
+    wandb_group: str | None = None  # default: the sweep folder's name under a Hydra multirun
 
 
 @dataclass
@@ -170,6 +187,7 @@ class TaxbenchConfig:
     # checked for comparability.
     arm_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
 
 
 ARM_NAMES = ("baseline", "deterministic")
@@ -193,7 +211,9 @@ def to_typed(cfg: DictConfig | dict[str, Any]) -> TaxbenchConfig:
         typed = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None)
-        raise ConfigError(f"{key + ': ' if key else ''}{exc.msg if hasattr(exc, 'msg') else exc}") from exc
+        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        hint = "; `python -m taxbench --cfg job` prints every valid key with its value"
+        raise ConfigError(f"{key + ': ' if key else ''}{first_line}{hint}") from exc
     assert isinstance(typed, TaxbenchConfig)
     return typed
 
@@ -261,6 +281,17 @@ def validate(cfg: TaxbenchConfig) -> None:
         f"recipe.global_batch_size={recipe.global_batch_size} is not divisible by micro_batch_size*dp = "
         f"{recipe.micro_batch_size}*{dp}; pick a global batch that is a multiple of {recipe.micro_batch_size * dp}",
     )
+    data = recipe.data
+    _require(data.kind in ("synthetic", "shards"), f"recipe.data.kind={data.kind!r} is unknown; choose synthetic or shards")
+    _require(data.num_workers >= 0, f"recipe.data.num_workers={data.num_workers} must be >= 0")
+    if data.kind == "shards":
+        from taxbench.datasets.shards import ShardError
+        from taxbench.datasets.source import check_shard_recipe
+
+        try:
+            check_shard_recipe(data, recipe.model.vocab_size, recipe.model.seq_len, recipe.micro_batch_size, dp)
+        except (ShardError, ImportError) as exc:
+            raise ConfigError(f"recipe.data.path={data.path}: {exc}") from exc
     fault = exp.fault
     if fault.enabled:
         _require(fault.arm in ARM_NAMES, f"experiment.fault.arm={fault.arm!r} must be one of {list(ARM_NAMES)}")

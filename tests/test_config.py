@@ -1,0 +1,89 @@
+"""Config composition and validation: clear errors naming the key, the value and the fix; pairs refused with diff."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+from taxbench.cli import prepare
+from taxbench.config import ConfigError, Device, Precision, TaxbenchConfig
+
+
+def compose_config(*overrides: str) -> TaxbenchConfig:
+    with initialize_config_module(config_module="taxbench.conf", version_base="1.3"):
+        raw = compose("config", overrides=list(overrides))
+    OmegaConf.resolve(raw)
+    cfg, _ = prepare(raw)
+    return cfg
+
+
+def test_embedded_default_is_dense_tiny_on_two_cpu_ranks() -> None:
+    cfg = compose_config()
+    assert cfg.recipe.name == "dense_tiny"
+    assert cfg.cluster.device is Device.cpu and cfg.cluster.cpu_ranks == 2
+    assert cfg.recipe.precision is Precision.fp32
+    assert cfg.arms["baseline"].deterministic is False and cfg.arms["deterministic"].deterministic is True
+    assert cfg.arms["deterministic"].cublas_workspace_config in (":4096:8", ":16:8")
+
+
+def test_explicit_recipe_selection_replaces_the_default() -> None:
+    cfg = compose_config("+recipe=dense_tiny", "recipe.model.d_model=32", "recipe.model.n_heads=2")
+    assert cfg.recipe.model.d_model == 32
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["experiment.steps=61"], "experiment.steps=61 is not a multiple of experiment.block_steps=6"),
+        (["recipe.global_batch_size=6"], "recipe.global_batch_size=6 is not divisible by micro_batch_size*dp"),
+        (["experiment.resume_step=60"], "experiment.resume_step=60 must be in [1, experiment.steps=60)"),
+        (["recipe.model.n_heads=3"], "recipe.model.d_model=64 is not divisible by recipe.model.n_heads=3"),
+        (["mode@arms.baseline=deterministic"], "the baseline arm must be nondeterministic"),
+    ],
+)
+def test_cross_field_errors_name_key_and_value(overrides: list[str], expected: str) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        compose_config(*overrides)
+    assert expected in str(excinfo.value)
+
+
+def test_pair_differing_beyond_policy_is_refused_with_the_diff() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        compose_config("+arm_overrides.deterministic.recipe.micro_batch_size=2",
+                       "+arm_overrides.deterministic.recipe.precision=bf16")
+    message = str(excinfo.value)
+    assert "refusing the pair" in message
+    assert "recipe.micro_batch_size: baseline=4 deterministic=2" in message
+    assert "recipe.precision: baseline='fp32' deterministic='bf16'" in message
+
+
+def test_override_that_changes_nothing_is_accepted() -> None:
+    cfg = compose_config("+arm_overrides.deterministic.recipe.micro_batch_size=4")
+    assert cfg.recipe.micro_batch_size == 4
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["+recipe=no_such_recipe"], "no_such_recipe"),
+        (["experiment.steps=many"], "experiment.steps"),
+        (["recipe.precision=fp8"], "fp8"),
+        (["+recipe.bogus=1"], "bogus"),
+        (["experiment.block_steps=7"], "experiment.steps=60 is not a multiple of experiment.block_steps=7"),
+        (["+arm_overrides.baseline.cluster.cpu_ranks=4"], "cluster.cpu_ranks: baseline=4 deterministic=2"),
+    ],
+)
+def test_cli_reports_bad_config_without_a_traceback(taxbench_cli, tmp_path: Path, args: list[str], expected: str) -> None:
+    result = taxbench_cli(*args, f"experiment.out_dir={tmp_path}", cwd=tmp_path, timeout=120)
+    assert result.returncode != 0
+    assert expected in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not any(tmp_path.glob("*/deterministic-0")), "nothing may run on a bad config"
+
+
+def test_cli_lists_allowed_values_for_enums(taxbench_cli, tmp_path: Path) -> None:
+    result = taxbench_cli("recipe.precision=fp8", cwd=tmp_path, timeout=120)
+    assert "fp32" in result.stderr and "bf16" in result.stderr
