@@ -1,0 +1,99 @@
+"""Report figures (matplotlib, Agg backend: no display needed), returned as PNG bytes."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot is imported)
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.ticker import FuncFormatter, PercentFormatter  # noqa: E402
+
+from taxbench.analysis.tax import TaxEstimate  # noqa: E402
+
+ARM_COLORS = {"baseline": "#1f77b4", "deterministic": "#d62728"}
+
+
+def _png(figure: Figure) -> bytes:
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
+    plt.close(figure)
+    return buffer.getvalue()
+
+
+def step_time_plot(series: dict[str, pd.DataFrame], tax: TaxEstimate, ratios: pd.DataFrame) -> bytes:
+    """Per-step time of each arm (slowest rank) with the warmup cut, above the per-block ratio and the tax interval.
+
+    `series` maps an arm to a frame with step and time_s; `ratios` has one row per block pair with a ratio column.
+    """
+    figure, (top, bottom) = plt.subplots(
+        2, 1, figsize=(9, 6.2), sharex=False, gridspec_kw={"height_ratios": [3, 2]}, layout="constrained"
+    )
+    for arm, frame in series.items():
+        top.plot(frame["step"], frame["time_s"] * 1e3, lw=1.1, color=ARM_COLORS.get(arm), label=arm, alpha=0.85)
+    top.axvspan(0.5, tax.warmup_steps + 0.5, color="0.85", zorder=0, label=f"warmup ({tax.warmup_steps} steps, cut)")
+    top.axvline(tax.warmup_steps + 0.5, color="0.35", ls="--", lw=1)
+    steady = pd.concat([f.loc[f["step"] > tax.warmup_steps, "time_s"] for f in series.values()])
+    if not steady.empty:  # keep a huge first step from flattening the steady state
+        top.set_ylim(0, float(np.percentile(steady, 99)) * 1e3 * 1.35)
+    for arm, median in (("baseline", tax.baseline_median_s), ("deterministic", tax.deterministic_median_s)):
+        top.axhline(median * 1e3, color=ARM_COLORS[arm], lw=0.8, ls=":")
+    top.set_xlabel("step")
+    top.set_ylabel("step time, slowest rank (ms)")
+    top.set_title("Step time per arm (dotted: steady-state median)")
+    top.legend(loc="upper right", fontsize=9, framealpha=0.9)
+    top.grid(alpha=0.3)
+
+    blocks = ratios.index.to_numpy()
+    bottom.plot(blocks, (ratios["ratio"].to_numpy() - 1) * 100, "o-", color="0.3", ms=4, lw=1, label="block pair")
+    level = int(round(tax.confidence * 100))
+    if math.isfinite(tax.low) and math.isfinite(tax.high):
+        bottom.axhspan(tax.low * 100, tax.high * 100, color=ARM_COLORS["deterministic"], alpha=0.15,
+                       label=f"{level}% CI")
+    bottom.axhline(tax.tax * 100, color=ARM_COLORS["deterministic"], lw=1.5, label=f"tax {tax.tax * 100:+.2f}%")
+    bottom.axhline(0, color="black", lw=0.8)
+    bottom.yaxis.set_major_formatter(PercentFormatter(decimals=1))
+    bottom.set_xlabel("interleaved block (post-warmup)")
+    bottom.set_ylabel("deterministic / baseline - 1")
+    bottom.set_title("Per-block-pair tax (median step time ratio)")
+    bottom.legend(loc="best", fontsize=9, framealpha=0.9, ncols=3)
+    bottom.grid(alpha=0.3)
+    return _png(figure)
+
+
+def sweep_tax_plot(points: pd.DataFrame) -> bytes:
+    """Tax vs GPU count (world size) with the confidence interval of each point; red markers fail a gate."""
+    figure, axis = plt.subplots(figsize=(8, 4.5), layout="constrained")
+    ordered = points.sort_values("world_size")
+    for recipe, frame in ordered.groupby("recipe", sort=False):
+        x = frame["world_size"].to_numpy()
+        y = frame["tax"].to_numpy() * 100
+        below = np.clip(y - frame["low"].to_numpy() * 100, 0, None)
+        above = np.clip(frame["high"].to_numpy() * 100 - y, 0, None)
+        axis.errorbar(x, y, yerr=np.nan_to_num(np.vstack([below, above])), fmt="o-", capsize=4, lw=1.3,
+                      label=str(recipe))
+        failed = ~frame["deterministic_ok"].to_numpy(dtype=bool)
+        if failed.any():
+            axis.scatter(x[failed], y[failed], s=120, facecolors="none", edgecolors="red", lw=2, zorder=5,
+                         label=f"{recipe}: not bitwise deterministic")
+    axis.axhline(0, color="black", lw=0.8)
+    world_sizes = sorted(ordered["world_size"].unique())
+    if len(world_sizes) > 1 and world_sizes[0] > 0 and world_sizes[-1] / world_sizes[0] >= 8:
+        axis.set_xscale("log", base=2)
+    axis.set_xticks(world_sizes)
+    axis.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{int(v)}"))
+    axis.minorticks_off()
+    axis.yaxis.set_major_formatter(PercentFormatter(decimals=1))
+    axis.set_xlabel("GPUs (world size)")
+    axis.set_ylabel("determinism tax")
+    level = int(round(float(ordered["confidence"].iloc[0]) * 100)) if "confidence" in ordered else 95
+    axis.set_title(f"Determinism tax vs GPU count ({level}% CI)")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=9)
+    return _png(figure)

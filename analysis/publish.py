@@ -1,0 +1,109 @@
+"""After an experiment or for `taxbench report`: analyse, write the HTML/markdown report, log to wandb, print a summary.
+
+A folder holding deterministic-0/ is one experiment; any other folder is treated as a sweep of the experiments
+below it (see taxbench.analysis.sweep).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from rich.console import Console
+
+from taxbench.analysis.report import write_experiment_report, write_sweep_report
+from taxbench.analysis.summary import ExperimentAnalysis, render
+from taxbench.analysis.sweep import analyse_sweep, is_experiment, render_sweep
+from taxbench.config import ReportConfig
+
+
+@dataclass(frozen=True)
+class Published:
+    deterministic_ok: bool
+    report: Path | None  # report.html, when written
+    wandb_runs: tuple[Path, ...]  # local wandb run folders
+
+
+def _warn(message: str) -> None:
+    print(f"taxbench: warning: {message}", file=sys.stderr)
+
+
+def _say_wandb(runs: list[Path], console: Console | None) -> None:
+    if runs:
+        offline = " offline (upload with `wandb sync <run folder>`)" if runs[-1].name.startswith("offline-") else ""
+        many = f" ({len(runs)} runs)" if len(runs) > 1 else ""
+        (console or Console()).print(f"wandb{offline}{many}: {runs[-1]}")
+
+
+def _wandb(strict: bool, log: Callable[..., Path], *args: object) -> Path | None:
+    """Run one wandb logging call. After an experiment (strict=False) a wandb problem is a warning: the results and
+    the report are already on disk. When the user asked for wandb explicitly (strict=True) it is an error."""
+    try:
+        return log(*args)
+    except Exception as exc:  # wandb raises many types (UsageError, CommError, ...); none may cost the results
+        if strict:
+            raise
+        _warn(f"wandb logging failed ({type(exc).__name__}: {exc}); the report and results are on disk")
+    return None
+
+
+def publish(root: Path, settings: ReportConfig, group: str | None = None, strict_wandb: bool = False,
+            console: Console | None = None) -> Published:
+    root = root.resolve()
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: no such directory; pass an experiment directory or a sweep folder")
+    if settings.wandb:
+        from taxbench.analysis.wandb_log import WandbUnavailable, import_wandb
+
+        try:
+            import_wandb()  # decide before the analysis, and warn once rather than once per sweep point
+        except WandbUnavailable as exc:
+            if strict_wandb:
+                raise
+            _warn(f"wandb logging skipped: {exc}")
+            settings = replace(settings, wandb=False)
+    return (_publish_experiment if is_experiment(root) else _publish_sweep)(root, settings, group, strict_wandb,
+                                                                            console)
+
+
+def _publish_experiment(root: Path, settings: ReportConfig, group: str | None, strict_wandb: bool,
+                        console: Console | None) -> Published:
+    from taxbench.analysis.summary import analyse_experiment
+    from taxbench.analysis.wandb_log import log_experiment
+
+    analysis = analyse_experiment(root)
+    html = write_experiment_report(analysis) if settings.html else None
+    runs = []
+    if settings.wandb and (run := _wandb(strict_wandb, log_experiment, analysis, settings,
+                                         html.parent if html else None, group)):
+        runs.append(run)
+    render(analysis.summary, console, html)
+    _say_wandb(runs, console)
+    return Published(analysis.summary.deterministic_ok, html, tuple(runs))
+
+
+def _publish_sweep(root: Path, settings: ReportConfig, group: str | None, strict_wandb: bool,
+                   console: Console | None) -> Published:
+    from taxbench.analysis.wandb_log import log_experiment, log_sweep
+
+    point_reports: dict[str, Path] = {}
+    runs: list[Path] = []
+    group = settings.wandb_group or group or root.name
+
+    def each(analysis: ExperimentAnalysis) -> None:
+        html = write_experiment_report(analysis) if settings.html else None
+        if html is not None:
+            point_reports[analysis.summary.root] = html
+        if settings.wandb and (run := _wandb(strict_wandb, log_experiment, analysis, settings,
+                                             html.parent if html else None, group)):
+            runs.append(run)
+
+    sweep = analyse_sweep(root, each)
+    html = write_sweep_report(sweep, point_reports) if settings.html else None
+    if settings.wandb and (run := _wandb(strict_wandb, log_sweep, sweep, settings, html.parent if html else None)):
+        runs.append(run)
+    render_sweep(sweep, console, html)
+    _say_wandb(runs, console)
+    return Published(sweep.deterministic_ok, html, tuple(runs))

@@ -1,0 +1,355 @@
+"""Reports people want to look at: one experiment or a sweep, as HTML and markdown.
+
+Both formats are rendered from one list of blocks (headings, paragraphs, tables, figures), so they say the same thing.
+The HTML file is self-contained (CSS inline, PNGs embedded as base64): mail it, attach it to a ticket, open it offline.
+The markdown file links the PNGs written beside it, which is what code hosts render.
+
+    <experiment>/report/report.html, report.md, step_times.png
+    <sweep>/report/report.html, report.md, tax_vs_gpus.png  (+ each point's own report, linked from the table)
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import math
+import os
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from taxbench.analysis.plots import step_time_plot, sweep_tax_plot
+from taxbench.analysis.records import step_times
+from taxbench.analysis.summary import GATES, ExperimentAnalysis, ExperimentSummary
+from taxbench.analysis.sweep import GATE_LABELS, SweepAnalysis
+from taxbench.analysis.tax import block_ratios
+from taxbench.analysis.verdicts import Verdict
+from taxbench.redaction import redact
+
+REPORT_DIR = "report"
+HTML_FILE = "report.html"
+MARKDOWN_FILE = "report.md"
+STEP_TIME_PNG = "step_times.png"
+SWEEP_PNG = "tax_vs_gpus.png"
+
+# Manifest parts shown side by side, in this order; config.arms holds both policies in both manifests (identical),
+# the per-arm policy is shown from `policy` instead.
+MANIFEST_SECTIONS = ("policy", "policy_applied", "layout", "stack", "config.recipe", "config.cluster",
+                     "config.experiment", "config.arm_overrides")
+
+
+# ----------------------------------------------------------------------------------------------------- document model
+@dataclass
+class Heading:
+    text: str
+    level: int = 2
+
+
+@dataclass
+class Paragraph:
+    text: str  # plain text; **bold** spans are rendered in both formats
+    tone: str = ""  # "", "good", "bad", "warn": a coloured box in HTML, a prefix in markdown
+
+
+@dataclass
+class TableBlock:
+    header: list[str]
+    rows: list[list[str]]
+    highlight: list[bool] = field(default_factory=list)  # rows to mark (differences, failing gates)
+    # (row, column) -> another report's folder, relative: HTML links its report.html, markdown its report.md
+    report_links: dict[tuple[int, int], str] = field(default_factory=dict)
+    collapsed: str = ""  # when set, the table is folded under this summary line
+
+
+@dataclass
+class Figure:
+    filename: str
+    png: bytes
+    alt: str
+
+
+Block = Heading | Paragraph | TableBlock | Figure
+
+
+@dataclass
+class Report:
+    title: str
+    blocks: list[Block]
+
+    def figures(self) -> list[Figure]:
+        return [b for b in self.blocks if isinstance(b, Figure)]
+
+
+# ------------------------------------------------------------------------------------------------------- rendering
+_CSS = """
+body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;
+color:#222;line-height:1.45}
+h1{font-size:1.6em;border-bottom:2px solid #ddd;padding-bottom:.3em}h2{font-size:1.25em;margin-top:1.6em}
+table{border-collapse:collapse;margin:.6em 0;font-size:.9em}
+th,td{border:1px solid #ccc;padding:.25em .6em;text-align:left;vertical-align:top;font-family:ui-monospace,monospace}
+th{background:#f3f3f3;font-family:inherit}
+tr.hl td{background:#fff3c4}
+.box{padding:.6em 1em;border-radius:4px;margin:.6em 0;border-left:5px solid #999;background:#f6f6f6}
+.good{border-color:#2e7d32;background:#edf7ed}.bad{border-color:#c62828;background:#fdecea}
+.warn{border-color:#ed6c02;background:#fff4e5}
+img{max-width:100%;border:1px solid #eee}details summary{cursor:pointer;margin:.4em 0}
+"""
+_MARKDOWN_TONE = {"good": "✅ ", "bad": "❌ ", "warn": "⚠️ ", "": ""}
+
+
+def _inline_html(text: str) -> str:
+    parts = html.escape(text).split("**")
+    return "".join(f"<b>{p}</b>" if i % 2 else p for i, p in enumerate(parts))
+
+
+def to_html(report: Report) -> str:
+    out = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(report.title)}</title>",
+           f"<style>{_CSS}</style></head><body>", f"<h1>{html.escape(report.title)}</h1>"]
+    for block in report.blocks:
+        if isinstance(block, Heading):
+            out.append(f"<h{block.level}>{html.escape(block.text)}</h{block.level}>")
+        elif isinstance(block, Paragraph):
+            css = f"box {block.tone}" if block.tone else ""
+            out.append(f"<p class='{css}'>{_inline_html(block.text)}</p>")
+        elif isinstance(block, Figure):
+            data = base64.b64encode(block.png).decode("ascii")
+            out.append(f"<p><img alt='{html.escape(block.alt)}' src='data:image/png;base64,{data}'></p>")
+        else:
+            rows = []
+            for r, row in enumerate(block.rows):
+                cells = []
+                for c, value in enumerate(row):
+                    text = _inline_html(value)
+                    if (r, c) in block.report_links:
+                        href = f"{block.report_links[r, c]}/{HTML_FILE}"
+                        text = f"<a href='{html.escape(href)}'>{text}</a>"
+                    cells.append(f"<td>{text}</td>")
+                marked = " class='hl'" if r < len(block.highlight) and block.highlight[r] else ""
+                rows.append(f"<tr{marked}>{''.join(cells)}</tr>")
+            head = "".join(f"<th>{html.escape(h)}</th>" for h in block.header)
+            table = f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+            if block.collapsed:
+                table = f"<details><summary>{html.escape(block.collapsed)}</summary>{table}</details>"
+            out.append(table)
+    out.append("</body></html>")
+    return "\n".join(out)
+
+
+def _md_cell(value: str) -> str:
+    return value.replace("|", "\\|").replace("\n", " ") or " "
+
+
+def to_markdown(report: Report) -> str:
+    out = [f"# {report.title}", ""]
+    for block in report.blocks:
+        if isinstance(block, Heading):
+            out += ["#" * block.level + " " + block.text, ""]
+        elif isinstance(block, Paragraph):
+            prefix = "> " if block.tone else ""
+            out += [prefix + _MARKDOWN_TONE[block.tone] + block.text, ""]
+        elif isinstance(block, Figure):
+            out += [f"![{block.alt}]({block.filename})", ""]
+        else:
+            if block.collapsed:
+                out += ["<details>", f"<summary>{block.collapsed}</summary>", ""]
+            out.append("| " + " | ".join(_md_cell(h) for h in block.header) + " |")
+            out.append("|" + "---|" * len(block.header))
+            for r, row in enumerate(block.rows):
+                cells = []
+                for c, value in enumerate(row):
+                    cell = _md_cell(value)
+                    if (r, c) in block.report_links:
+                        cell = f"[{cell}]({block.report_links[r, c]}/{MARKDOWN_FILE})"
+                    cells.append(cell)
+                if r < len(block.highlight) and block.highlight[r]:
+                    cells[0] = f"**{cells[0]}** ⚠"
+                out.append("| " + " | ".join(cells) + " |")
+            out.append("")
+            if block.collapsed:
+                out += ["</details>", ""]
+    return "\n".join(out)
+
+
+def write_report(report: Report, out_dir: Path) -> Path:
+    """Write report.html, report.md and the figures' PNGs into out_dir; returns the HTML path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for figure in report.figures():
+        (out_dir / figure.filename).write_bytes(figure.png)
+    (out_dir / MARKDOWN_FILE).write_text(to_markdown(report), encoding="utf-8")
+    path = out_dir / HTML_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(to_html(report), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------------ content
+def _pct(value: float) -> str:
+    return "n/a" if not math.isfinite(value) else f"{value * 100:+.2f}%"
+
+
+def _value(value: Any) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def flatten(value: Any, prefix: str = "") -> dict[str, str]:
+    """Dotted keys to display strings; lists of scalars stay one value, lists of mappings are indexed."""
+    if isinstance(value, dict):
+        if not value:
+            return {prefix: "{}"} if prefix else {}
+        flat: dict[str, str] = {}
+        for key, item in value.items():
+            flat.update(flatten(item, f"{prefix}.{key}" if prefix else str(key)))
+        return flat
+    if isinstance(value, list) and any(isinstance(item, dict | list) for item in value):
+        flat = {}
+        for index, item in enumerate(value):
+            flat.update(flatten(item, f"{prefix}[{index}]"))
+        return flat
+    if isinstance(value, list):
+        return {prefix: ", ".join(_value(v) for v in value) or "[]"}
+    return {prefix: _value(value)}
+
+
+def _section(manifest: dict[str, Any], dotted: str) -> Any:
+    node: Any = manifest
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def manifest_comparison(baseline: dict[str, Any], deterministic: dict[str, Any]) -> list[tuple[str, str, str, bool]]:
+    """(key, baseline value, deterministic value, differs) over MANIFEST_SECTIONS of the two timed runs."""
+    baseline, deterministic = redact(baseline), redact(deterministic)
+    rows = []
+    for section in MANIFEST_SECTIONS:
+        left = flatten(_section(baseline, section), section)
+        right = flatten(_section(deterministic, section), section)
+        for key in list(dict.fromkeys([*left, *right])):
+            a, b = left.get(key, "(absent)"), right.get(key, "(absent)")
+            rows.append((key, a, b, a != b))
+    return rows
+
+
+def gate_rows(summary: ExperimentSummary) -> tuple[list[list[str]], list[bool]]:
+    rows, failing = [], []
+    for verdict, (_, _, _, strict) in zip(summary.verdicts, GATES, strict=True):
+        rows.append(_gate_row(verdict, strict))
+        failing.append(not verdict.agree and strict)
+    return rows, failing
+
+
+def _gate_row(verdict: Verdict, strict: bool) -> list[str]:
+    scope = f"{verdict.compared_steps} steps" + (f" after step {verdict.from_step}" if verdict.from_step else "")
+    if verdict.agree:
+        return [verdict.gate, f"{verdict.reference} vs {verdict.candidate}", "bitwise identical", scope, "—", "—", "—"]
+    m = verdict.first_mismatch
+    assert m is not None
+    outcome = "**DIFFERS**" if strict else "differs (allowed: baseline is nondeterministic)"
+    return [verdict.gate, f"{verdict.reference} vs {verdict.candidate}", outcome, scope,
+            f"step {m.step}, rank {m.rank}, {m.metric}", _value(m.expected), _value(m.actual)]
+
+
+GATE_HEADER = ["gate", "runs", "verdict", "compared", "first mismatch", "reference value", "candidate value"]
+
+
+def experiment_report(analysis: ExperimentAnalysis) -> Report:
+    summary, tax = analysis.summary, analysis.summary.tax
+    level = int(round(tax.confidence * 100))
+    blocks: list[Block] = [
+        Paragraph(f"recipe **{summary.recipe}** · {summary.world_size} ranks · device {summary.device} · "
+                  f"results {summary.root} · generated {datetime.now(UTC):%Y-%m-%d %H:%M UTC}"),
+        Heading("Determinism tax"),
+        Paragraph(
+            f"Tax **{_pct(tax.tax)}**, {level}% CI [{_pct(tax.low)}, {_pct(tax.high)}] (paired t on log block "
+            f"ratios, {tax.pairs} interleaved block pairs after a {tax.warmup_steps}-step warmup). Hodges-Lehmann "
+            f"cross-check {_pct(tax.hl_tax)} [{_pct(tax.hl_low)}, {_pct(tax.hl_high)}].",
+            tone="warn" if tax.drifting else "",
+        ),
+        TableBlock(
+            ["arm", "median step (steady state)", "CV"],
+            [["baseline", f"{tax.baseline_median_s * 1e3:.3f} ms", f"{tax.baseline_cv * 100:.1f}%"],
+             ["deterministic", f"{tax.deterministic_median_s * 1e3:.3f} ms", f"{tax.deterministic_cv * 100:.1f}%"]],
+        ),
+    ]
+    if tax.drifting:
+        blocks.append(Paragraph("Step times were still drifting: MSER-5 wanted to cut half the series. Run more "
+                                "steps (experiment.steps) before trusting this number.", tone="warn"))
+    if summary.steps_needed > tax.pairs * 2:
+        blocks.append(Paragraph(f"At this noise level a ±0.5% interval needs about {summary.steps_needed} steps per "
+                                "arm."))
+    series = {arm: step_times(analysis.runs[f"{arm}-0"]) for arm in ("baseline", "deterministic")}
+    ratios = block_ratios(analysis.runs["baseline-0"], analysis.runs["deterministic-0"], tax.warmup_steps)
+    blocks.append(Figure(STEP_TIME_PNG, step_time_plot(series, tax, ratios),
+                         "step time per arm with the warmup cut, and the per-block tax"))
+
+    blocks.append(Heading("Bitwise gates"))
+    ok = summary.deterministic_ok
+    blocks.append(Paragraph(
+        "The deterministic recipe reproduced bit for bit (repeatability and restart replay)." if ok else
+        "The deterministic recipe is **not** bitwise reproducible: see the first mismatch below, then localise "
+        "its origin with the tracing ladder.", tone="good" if ok else "bad"))
+    rows, failing = gate_rows(summary)
+    blocks.append(TableBlock(GATE_HEADER, rows, failing))
+
+    blocks.append(Heading("Recipe and stack, side by side"))
+    comparison = manifest_comparison(analysis.manifests["baseline-0"], analysis.manifests["deterministic-0"])
+    differing = [row for row in comparison if row[3]]
+    blocks.append(Paragraph(f"{len(differing)} of {len(comparison)} recorded settings differ between the arms "
+                            "(highlighted). Only the execution policy may differ: anything else would make the tax "
+                            "compare different work."))
+    blocks.append(TableBlock(["setting", "baseline-0", "deterministic-0"], [list(r[:3]) for r in differing],
+                             [True] * len(differing)))
+    blocks.append(TableBlock(["setting", "baseline-0", "deterministic-0"], [list(r[:3]) for r in comparison],
+                             [r[3] for r in comparison], collapsed=f"all {len(comparison)} settings"))
+    return Report(f"taxbench: {summary.experiment}", blocks)
+
+
+def write_experiment_report(analysis: ExperimentAnalysis, out_dir: Path | None = None) -> Path:
+    return write_report(experiment_report(analysis), out_dir or Path(analysis.summary.root) / REPORT_DIR)
+
+
+def sweep_report(sweep: SweepAnalysis, point_reports: dict[str, Path] | None = None) -> Report:
+    """The sweep table (one row per point) and tax vs GPU count; point_reports maps a point's path to its report."""
+    point_reports = point_reports or {}
+    out_dir = sweep.root / REPORT_DIR
+    analysed = sweep.points[sweep.points["error"].fillna("") == ""]
+    blocks: list[Block] = [Paragraph(f"{len(sweep.points)} sweep points under {sweep.root} · generated "
+                                     f"{datetime.now(UTC):%Y-%m-%d %H:%M UTC}")]
+    if sweep.errors:
+        blocks.append(Paragraph(f"{len(sweep.errors)} point(s) could not be analysed (listed in the table).",
+                                tone="warn"))
+    blocks.append(Paragraph(
+        "Every point reproduced bit for bit." if sweep.deterministic_ok and not analysed.empty else
+        "At least one point is **not** bitwise reproducible or was not analysed.",
+        tone="good" if sweep.deterministic_ok and not analysed.empty else "bad"))
+    if not analysed.empty:
+        blocks.append(Figure(SWEEP_PNG, sweep_tax_plot(analysed), "determinism tax vs GPU count"))
+    header = ["experiment", "recipe", "GPUs", "tax", "CI", "HL", "baseline step", "deterministic step",
+              *(GATE_LABELS[g] for g, *_ in GATES)]
+    rows, highlight, links = [], [], {}
+    for index, row in enumerate(sweep.points.to_dict("records")):
+        if row["error"]:
+            rows.append([str(row["experiment"]), "", "", "", "", "", "", "", "not analysed: " + str(row["error"]),
+                         "", ""])
+            highlight.append(True)
+            continue
+        rows.append([str(row["experiment"]), str(row["recipe"]), str(row["world_size"]), _pct(row["tax"]),
+                     f"[{_pct(row['low'])}, {_pct(row['high'])}]", _pct(row["hl_tax"]),
+                     f"{row['baseline_median_s'] * 1e3:.3f} ms", f"{row['deterministic_median_s'] * 1e3:.3f} ms",
+                     *(str(row[g]) for g, *_ in GATES)])
+        highlight.append(not row["deterministic_ok"])
+        target = point_reports.get(str(sweep.root / str(row["path"])))
+        if target is not None:
+            links[index, 0] = os.path.relpath(target.parent, out_dir)
+    blocks += [Heading("Sweep points"), TableBlock(header, rows, highlight, links)]
+    return Report(f"taxbench sweep: {sweep.root.name}", blocks)
+
+
+def write_sweep_report(sweep: SweepAnalysis, point_reports: dict[str, Path] | None = None) -> Path:
+    return write_report(sweep_report(sweep, point_reports), sweep.root / REPORT_DIR)

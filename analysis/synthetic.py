@@ -1,0 +1,116 @@
+"""Synthetic experiment directories in the run-directory contract, for benchmarks, tests and report demos.
+
+The step times follow a model (a decaying warmup, lognormal noise, a per-rank offset, and the deterministic arm
+slower by `tax`); fingerprints are per-(step, rank) hashes shared by the deterministic runs, so the gates agree
+unless a mismatch is injected. Records are written with vectorized pandas, one JSONL stream per rank, exactly as
+the trainer's StepWriter lays them out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from taxbench.records import METRICS, SCHEMA_VERSION, steps_file, write_manifest
+
+RUNS = (("baseline", "0"), ("deterministic", "0"), ("deterministic", "1"), ("deterministic", "resumed"),
+        ("baseline", "1"))
+_MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+@dataclass(frozen=True)
+class Injection:
+    """A fingerprint that differs in one run from `step` on, starting at `rank` (later steps differ on all ranks)."""
+
+    run: str  # e.g. "deterministic-1"
+    step: int
+    rank: int
+    metric: str = "params"
+
+
+@dataclass(frozen=True)
+class SyntheticExperiment:
+    ranks: int = 4
+    steps: int = 60
+    block_steps: int = 6
+    warmup_steps: int = 6
+    resume_step: int = 20
+    step_time_s: float = 0.1
+    tax: float = 0.05
+    cv: float = 0.01
+    recipe: str = "synthetic"
+    seed: int = 0
+    baseline_deterministic: bool = False  # baseline-1 repeats baseline-0's fingerprints
+
+
+def _hex(values: np.ndarray) -> np.ndarray:
+    return np.char.mod("%016x", values)
+
+
+def _fingerprints(steps: np.ndarray, ranks: np.ndarray, salt: int) -> dict[str, np.ndarray]:
+    base = steps.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) ^ ranks.astype(np.uint64) * np.uint64(0xBF58476D)
+    out = {}
+    for i, metric in enumerate(METRICS):
+        mixed = (base + np.uint64(salt * 1_000_003 + i)) * np.uint64(0x94D049BB133111EB) & _MASK
+        out[metric] = _hex(mixed)
+    return out
+
+
+def _run_frame(spec: SyntheticExperiment, arm: str, replica: str, rng: np.random.Generator,
+               injection: Injection | None) -> pd.DataFrame:
+    steps = np.repeat(np.arange(1, spec.steps + 1), spec.ranks)
+    ranks = np.tile(np.arange(spec.ranks), spec.steps)
+    warmup = 1 + 2.0 * np.exp(-(steps - 1) / max(spec.warmup_steps / 3, 1))
+    slowdown = 1 + spec.tax if arm == "deterministic" else 1.0
+    rank_offset = 1 + 0.002 * (ranks % 7)
+    noise = rng.lognormal(0.0, spec.cv, size=len(steps))
+    time_s = spec.step_time_s * warmup * slowdown * rank_offset * noise
+    salt = 1 if arm == "deterministic" or spec.baseline_deterministic or replica == "0" else 2
+    frame = pd.DataFrame({
+        "schema_version": SCHEMA_VERSION, "arm": arm, "replica": replica, "rank": ranks, "step": steps,
+        "block": (steps - 1) // spec.block_steps, "data_s": 1e-4, "tokens": 4096, "time_s": time_s,
+        "wall_s": time_s, "device_s": time_s * 0.98, "loss": 5.0 / np.sqrt(steps), "grad_norm": 1.0,
+        **_fingerprints(steps, ranks, salt),
+    })
+    if injection is not None and injection.run == f"{arm}-{replica}":
+        hit = (steps > injection.step) | ((steps == injection.step) & (ranks >= injection.rank))
+        frame.loc[hit, injection.metric] = "f" * len(frame[injection.metric].iloc[0])
+    return frame
+
+
+def _manifest(spec: SyntheticExperiment, name: str, arm: str, replica: str) -> dict:
+    deterministic = arm == "deterministic"
+    policy = {"name": arm, "deterministic": deterministic, "cudnn_benchmark": not deterministic,
+              "allow_tf32": not deterministic, "cublas_workspace_config": ":4096:8" if deterministic else None,
+              "nccl_algo": "Ring" if deterministic else None}
+    return {
+        "experiment": name, "run": f"{arm}-{replica}", "arm": arm, "replica": replica,
+        "config": {
+            "recipe": {"name": spec.recipe, "micro_batch_size": 1, "global_batch_size": spec.ranks,
+                       "precision": "bf16"},
+            "cluster": {"name": "synthetic", "device": "cuda", "gpus": spec.ranks},
+            "experiment": {"name": name, "steps": spec.steps, "block_steps": spec.block_steps,
+                           "warmup_steps": spec.warmup_steps, "resume_step": spec.resume_step, "confidence": 0.95},
+            "arm_overrides": {},
+        },
+        "policy": policy,
+        "policy_applied": {"device": "cuda", "use_deterministic_algorithms": deterministic,
+                           "env": {"NCCL_ALGO": "Ring"} if deterministic else {}},
+        "layout": {"world_size": spec.ranks, "backend": "nccl", "data_parallel": "fsdp"},
+        "stack": {"hostname": "synthetic", "torch": "synthetic", "gpu": "synthetic GPU", "nccl": "2.0"},
+    }
+
+
+def write_experiment(root: Path, spec: SyntheticExperiment, injection: Injection | None = None) -> Path:
+    """Write the five runs of one experiment under root (root/<run>/manifest.json, steps.rank<R>.jsonl)."""
+    rng = np.random.default_rng(spec.seed)
+    for arm, replica in RUNS:
+        run_dir = root / f"{arm}-{replica}"
+        write_manifest(run_dir, _manifest(spec, root.name, arm, replica))
+        frame = _run_frame(spec, arm, replica, rng, injection)
+        for rank, part in frame.groupby("rank", sort=True):
+            part.to_json(steps_file(run_dir, int(rank)), orient="records", lines=True)
+    return root

@@ -1,0 +1,82 @@
+"""How long does analysing a large sweep take? A synthetic sweep up to 1,000 ranks x 1,000 steps per run.
+
+    python benchmarks/analysis_scale.py                       # points of 8, 64 and 1000 ranks, 1000 steps each
+    python benchmarks/analysis_scale.py --world-sizes 64 --steps 200   # quick look
+
+Prints, from one run: the time to analyse the whole sweep from the JSONL streams (cold: parse + parquet cache
+write), again from the parquet cache (warm), and for the largest point's baseline run the old per-line json.loads
+loader against the pyarrow loader (ratio). Each point has five runs (the experiment schedule), so the 1000-rank
+point alone holds 5 million step records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from taxbench.analysis.records import load_run
+from taxbench.analysis.sweep import analyse_sweep
+from taxbench.analysis.synthetic import SyntheticExperiment, write_experiment
+
+
+def per_line_loader(run_dir: Path) -> pd.DataFrame:
+    """The previous loader: json.loads per line, then DataFrame.from_records (the reference for the ratio)."""
+    records = []
+    for path in sorted(run_dir.glob("steps.rank*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                records.append(json.loads(line))
+    return pd.DataFrame.from_records(records).sort_values(["step", "rank"], kind="stable").reset_index(drop=True)
+
+
+def timed(label: str, fn):  # noqa: ANN001, ANN201
+    start = time.perf_counter()
+    result = fn()
+    elapsed = time.perf_counter() - start
+    print(f"{label:<58} {elapsed:8.2f} s", flush=True)
+    return result, elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[8, 64, 1000])
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--dir", type=Path, default=None, help="where to write the sweep (default: a temp folder)")
+    parser.add_argument("--keep", action="store_true", help="keep the generated sweep")
+    args = parser.parse_args()
+    root = args.dir or Path(tempfile.mkdtemp(prefix="taxbench-scale-"))
+    sweep = root / "sweep"
+    try:
+        def generate() -> None:
+            for world in args.world_sizes:
+                spec = SyntheticExperiment(ranks=world, steps=args.steps, block_steps=10, warmup_steps=20,
+                                           resume_step=args.steps // 2, seed=world)
+                write_experiment(sweep / f"ranks{world}", spec)
+
+        records = 5 * args.steps * sum(args.world_sizes)
+        size = 0
+        timed(f"generate {len(args.world_sizes)} points, {records:,} records (setup)", generate)
+        size = sum(p.stat().st_size for p in sweep.rglob("*.jsonl"))
+        print(f"  JSONL on disk: {size / 2**30:.2f} GiB")
+        result, cold = timed("analyse sweep from JSONL (cold, writes parquet cache)", lambda: analyse_sweep(sweep))
+        _, warm = timed("analyse sweep again (parquet cache)", lambda: analyse_sweep(sweep))
+        largest = sweep / f"ranks{max(args.world_sizes)}" / "baseline-0"
+        _, old = timed(f"old per-line loader, one run ({largest.parent.name}/baseline-0)",
+                       lambda: per_line_loader(largest))
+        _, new = timed("pyarrow loader, same run, no cache", lambda: load_run(largest, cache=False))
+        print(f"  records/s cold: {records / cold:,.0f}; warm: {records / warm:,.0f}")
+        print(f"  loader speed-up on one run: {old / new:.1f}x; cache vs cold sweep: {cold / warm:.1f}x")
+        print(result.points[["world_size", "tax", "low", "high", "repeatability"]].to_string(index=False))
+    finally:
+        if not args.keep:
+            shutil.rmtree(root if args.dir is None else sweep, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
