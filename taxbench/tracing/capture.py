@@ -1,0 +1,353 @@
+"""Scoped capture for the tracing ladder (rungs 1-3) of chosen steps and ranks.
+
+- Rung 1, semantic boundaries: gradient all-reduces (fingerprinted when the result is ready for its consumer, never
+  while the buffer is in flight), the optimizer step (params, grads and state before; params and state after) and
+  checkpoint loads.
+- Rung 2, module outputs: forward hooks on the selected modules, named by their path in the model.
+- Rung 3, ATen ops: a TorchDispatchMode fingerprints each selected op's tensor inputs (before it runs, so in-place ops
+  are seen correctly) and outputs. aten.empty* and c10d internals are skipped.
+
+Every record gets id "<name>:<occurrence>" (occurrence counted per step, kind, scope and name), so two runs align by
+key, not arrival order. Digests stay on the device; a traced step ends with one host copy of all its digests and one
+batched write. Nothing here adds a collective. Backward ops are scoped "<module>/backward": the module is inferred
+from the autograd node whose output the module produced, and inherited by the nodes after it (approximate).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import threading
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from taxbench import fingerprint
+from taxbench.tracing.collectives import probe_for
+from taxbench.tracing.trace_io import TraceWriter, trace_file
+
+if TYPE_CHECKING:
+    from taxbench.config import TraceConfig
+    from taxbench.trainer import Trainer
+
+BACKWARD = "/backward"
+OPTIMIZER_SCOPE = "optimizer"
+SKIPPED_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_dtensor", "profiler"})
+SKIPPED_OP_PREFIXES = ("aten.empty", "aten.new_empty", "aten._local_scalar_dense", "aten.set_.")
+_SCOPE_TAG = "taxbench_scope"
+
+
+@dataclass(frozen=True)
+class CaptureScope:
+    """What to capture: the rung, and filters that narrow it (an empty filter selects everything)."""
+
+    rung: int = 1
+    steps: tuple[int, ...] = ()
+    ranks: tuple[int, ...] = ()
+    modules: tuple[str, ...] = ()  # fnmatch patterns on module paths; a selected module covers its submodules
+    ops: tuple[str, ...] = ()  # fnmatch patterns on op names such as "aten.mm.default" or "aten.index_put_*"
+    max_numel: int = 0  # larger tensors are summarized by shape and dtype only (digest null); 0 = no limit
+
+    def __post_init__(self) -> None:
+        if self.rung not in (1, 2, 3):
+            raise ValueError(f"trace rung={self.rung} must be 1 (boundaries), 2 (+modules) or 3 (+ATen ops)")
+        if self.max_numel < 0:
+            raise ValueError(f"trace max_numel={self.max_numel} must be >= 0 (0 = no limit)")
+
+    @classmethod
+    def from_config(cls, cfg: TraceConfig) -> CaptureScope:
+        return cls(cfg.rung, tuple(cfg.steps), tuple(cfg.ranks), tuple(cfg.modules), tuple(cfg.ops), cfg.max_numel)
+
+    def wants_step(self, step: int) -> bool:
+        return not self.steps or step in self.steps
+
+    def wants_rank(self, rank: int) -> bool:
+        return not self.ranks or rank in self.ranks
+
+    def wants_module(self, scope: str) -> bool:
+        """True when `scope` (a module path, possibly ending in /backward) lies inside a selected module."""
+        if not self.modules:
+            return True
+        path = scope.removesuffix(BACKWARD)
+        parts = path.split(".") if path else []
+        prefixes = [".".join(parts[:i]) for i in range(1, len(parts) + 1)] or [""]
+        return any(fnmatch.fnmatchcase(prefix, pattern) for prefix in prefixes for pattern in self.modules)
+
+    def wants_op(self, name: str) -> bool:
+        return not self.ops or any(fnmatch.fnmatchcase(name, pattern) for pattern in self.ops)
+
+
+def skipped_op(name: str, namespace: str) -> bool:
+    """Ops whose outputs are uninitialized memory or in-flight communication buffers (false alarms)."""
+    return namespace in SKIPPED_NAMESPACES or name.startswith(SKIPPED_OP_PREFIXES)
+
+
+@dataclass
+class _Pending:
+    record: dict[str, Any]
+    inputs: list[tuple[dict[str, Any], int | None]]
+    outputs: list[tuple[dict[str, Any], int | None]]
+
+
+class Tracer:
+    """Captures the chosen steps of one run on one rank into `<run_dir>/trace/trace.rank<R>.jsonl`."""
+
+    def __init__(self, scope: CaptureScope, run_dir: Path, rank: int) -> None:
+        self.scope, self.run_dir, self.rank = scope, run_dir, rank
+        self.active = False
+        self.past_optimizer = False  # the rest of the step is the trainer's bookkeeping: not captured
+        self.step = 0
+        self._writer: TraceWriter | None = None
+        self._pending: list[_Pending] = []
+        self._digests: list[torch.Tensor] = []
+        self._occurrences: Counter[tuple[str, str, str]] = Counter()
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._local = threading.local()  # per-thread: scope stack and the quiet flag
+        self._backward_scope = ""
+        self._trainer: Trainer | None = None
+
+    # -- wiring -------------------------------------------------------------------------------------------------
+    def attach(self, trainer: Trainer) -> None:
+        """Called once by the trainer; the collective probe must be registered before the first step."""
+        self._trainer = trainer
+        if self.scope.wants_rank(trainer.ctx.rank):
+            probe = probe_for(trainer.model)
+            if probe is not None:
+                probe.observers.append(self)
+
+    @contextmanager
+    def capture_step(self, step: int) -> Iterator[None]:
+        """Capture `step` if it is in scope: hooks live only for the step, so untraced steps cost nothing."""
+        trainer = self._trainer
+        if trainer is None or not self.scope.wants_step(step) or not self.scope.wants_rank(self.rank):
+            yield
+            return
+        self.step, self.active, self.past_optimizer = step, True, False
+        self._occurrences.clear()
+        handles = self._install_hooks(trainer)
+        mode = OpCapture(self) if self.scope.rung >= 3 else None
+        try:
+            if mode is None:
+                yield
+            else:
+                with mode:
+                    yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            self.active = False
+            self.flush()
+
+    def checkpoint_loaded(self, trainer: Trainer) -> None:
+        """Rung 1: the state a checkpoint load produced, attributed to the step that follows it."""
+        if not (self.scope.wants_rank(self.rank) and self.scope.wants_step(trainer.step + 1)):
+            return
+        self.step = trainer.step + 1
+        model = [t for t in trainer.raw_model.state_dict().values() if isinstance(t, torch.Tensor)]
+        optim = list(trainer._optimizer_tensors())
+        self.record("checkpoint", "checkpoint.load", "checkpoint", [],
+                    [self.labelled("model", model), self.labelled("optimizer", optim)])
+        self.flush()
+
+    def _install_hooks(self, trainer: Trainer) -> list[Any]:
+        handles: list[Any] = []
+        if self.scope.rung >= 2:  # the scope stack serves rung 3 too
+            for path, module in trainer.raw_model.named_modules():
+                handles.append(module.register_forward_pre_hook(self._module_pre(path), with_kwargs=True))
+                handles.append(module.register_forward_hook(self._module_post(path), with_kwargs=True))
+        handles.append(trainer.optimizer.register_step_pre_hook(self._optimizer_pre))
+        handles.append(trainer.optimizer.register_step_post_hook(self._optimizer_post))
+        return handles
+
+    # -- scope --------------------------------------------------------------------------------------------------
+    def _stack(self) -> list[str]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def current_scope(self) -> str:
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            tag = node.metadata.get(_SCOPE_TAG)
+            if tag is not None:
+                self._backward_scope = tag
+            return self._backward_scope + BACKWARD
+        stack = self._stack()
+        return stack[-1] if stack else ""
+
+    @property
+    def quiet(self) -> bool:
+        return bool(getattr(self._local, "quiet", False))
+
+    @contextmanager
+    def quieted(self) -> Iterator[None]:
+        """The tracer's own digest work (and injected faults) must not be captured as ops of the model."""
+        previous = self.quiet
+        self._local.quiet = True
+        try:
+            yield
+        finally:
+            self._local.quiet = previous
+
+    # -- hooks --------------------------------------------------------------------------------------------------
+    def _module_pre(self, path: str) -> Any:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            self._stack().append(path)
+            if self.scope.rung >= 2 and self.scope.wants_module(path):
+                with self.quieted():  # parameters are inputs too: a module is an origin only if they agree
+                    inputs = self.summaries(tree_leaves((args, kwargs)))
+                    params = list(module.parameters())
+                    if params:
+                        inputs.append(self.labelled("params", params))
+                    module._taxbench_inputs = inputs  # type: ignore[attr-defined]
+        return hook
+
+    def _module_post(self, path: str) -> Any:
+        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            stack = self._stack()
+            if stack and stack[-1] == path:
+                stack.pop()
+            outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
+            for tensor in outputs:
+                if tensor.grad_fn is not None and _SCOPE_TAG not in tensor.grad_fn.metadata:
+                    tensor.grad_fn.metadata[_SCOPE_TAG] = path  # innermost module wins
+            inputs = getattr(module, "_taxbench_inputs", None)
+            if inputs is not None:
+                del module._taxbench_inputs  # type: ignore[attr-defined]
+                with self.quieted():
+                    self.record("module", path or "<model>", path, inputs, self.summaries(outputs))
+        return hook
+
+    def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        trainer = self._trainer
+        assert trainer is not None
+        self._stack().append(OPTIMIZER_SCOPE)
+        with self.quieted():
+            params = list(trainer.raw_model.parameters())
+            grads = [p.grad for p in params if p.grad is not None]
+            self._optimizer_inputs = [self.labelled("params", params), self.labelled("grads", grads),
+                                      self.labelled("state", list(trainer._optimizer_tensors()))]
+
+    def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        trainer = self._trainer
+        assert trainer is not None
+        stack = self._stack()
+        if stack and stack[-1] == OPTIMIZER_SCOPE:
+            stack.pop()
+        with self.quieted():
+            outputs = [self.labelled("params", list(trainer.raw_model.parameters())),
+                       self.labelled("state", list(trainer._optimizer_tensors()))]
+            self.record("optimizer", "optimizer.step", OPTIMIZER_SCOPE, self._optimizer_inputs, outputs)
+        self.past_optimizer = True
+
+    # called by the collective probe (possibly on a communication thread)
+    def collective_input(self, buffer: torch.Tensor) -> list[tuple[dict[str, Any], int | None]] | None:
+        return self.summaries([buffer]) if self.active else None
+
+    def collective_output(self, inputs: list[tuple[dict[str, Any], int | None]], bucket: int,
+                          result: torch.Tensor) -> None:
+        self.record("collective", "c10d.allreduce", f"ddp.bucket{bucket}", inputs, self.summaries([result]))
+
+    # -- records ------------------------------------------------------------------------------------------------
+    def summaries(self, values: Iterable[Any]) -> list[tuple[dict[str, Any], int | None]]:
+        """(summary, index of its pending digest) for each tensor among `values`; digests stay on the device."""
+        out = []
+        for value in values:
+            if not isinstance(value, torch.Tensor):
+                continue
+            summary: dict[str, Any] = {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
+            index = None
+            limit = self.scope.max_numel
+            if not limit or value.numel() <= limit:
+                index = self._keep(fingerprint.tensor_digest(value))
+            out.append((summary, index))
+        return out
+
+    def labelled(self, label: str, tensors: Sequence[torch.Tensor]) -> tuple[dict[str, Any], int | None]:
+        """One summary for an ordered group of tensors (e.g. all parameters)."""
+        digest = fingerprint.tensors_digest(tensors)
+        summary = {"label": label, "tensors": len(tensors), "numel": sum(t.numel() for t in tensors)}
+        return summary, (self._keep(digest) if digest is not None else None)
+
+    def _keep(self, digest: torch.Tensor) -> int:
+        with self._lock:
+            self._digests.append(digest)
+            return len(self._digests) - 1
+
+    def record(self, kind: str, name: str, scope: str, inputs: list[tuple[dict[str, Any], int | None]],
+               outputs: list[tuple[dict[str, Any], int | None]]) -> None:
+        with self._lock:
+            key = (kind, scope, name)
+            occurrence = self._occurrences[key]
+            self._occurrences[key] += 1
+            record = {"seq": self._seq, "rank": self.rank, "step": self.step, "kind": kind, "name": name,
+                      "id": f"{name}:{occurrence}", "scope": scope}
+            self._seq += 1
+            self._pending.append(_Pending(record, inputs, outputs))
+
+    def flush(self) -> None:
+        """One host copy of every pending digest (per device), then one batched write."""
+        with self._lock:
+            pending, digests = self._pending, self._digests
+            self._pending, self._digests = [], []
+        if not pending:
+            return
+        values: list[int] = [0] * len(digests)
+        by_device: dict[torch.device, list[int]] = {}
+        for index, digest in enumerate(digests):
+            by_device.setdefault(digest.device, []).append(index)
+        for indices in by_device.values():
+            host = torch.stack([digests[i] for i in indices]).cpu().tolist()
+            for i, value in zip(indices, host, strict=True):
+                values[i] = value
+
+        def side(items: list[tuple[dict[str, Any], int | None]]) -> list[dict[str, Any]]:
+            return [{**summary, "digest": None if index is None else fingerprint.to_hex(values[index])}
+                    for summary, index in items]
+
+        if self._writer is None:
+            self._writer = TraceWriter(trace_file(self.run_dir, self.rank))
+        self._writer.write_batch({**p.record, "in": side(p.inputs), "out": side(p.outputs)} for p in pending)
+
+    def close(self) -> None:
+        self.flush()
+        if self._writer is not None:
+            self._writer.close()
+
+
+class OpCapture(TorchDispatchMode):
+    """Rung 3: fingerprint selected ATen ops inside the tracer's module scope."""
+
+    def __init__(self, tracer: Tracer) -> None:
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        tracer = self.tracer
+        name = str(func)
+        if tracer.quiet or tracer.past_optimizer or skipped_op(name, func.namespace) or not tracer.scope.wants_op(name):
+            return func(*args, **kwargs)
+        scope = tracer.current_scope()
+        if not tracer.scope.wants_module(scope):
+            return func(*args, **kwargs)
+        inputs = tracer.summaries(tree_leaves((args, kwargs)))  # before the op: in-place ops mutate them
+        result = func(*args, **kwargs)
+        tracer.record("op", name, scope, inputs, tracer.summaries(tree_leaves(result)))
+        return result
+
+
+def tracer_for_run(cfg: TraceConfig, run: str, run_dir: Path, rank: int) -> Tracer | None:
+    """The capture a run gets from `experiment.trace` (None when tracing is off or the run is not selected)."""
+    if not cfg.enabled or (cfg.runs and run not in cfg.runs):
+        return None
+    return Tracer(CaptureScope.from_config(cfg), run_dir, rank)

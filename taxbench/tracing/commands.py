@@ -1,0 +1,51 @@
+"""The `taxbench diff` and `taxbench localize` subcommands (wired into taxbench.cli)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from taxbench.tracing.diff import IDENTICAL, diff_runs, render
+from taxbench.tracing.localize import NO_DIVERGENCE, LocalizeError, localize
+from taxbench.tracing.localize import render as render_localization
+from taxbench.tracing.trace_io import TraceError
+
+TRACING_COMMANDS = ("diff", "localize")
+EXIT_DIVERGED = 3  # same code as a failed determinism gate
+
+
+def input_errors() -> tuple[type[Exception], ...]:
+    """Errors that mean bad input (reported as `taxbench: error: ...`), not a bug."""
+    from taxbench.analysis.records import RecordError
+
+    return (TraceError, LocalizeError, RecordError, FileNotFoundError)
+
+
+def add_tracing_parsers(sub: argparse._SubParsersAction) -> None:
+    diff_cmd = sub.add_parser("diff", help="diff two runs' traces (<run>/trace/) and name the first origin per rank")
+    diff_cmd.add_argument("run_a", type=Path)
+    diff_cmd.add_argument("run_b", type=Path)
+    diff_cmd.add_argument("--step", type=int, action="append", help="compare only this step (repeatable)")
+    diff_cmd.add_argument("--json", action="store_true", help="print the report as JSON")
+    loc_cmd = sub.add_parser("localize", help="replay the first diverging step with deeper rungs until an op is named")
+    loc_cmd.add_argument("run_a", type=Path)
+    loc_cmd.add_argument("run_b", type=Path)
+    loc_cmd.add_argument("--work-dir", type=Path, default=None,
+                         help="where replays go (default: <run_b>/../localize/<run_a>-vs-<run_b>)")
+    loc_cmd.add_argument("--max-numel", type=int, default=0,
+                         help="record larger tensors by shape only (bounds rung-3 cost); 0 = no limit")
+    loc_cmd.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def run_tracing_command(args: argparse.Namespace) -> int:
+    if args.command == "diff":
+        report = diff_runs(args.run_a, args.run_b, args.step)
+        print(json.dumps(report.to_dict(), indent=2) if args.json else render(report))
+        return 0 if report.verdict == IDENTICAL else EXIT_DIVERGED
+    work = args.work_dir or args.run_b.parent / "localize" / f"{args.run_a.name}-vs-{args.run_b.name}"
+    if work.exists() and any(work.iterdir()):
+        raise LocalizeError(f"--work-dir {work} is not empty; pass another --work-dir or remove it")
+    result = localize(args.run_a, args.run_b, work, args.max_numel)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else render_localization(result))
+    return 0 if result.verdict == NO_DIVERGENCE else EXIT_DIVERGED

@@ -1,0 +1,237 @@
+"""Align two runs' traces and apply the origin rules.
+
+Records align by (step, kind, scope, id) - id is "<name>:<occurrence>" - never by arrival order. For each aligned
+pair:
+- inputs agree, outputs differ -> origin candidate (the record produced the first difference);
+  for a collective, an input that differs on a peer rank makes it a downstream receiver instead;
+  for a trivially deterministic op (view, slice, ...) the difference must come from the uninstrumented producer of
+  its input (or a write into shared memory after it): reported as such, with the view as evidence (one hop later);
+- inputs differ, outputs differ -> downstream receiver;
+- a record present in one run only -> control-flow divergence.
+No origin on any traced rank while records differ -> the origin is outside the capture (widen it).
+Digests recorded as null (tensor above max_numel) are not compared. Only steps and ranks traced in both runs count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from taxbench.tracing.trace_io import read_trace
+
+TRIVIAL_OPS = frozenset({
+    "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "slice", "select", "split",
+    "split_with_sizes", "unbind", "chunk", "narrow", "unsqueeze", "squeeze", "as_strided", "alias", "detach",
+    "view_as", "expand_as", "unfold", "diagonal", "clone", "contiguous", "_to_copy", "copy_", "lift_fresh",
+})
+
+# Rules, in the order a report ranks them.
+ORIGIN = "origin"
+VIA_VIEW = "origin_before_view"
+MISSING_IN_A = "missing_in_a"
+MISSING_IN_B = "missing_in_b"
+DOWNSTREAM = "downstream"
+
+IDENTICAL = "identical"
+CONTROL_FLOW = "control_flow"
+OUTSIDE = "outside_capture"
+
+
+def op_base_name(name: str) -> str:
+    """"aten.index_put_.default" -> "index_put_"."""
+    parts = name.split(".")
+    return parts[1] if len(parts) >= 2 else name
+
+
+def is_trivial(record: dict[str, Any]) -> bool:
+    return record["kind"] == "op" and op_base_name(record["name"]) in TRIVIAL_OPS
+
+
+@dataclass(frozen=True)
+class Finding:
+    rule: str
+    rank: int
+    step: int
+    seq: int
+    kind: str
+    name: str
+    id: str
+    scope: str
+    in_shapes: list[Any]
+    out_shapes: list[Any]
+    note: str = ""
+
+    @property
+    def is_origin(self) -> bool:
+        return self.rule in (ORIGIN, VIA_VIEW)
+
+    @property
+    def is_missing(self) -> bool:
+        return self.rule in (MISSING_IN_A, MISSING_IN_B)
+
+
+@dataclass
+class RankDiff:
+    rank: int
+    compared: int = 0
+    differing: int = 0
+    first_origin: Finding | None = None
+    first_missing: Finding | None = None
+    downstream: int = 0
+
+    @property
+    def first_event(self) -> Finding | None:
+        events = [f for f in (self.first_origin, self.first_missing) if f is not None]
+        return min(events, key=lambda f: (f.step, f.seq)) if events else None
+
+
+@dataclass
+class DiffReport:
+    run_a: str
+    run_b: str
+    verdict: str
+    primary: Finding | None
+    ranks: list[RankDiff]
+    steps: list[int]
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"ranks": [asdict(r) | {"first_event": _dict(r.first_event)} for r in self.ranks]}
+
+
+def _dict(finding: Finding | None) -> dict[str, Any] | None:
+    return None if finding is None else asdict(finding)
+
+
+def _key(record: dict[str, Any]) -> tuple[int, str, str, str]:
+    return (record["step"], record["kind"], record["scope"], record["id"])
+
+
+def _comparable(side: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    return [(s.get("shape"), s.get("dtype"), s.get("label"), s.get("numel"), s.get("tensors")) for s in side]
+
+
+def _same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
+    if _comparable(a) != _comparable(b):
+        return False
+    return all(x.get("digest") is None or y.get("digest") is None or x["digest"] == y["digest"]
+               for x, y in zip(a, b, strict=True))
+
+
+def _shapes(side: list[dict[str, Any]]) -> list[Any]:
+    return [s["shape"] if "shape" in s else f"{s.get('label')}[{s.get('tensors')} tensors]" for s in side]
+
+
+def _finding(rule: str, record: dict[str, Any], note: str = "") -> Finding:
+    return Finding(rule, record["rank"], record["step"], record["seq"], record["kind"], record["name"], record["id"],
+                   record["scope"], _shapes(record["in"]), _shapes(record["out"]), note)
+
+
+def diff_traces(
+    trace_a: dict[int, list[dict[str, Any]]], trace_b: dict[int, list[dict[str, Any]]],
+    run_a: str = "A", run_b: str = "B", steps: Iterable[int] | None = None,
+) -> DiffReport:
+    notes: list[str] = []
+    ranks = sorted(set(trace_a) & set(trace_b))
+    for rank in sorted(set(trace_a) ^ set(trace_b)):
+        notes.append(f"rank {rank} is traced in {run_a if rank in trace_a else run_b} only; not compared")
+    wanted = set(steps) if steps is not None else None
+
+    aligned: dict[int, list[tuple[dict[str, Any], dict[str, Any]]]] = {}
+    only: dict[int, list[tuple[str, dict[str, Any]]]] = {}
+    all_steps: set[int] = set()
+    for rank in ranks:
+        steps_a = {r["step"] for r in trace_a[rank]}
+        steps_b = {r["step"] for r in trace_b[rank]}
+        common = steps_a & steps_b if wanted is None else steps_a & steps_b & wanted
+        only_one = steps_a ^ steps_b if wanted is None else (steps_a ^ steps_b) & wanted
+        for step in sorted(only_one):
+            traced_in = run_a if step in steps_a else run_b
+            notes.append(f"rank {rank}: step {step} is traced in {traced_in} only; not compared")
+        all_steps |= common
+        by_key_a = {_key(r): r for r in trace_a[rank] if r["step"] in common}
+        by_key_b = {_key(r): r for r in trace_b[rank] if r["step"] in common}
+        aligned[rank] = [(by_key_a[k], by_key_b[k]) for k in by_key_a if k in by_key_b]
+        only[rank] = [(MISSING_IN_B, r) for k, r in by_key_a.items() if k not in by_key_b]
+        only[rank] += [(MISSING_IN_A, r) for k, r in by_key_b.items() if k not in by_key_a]
+
+    # Collective inputs that differ on some rank, so peers do not blame their own (matching) inputs.
+    peer_input_differs: dict[tuple[int, str, str, str], int] = {}
+    for rank, pairs in aligned.items():
+        for a, b in pairs:
+            if a["kind"] == "collective" and not _same(a["in"], b["in"]):
+                peer_input_differs.setdefault(_key(a), rank)
+
+    results = []
+    for rank in ranks:
+        result = RankDiff(rank)
+        findings: list[Finding] = []
+        for a, b in aligned[rank]:
+            result.compared += 1
+            same_in, same_out = _same(a["in"], b["in"]), _same(a["out"], b["out"])
+            if same_in and same_out:
+                continue
+            result.differing += 1
+            if not same_in:
+                if not same_out:
+                    result.downstream += 1
+                continue
+            if a["kind"] == "collective" and _key(a) in peer_input_differs:
+                result.downstream += 1
+                continue
+            if is_trivial(a):
+                findings.append(_finding(VIA_VIEW, a, "a trivially deterministic op changed its data: the origin is "
+                                         "the uninstrumented producer of its input (or a write into memory it shares)"))
+            else:
+                findings.append(_finding(ORIGIN, a))
+        for rule, record in only[rank]:
+            present = run_a if rule == MISSING_IN_B else run_b
+            findings.append(_finding(rule, record, f"recorded in {present} only: control flow diverged"))
+            result.differing += 1
+        findings.sort(key=lambda f: (f.step, f.seq))
+        result.first_origin = next((f for f in findings if f.is_origin), None)
+        result.first_missing = next((f for f in findings if f.is_missing), None)
+        results.append(result)
+
+    events = [r.first_event for r in results if r.first_event is not None]
+    primary = min(events, key=lambda f: (f.step, f.rank, f.seq)) if events else None
+    if primary is not None:
+        verdict = CONTROL_FLOW if primary.is_missing else ORIGIN
+    elif any(r.differing for r in results):
+        verdict = OUTSIDE
+    else:
+        verdict = IDENTICAL
+    return DiffReport(run_a, run_b, verdict, primary, results, sorted(all_steps), notes)
+
+
+def diff_runs(run_a: Path, run_b: Path, steps: Iterable[int] | None = None) -> DiffReport:
+    return diff_traces(read_trace(run_a), read_trace(run_b), str(run_a), str(run_b), steps)
+
+
+def describe(finding: Finding) -> str:
+    scope = finding.scope or "<top level>"
+    return (f"step {finding.step} rank {finding.rank}: {finding.rule} {finding.kind} {finding.id} in {scope}; "
+            f"in {finding.in_shapes} -> out {finding.out_shapes}" + (f" ({finding.note})" if finding.note else ""))
+
+
+def render(report: DiffReport) -> str:
+    lines = [f"diff {report.run_a} vs {report.run_b} (steps {report.steps or 'none in common'})"]
+    headline = {
+        IDENTICAL: "identical: every traced record agrees bit for bit",
+        ORIGIN: "origin found",
+        CONTROL_FLOW: "control-flow divergence: a record exists in one run only",
+        OUTSIDE: "records differ but no origin on any traced rank: the origin is outside the capture; widen it "
+                 "(earlier step, deeper rung, more modules/ranks)",
+    }[report.verdict]
+    lines.append(f"verdict: {headline}")
+    if report.primary is not None:
+        lines.append(f"first: {describe(report.primary)}")
+    for rank in report.ranks:
+        event = rank.first_event
+        summary = describe(event) if event is not None else "no origin" + (
+            f" ({rank.downstream} downstream receivers)" if rank.downstream else "")
+        lines.append(f"  rank {rank.rank}: {rank.compared} compared, {rank.differing} differ; {summary}")
+    lines.extend(f"note: {note}" for note in report.notes)
+    return "\n".join(lines)

@@ -1,0 +1,120 @@
+"""Injected divergence for harness self-tests: faults that act inside a step, at a known place.
+
+- perturb_collective: flips the lowest bit of the first gradient all-reduce result of the step on one rank (the
+  collective's inputs agree across runs, its output does not).
+- nondeterministic_op: flips the lowest bit of the first output of the first matching ATen op (`fault.op`, an
+  fnmatch pattern such as "aten.mm.default") run inside module `fault.module` during the forward pass, like a kernel
+  with a nondeterministic reduction order would.
+(flip_param_bit, which corrupts a parameter between steps, lives in the trainer.)
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from taxbench.tracing.collectives import probe_for
+
+if TYPE_CHECKING:
+    from taxbench.config import FaultConfig
+    from taxbench.trainer import Trainer
+
+FAULT_KINDS = ("flip_param_bit", "perturb_collective", "nondeterministic_op")
+STEP_FAULT_KINDS = ("perturb_collective", "nondeterministic_op")
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def flip_lowest_bit(tensor: torch.Tensor) -> None:
+    """Flip the lowest bit of the tensor's first element in place, whatever its layout."""
+    if tensor.numel() == 0 or tensor.dtype is torch.bool:
+        return
+    first = tensor.detach().as_strided((1,), (1,))
+    first.view(_INT_OF_WIDTH[first.element_size()]).bitwise_xor_(1)
+
+
+class _PerturbFirstOp(TorchDispatchMode):
+    def __init__(self, op_pattern: str, inside: Callable[[], bool]) -> None:
+        super().__init__()
+        self.op_pattern, self.inside, self.done = op_pattern, inside, False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        result = func(*args, **(kwargs or {}))
+        if not self.done and self.inside() and fnmatch.fnmatchcase(str(func), self.op_pattern):
+            outputs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
+            if outputs:
+                flip_lowest_bit(outputs[0])
+                self.done = True
+        return result
+
+
+class StepFault:
+    """A fault that acts inside one step on one rank; the trainer enters `around(step)` for every step."""
+
+    def __init__(self, fault: FaultConfig, trainer: Trainer) -> None:
+        self.fault, self.rank = fault, trainer.ctx.rank
+        self._armed = False
+        self._depth = 0
+        if fault.kind == "perturb_collective":
+            probe = probe_for(trainer.model)
+            if probe is None:
+                raise ValueError(
+                    "experiment.fault.kind=perturb_collective needs data-parallel ranks (world size >= 2, DDP); "
+                    "use cluster.cpu_ranks=2 or another fault kind"
+                )
+            probe.perturbers.append(self._perturb_collective)
+        elif fault.kind == "nondeterministic_op":
+            modules = dict(trainer.raw_model.named_modules())
+            if not fault.module or fault.module not in modules:
+                known = ", ".join(sorted(name for name in modules if name)[:12])
+                raise ValueError(
+                    f"experiment.fault.module={fault.module!r} is not a module of the model; choose one of: "
+                    f"{known}, ..."
+                )
+            if not fault.op:
+                raise ValueError("experiment.fault.kind=nondeterministic_op needs experiment.fault.op, e.g. "
+                                 "'aten.mm.default'")
+            target = modules[fault.module]
+            target.register_forward_pre_hook(self._enter)
+            target.register_forward_hook(self._leave)
+        else:
+            raise ValueError(f"experiment.fault.kind={fault.kind!r} does not act inside a step")
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        self._depth += 1
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._depth -= 1
+
+    def _perturb_collective(self, bucket: int, result: torch.Tensor) -> None:
+        if self._armed:
+            self._armed = False
+            flip_lowest_bit(result)
+
+    @contextmanager
+    def around(self, step: int) -> Iterator[None]:
+        if step != self.fault.step or self.rank != self.fault.rank:
+            yield
+            return
+        if self.fault.kind == "perturb_collective":
+            self._armed = True
+            try:
+                yield
+            finally:
+                self._armed = False
+            return
+        assert self.fault.op is not None
+        with _PerturbFirstOp(self.fault.op, lambda: self._depth > 0):
+            yield
+
+
+def step_fault(fault: FaultConfig | None, trainer: Trainer) -> StepFault | None:
+    if fault is None or fault.kind not in STEP_FAULT_KINDS:
+        return None
+    return StepFault(fault, trainer)

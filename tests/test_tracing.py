@@ -1,0 +1,276 @@
+"""The tracing ladder: capture, trace files, diff rules, and localize on injected faults at known places."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+from taxbench.cli import prepare
+from taxbench.config import TaxbenchConfig, register_configs, to_typed
+from taxbench.distributed import DistContext
+from taxbench.tracing.capture import CaptureScope
+from taxbench.tracing.diff import CONTROL_FLOW, IDENTICAL, ORIGIN, OUTSIDE, VIA_VIEW, diff_runs, diff_traces
+from taxbench.tracing.localize import NAMED, localize
+from taxbench.tracing.trace_io import TRACE_SCHEMA_VERSION, TraceError, TraceWriter, read_trace, trace_file
+from taxbench.trainer import Trainer
+
+register_configs()
+
+FAULT_MM = ["experiment.fault.kind=nondeterministic_op", "experiment.fault.module=blocks.1.ffn",
+            "experiment.fault.op=aten.mm.default"]
+
+
+# Small enough that a rung-3 capture of a step takes a fraction of a second.
+TINY = ["recipe.model.seq_len=16", "recipe.model.d_model=32", "recipe.model.d_ff=64", "recipe.model.vocab_size=64"]
+
+
+def _raw(overrides: list[str]):  # type: ignore[no-untyped-def]
+    with initialize_config_module("taxbench.conf", version_base="1.3"):
+        return compose("config", overrides=["experiment.name=trace-test", *TINY, *overrides])
+
+
+def _cfg(overrides: list[str]) -> TaxbenchConfig:
+    # one micro-batch per step on one rank
+    return to_typed(OmegaConf.to_container(_raw(["recipe.global_batch_size=4", *overrides]), resolve=True))
+
+
+def _run_in_process(cfg: TaxbenchConfig, run_dir: Path, steps: int, faulty: bool) -> Path:
+    ctx = DistContext(0, 1, 0, torch.device("cpu"), "gloo")
+    trainer = Trainer(cfg, "deterministic", "x", cfg.arms["deterministic"], ctx, run_dir,
+                      cfg.experiment.fault if faulty else None)
+    trainer.run_block(steps, 0)
+    trainer.close()
+    return run_dir
+
+
+def _pair(tmp_path: Path, trace: list[str], fault: list[str] | None = None, steps: int = 2) -> tuple[Path, Path]:
+    overrides = ["experiment.trace.enabled=true", "experiment.trace.steps=[2]", *trace]
+    if fault:
+        overrides += ["experiment.fault.enabled=true", "experiment.fault.step=2", *fault]
+    cfg = _cfg(overrides)
+    return (_run_in_process(cfg, tmp_path / "a", steps, faulty=False),
+            _run_in_process(cfg, tmp_path / "b", steps, faulty=fault is not None))
+
+
+# ---- capture + diff on real single-rank runs -----------------------------------------------------------------------
+
+def test_nondeterministic_op_is_named_with_layer_and_rank(tmp_path: Path) -> None:
+    run_a, run_b = _pair(tmp_path, ["experiment.trace.rung=3"], FAULT_MM)
+    report = diff_runs(run_a, run_b)
+    assert report.verdict == ORIGIN
+    origin = report.primary
+    assert origin is not None
+    assert (origin.kind, origin.name, origin.id, origin.scope, origin.rank, origin.step) == (
+        "op", "aten.mm.default", "aten.mm.default:0", "blocks.1.ffn.up", 0, 2)
+    assert origin.in_shapes == [[64, 32], [32, 64]] and origin.out_shapes == [[64, 64]]  # [batch*seq, d] @ [d, d_ff]
+    # rung 2 alone names the innermost module whose output first differs
+    run_c, run_d = _pair(tmp_path / "rung2", ["experiment.trace.rung=2"], FAULT_MM)
+    module = diff_runs(run_c, run_d).primary
+    assert module is not None and (module.kind, module.scope) == ("module", "blocks.1.ffn.up")
+
+
+def test_clean_pair_has_no_origin_and_records_align(tmp_path: Path) -> None:
+    run_a, run_b = _pair(tmp_path, ["experiment.trace.rung=3"])
+    report = diff_runs(run_a, run_b)
+    assert report.verdict == IDENTICAL and report.primary is None
+    records = read_trace(run_a)[0]
+    kinds = {r["kind"] for r in records}
+    assert {"op", "module", "optimizer"} <= kinds
+    assert not any(r["name"].startswith("aten.empty") for r in records)
+    ids = [(r["kind"], r["scope"], r["id"]) for r in records]
+    assert len(ids) == len(set(ids)), "ids must be unique per (kind, scope) within a step"
+    assert all(r["step"] == 2 for r in records)
+
+
+def test_flip_param_bit_between_steps_is_outside_the_capture(tmp_path: Path) -> None:
+    # the fault corrupts a parameter after the optimizer step: no traced record of step 2 produces it, and at step 3
+    # the parameters are inputs that already differ
+    overrides = ["experiment.trace.enabled=true", "experiment.trace.rung=2", "experiment.trace.steps=[2,3]",
+                 "experiment.fault.enabled=true", "experiment.fault.step=2"]
+    cfg = _cfg(overrides)
+    run_a = _run_in_process(cfg, tmp_path / "a", 3, faulty=False)
+    run_b = _run_in_process(cfg, tmp_path / "b", 3, faulty=True)
+    assert diff_runs(run_a, run_b, steps=[2]).verdict == IDENTICAL
+    assert diff_runs(run_a, run_b, steps=[3]).verdict == OUTSIDE
+
+
+def test_scope_filters_op_filter_and_max_numel(tmp_path: Path) -> None:
+    run_a, _ = _pair(tmp_path, ["experiment.trace.rung=3", "experiment.trace.modules=[blocks.1.ffn]",
+                                "experiment.trace.ops=[aten.mm*]", "experiment.trace.max_numel=2000"])
+    records = read_trace(run_a)[0]
+    ops = [r for r in records if r["kind"] == "op"]
+    assert ops and all(r["name"] == "aten.mm.default" for r in ops)
+    assert all(r["scope"].removesuffix("/backward").startswith("blocks.1.ffn") for r in ops)
+    modules = {r["scope"] for r in records if r["kind"] == "module"}
+    assert modules == {"blocks.1.ffn", "blocks.1.ffn.up", "blocks.1.ffn.down"}
+    sides = [s for r in ops for s in r["in"] + r["out"]]
+    big = [s for s in sides if s["shape"][0] * s["shape"][1] > 2000]
+    assert big and all(s["digest"] is None for s in big)
+    assert all(s["digest"] is not None for s in sides if s not in big)
+
+
+def test_capture_scope_matching() -> None:
+    scope = CaptureScope(rung=3, steps=(2,), ranks=(1,), modules=("blocks.*.ffn",), ops=("aten.index_put_*",))
+    assert scope.wants_step(2) and not scope.wants_step(3)
+    assert scope.wants_rank(1) and not scope.wants_rank(0)
+    assert scope.wants_module("blocks.3.ffn.up") and scope.wants_module("blocks.3.ffn/backward")
+    assert not scope.wants_module("blocks.3.attn") and not scope.wants_module("")
+    assert scope.wants_op("aten.index_put_.default") and not scope.wants_op("aten.index_add_.default")
+    with pytest.raises(ValueError, match="rung=4"):
+        CaptureScope(rung=4)
+
+
+def test_control_flow_divergence_is_reported_as_such(tmp_path: Path) -> None:
+    run_a, run_b = _pair(tmp_path, ["experiment.trace.rung=3", "experiment.trace.modules=[blocks.1.ffn]"])
+    trace_a, trace_b = read_trace(run_a), read_trace(run_b)
+    dropped = next(r for r in trace_b[0] if r["name"] == "aten.gelu.default")
+    trace_b[0].remove(dropped)
+    report = diff_traces(trace_a, trace_b)
+    assert report.verdict == CONTROL_FLOW
+    assert report.primary is not None and report.primary.rule == "missing_in_b"
+    assert (report.primary.id, report.primary.scope) == (dropped["id"], dropped["scope"])
+
+
+# ---- diff rules on hand-made records ------------------------------------------------------------------------------
+
+def _rec(rank: int, seq: int, kind: str, name: str, scope: str, ins: list[str], outs: list[str], n: int = 0) -> dict:
+    side = lambda digests: [{"shape": [4], "dtype": "float32", "digest": d} for d in digests]  # noqa: E731
+    return {"schema_version": TRACE_SCHEMA_VERSION, "seq": seq, "rank": rank, "step": 5, "kind": kind, "name": name,
+            "id": f"{name}:{n}", "scope": scope, "in": side(ins), "out": side(outs)}
+
+
+def test_rules_origin_downstream_view_and_collective_peer() -> None:
+    a = {0: [_rec(0, 0, "op", "aten.view.default", "m", ["01"], ["02"]),
+             _rec(0, 1, "op", "aten.mm.default", "m", ["02"], ["03"]),
+             _rec(0, 2, "collective", "c10d.allreduce", "ddp.bucket0", ["04"], ["05"])],
+         1: [_rec(1, 0, "collective", "c10d.allreduce", "ddp.bucket0", ["14"], ["05"])]}
+    b = {0: [_rec(0, 0, "op", "aten.view.default", "m", ["01"], ["f2"]),
+             _rec(0, 1, "op", "aten.mm.default", "m", ["f2"], ["f3"]),
+             _rec(0, 2, "collective", "c10d.allreduce", "ddp.bucket0", ["f4"], ["f5"])],
+         1: [_rec(1, 0, "collective", "c10d.allreduce", "ddp.bucket0", ["14"], ["f5"])]}
+    report = diff_traces(a, b)
+    assert report.verdict == ORIGIN
+    rank0, rank1 = report.ranks
+    assert rank0.first_origin is not None and rank0.first_origin.rule == VIA_VIEW  # one hop: its producer is the origin
+    assert rank0.downstream == 2
+    # rank 1's own input agrees, but rank 0's input to the same all-reduce differs: a receiver, not an origin
+    assert rank1.first_origin is None and rank1.downstream == 1
+    # only the collective on rank 1 perturbed: it is the origin there
+    b[1][0]["out"][0]["digest"] = "f5"
+    b[0] = [dict(r) for r in a[0]]
+    b[0][2] = {**a[0][2], "out": [{"shape": [4], "dtype": "float32", "digest": "05"}]}
+    report = diff_traces(a, b)
+    assert report.primary is not None and (report.primary.kind, report.primary.rank) == ("collective", 1)
+
+
+# ---- trace files --------------------------------------------------------------------------------------------------
+
+def _write(run_dir: Path, records: list[dict]) -> Path:
+    writer = TraceWriter(trace_file(run_dir, 0))
+    writer.write_batch({k: v for k, v in r.items() if k != "schema_version"} for r in records)
+    writer.close()
+    return trace_file(run_dir, 0)
+
+
+def test_trace_files_round_trip_and_bad_files_give_clear_errors(tmp_path: Path) -> None:
+    records = [_rec(0, i, "op", "aten.add.Tensor", "", ["01"], ["02"], n=i) for i in range(3)]
+    path = _write(tmp_path / "ok", records)
+    assert read_trace(tmp_path / "ok")[0] == records
+
+    with pytest.raises(TraceError, match="no trace.rank"):
+        read_trace(tmp_path / "empty")
+    torn = _write(tmp_path / "torn", records)
+    torn.write_text(path.read_text()[:-20])
+    with pytest.raises(TraceError, match=r"trace.rank0.jsonl:3: the last trace record is torn"):
+        read_trace(tmp_path / "torn")
+    corrupt = _write(tmp_path / "corrupt", records)
+    lines = corrupt.read_text().splitlines()
+    corrupt.write_text("\n".join([lines[0], "{garbage", lines[2]]) + "\n")
+    with pytest.raises(TraceError, match=r":2: not a JSON record"):
+        read_trace(tmp_path / "corrupt")
+    other = _write(tmp_path / "other", records)
+    other.write_text(other.read_text().replace('"schema_version":1', '"schema_version":99'))
+    with pytest.raises(TraceError, match="schema_version=99, this taxbench reads 1"):
+        read_trace(tmp_path / "other")
+    lacking = _write(tmp_path / "lacking", [{k: v for k, v in records[0].items() if k != "scope"}])
+    assert lacking.exists()
+    with pytest.raises(TraceError, match=r"lacks \['scope'\]"):
+        read_trace(tmp_path / "lacking")
+
+
+def test_cli_diff_prints_origin_json_and_rejects_corrupt_traces(tmp_path: Path) -> None:
+    run_a, run_b = _pair(tmp_path, ["experiment.trace.rung=3", "experiment.trace.modules=[blocks.1.ffn]"], FAULT_MM)
+    done = subprocess.run([sys.executable, "-m", "taxbench", "diff", str(run_a), str(run_b), "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr
+    primary = json.loads(done.stdout)["primary"]
+    assert (primary["name"], primary["scope"], primary["rank"]) == ("aten.mm.default", "blocks.1.ffn.up", 0)
+    text = subprocess.run([sys.executable, "-m", "taxbench", "diff", str(run_a), str(run_b)],
+                          capture_output=True, text=True, timeout=120)
+    assert "origin op aten.mm.default:0 in blocks.1.ffn.up" in text.stdout
+    trace = trace_file(run_b, 0)
+    trace.write_text(trace.read_text()[:-5])
+    bad = subprocess.run([sys.executable, "-m", "taxbench", "diff", str(run_a), str(run_b)],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "taxbench: error:" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_fault_and_trace_config_are_validated() -> None:
+    from taxbench.config import ConfigError, validate
+
+    cfg = _cfg(["cluster.cpu_ranks=1", "experiment.fault.enabled=true", "experiment.fault.kind=nondeterministic_op"])
+    with pytest.raises(ConfigError, match="needs experiment.fault.module"):
+        validate(cfg)
+    cfg = _cfg(["cluster.cpu_ranks=1", "experiment.trace.enabled=true", "experiment.trace.rung=5"])
+    with pytest.raises(ConfigError, match="experiment.trace.rung=5"):
+        validate(cfg)
+
+
+# ---- localize end to end: two gloo ranks, the experiment schedule, replays --------------------------------------
+
+def _experiment(tmp_path: Path, fault: list[str]) -> Path:
+    from taxbench.launchers.local import launch_local
+
+    raw = _raw(["recipe.micro_batch_size=2", "recipe.global_batch_size=4", "experiment.steps=4",
+                "experiment.block_steps=2", "experiment.resume_step=2",
+                "experiment.warmup_steps=0", "cluster.cpu_ranks=2", f"experiment.out_dir={tmp_path}",
+                "experiment.fault.enabled=true", "experiment.fault.step=2", "experiment.fault.rank=1", *fault])
+    cfg, container = prepare(raw)
+    root = tmp_path / cfg.experiment.name
+    root.mkdir(parents=True)
+    launch_local(cfg, container, root)
+    return root
+
+
+@pytest.mark.slow
+def test_localize_names_a_perturbed_collective_on_its_rank(tmp_path: Path) -> None:
+    root = _experiment(tmp_path, ["experiment.fault.kind=perturb_collective"])
+    result = localize(root / "deterministic-0", root / "deterministic-1", tmp_path / "work")
+    assert result.first_mismatch is not None and result.first_mismatch["step"] == 2
+    assert result.verdict == NAMED
+    assert result.origin is not None
+    assert (result.origin.kind, result.origin.name, result.origin.rank) == ("collective", "c10d.allreduce", 1)
+    assert [step.rung for step in result.path] == [1]
+
+
+@pytest.mark.slow
+def test_localize_walks_the_ladder_to_a_nondeterministic_op(tmp_path: Path) -> None:
+    root = _experiment(tmp_path, FAULT_MM)
+    result = localize(root / "deterministic-0", root / "deterministic-1", tmp_path / "work")
+    assert result.verdict == NAMED
+    assert [(s.rung, s.modules) for s in result.path] == [(1, []), (2, []), (3, ["blocks.1.ffn.up"])]
+    assert result.path[0].verdict == OUTSIDE  # rung 1: every boundary is a downstream receiver
+    origin = result.origin
+    assert origin is not None
+    assert (origin.kind, origin.name, origin.scope, origin.rank, origin.step) == (
+        "op", "aten.mm.default", "blocks.1.ffn.up", 1, 2)
+    # a clean pair of the same experiment has nothing to localize
+    clean = localize(root / "deterministic-0", root / "deterministic-resumed", tmp_path / "work-clean")
+    assert clean.verdict == "no_divergence" and clean.path == []
