@@ -1,0 +1,176 @@
+"""Slurm through submitit: one job per experiment, every rank of both arms inside that one allocation.
+
+The job runs `SlurmExperiment` on each task (one task per GPU, or `cpu_ranks` tasks on CPU); each task reads its
+rank from submitit's TorchDistributedEnvironment and runs the same `run_rank` as the local launcher. Both arms are
+interleaved block by block inside the allocation (see taxbench.experiment), so node-to-node variation cancels.
+
+Preemption and timeouts: Slurm signals the job (SIGUSR2, `signal_delay_s` before the time limit, or on preemption);
+submitit then calls `SlurmExperiment.checkpoint` on task 0 and requeues the job. The callable holds no state: the
+experiment checkpoints every run at block boundaries, and the requeued job's `Experiment.run` skips finished runs and
+resumes unfinished ones from their last complete checkpoint, dropping records written after it.
+
+Sweeps (`python -m taxbench -m ... cluster=slurm cluster.gpus=512,1024,2432`): submitit directly, not
+hydra-submitit-launcher. That plugin would run the whole Hydra job (config, validation, report) inside a Slurm job
+whose shape comes from the fixed `hydra.launcher` node, so the allocation could not follow `cluster.gpus` per point
+and every task would run the driver. Here Hydra's basic launcher composes and validates each point on the submitting
+machine, each point submits its own job sized from its own `cluster` node (both arms interleaved inside it), and
+under a multirun the points are submitted without waiting: all are queued at once, and the sweep report
+(taxbench.analysis.sweep, a Hydra callback) waits for them and prints tax against GPU count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import submitit
+from submitit.core.utils import FailedJobError, UncompletedJobError
+
+from taxbench.config import ClusterConfig, ConfigError, Device, TaxbenchConfig, world_size
+from taxbench.launchers.worker import run_rank
+
+# cluster.master_addr value meaning "the first node of the allocation" (submitit's TorchDistributedEnvironment).
+ALLOCATION_MASTER = "slurm"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+JOB_FILE = "slurm_job.json"
+
+# Jobs submitted without waiting (multirun points), in submission order: (experiment root, job).
+SUBMITTED: list[tuple[Path, submitit.Job[Any]]] = []
+
+
+class SlurmJobFailed(RuntimeError):
+    """The Slurm job ended without results; the message names its logs."""
+
+
+@dataclass(frozen=True)
+class JobShape:
+    nodes: int
+    tasks_per_node: int
+    gpus_per_node: int
+    cpus_per_task: int
+
+
+def job_shape(cluster: ClusterConfig) -> JobShape:
+    """One task per rank: per GPU on CUDA (nodes = gpus / gpus_per_node), `cpu_ranks` over `nodes` on CPU."""
+    world = world_size(cluster)
+    if cluster.device is Device.cuda:
+        per_node = min(cluster.gpus_per_node, world)
+        if per_node < 1 or world % per_node:
+            raise ConfigError(
+                f"cluster.gpus={world} is not a multiple of cluster.gpus_per_node={cluster.gpus_per_node}; "
+                f"use a multiple such as cluster.gpus={max(per_node, 1) * max(world // max(per_node, 1), 1)}"
+            )
+        return JobShape(world // per_node, per_node, per_node, cluster.threads_per_rank)
+    if cluster.nodes < 1 or world % cluster.nodes:
+        raise ConfigError(
+            f"cluster.cpu_ranks={world} cannot be spread evenly over cluster.nodes={cluster.nodes}; "
+            "use a multiple of the node count"
+        )
+    return JobShape(cluster.nodes, world // cluster.nodes, 0, cluster.threads_per_rank)
+
+
+def check_master(cluster: ClusterConfig, shape: JobShape) -> None:
+    if shape.nodes > 1 and cluster.master_addr in LOOPBACK:
+        raise ConfigError(
+            f"cluster.master_addr={cluster.master_addr} is a loopback address but the job spans {shape.nodes} nodes; "
+            f"use cluster.master_addr={ALLOCATION_MASTER} (the allocation's first node)"
+        )
+
+
+def submitit_folder(cfg: TaxbenchConfig, root: Path) -> Path:
+    # A fresh folder per experiment: job ids restart at 1 when a cluster's state is wiped.
+    return Path(cfg.cluster.submitit_dir) if cfg.cluster.submitit_dir else root / ".submitit"
+
+
+def make_executor(cfg: TaxbenchConfig, root: Path) -> submitit.SlurmExecutor:
+    cluster = cfg.cluster
+    shape = job_shape(cluster)
+    check_master(cluster, shape)
+    executor = submitit.SlurmExecutor(folder=submitit_folder(cfg, root) / "%j")
+    params: dict[str, Any] = {
+        "job_name": f"taxbench-{cfg.experiment.name}",
+        "time": cluster.time_min,
+        "nodes": shape.nodes,
+        "ntasks_per_node": shape.tasks_per_node,
+        "cpus_per_task": shape.cpus_per_task,
+        "setup": list(cluster.setup),
+        "additional_parameters": dict(cluster.sbatch_args),
+    }
+    if shape.gpus_per_node:
+        params["gpus_per_node"] = shape.gpus_per_node
+    for key in ("partition", "account", "qos", "constraint"):
+        value = getattr(cluster, key)
+        if value:
+            params[key] = value
+    try:
+        executor.update_parameters(**params)
+    except ValueError as exc:  # e.g. an unknown key in cluster.sbatch_args
+        raise ConfigError(f"cluster.sbatch_args / Slurm settings rejected by submitit: {exc}") from exc
+    return executor
+
+
+class SlurmExperiment(submitit.helpers.Checkpointable):
+    """What each Slurm task runs. Stateless: requeueing resubmits it as is and the experiment resumes from disk."""
+
+    def __init__(self, cfg_container: dict[str, Any], root: str, master_addr: str, master_port: int) -> None:
+        self.cfg_container, self.root = cfg_container, root
+        self.master_addr, self.master_port = master_addr, master_port
+
+    def __call__(self) -> dict[str, Any]:
+        env = submitit.helpers.TorchDistributedEnvironment()
+        cluster = self.cfg_container.get("cluster", {})
+        expected = cluster.get("gpus") if cluster.get("device") == Device.cuda.value else cluster.get("cpu_ranks")
+        if expected is not None and env.world_size != expected:
+            raise RuntimeError(
+                f"the Slurm job has {env.world_size} tasks but the config asks for {expected} ranks; "
+                "check cluster.sbatch_args for task-count overrides"
+            )
+        # Where the node's hostname does not resolve, gloo's rendezvous on it hangs: a loopback master_addr
+        # (single node only) sidesteps that. MASTER_ADDR is not exported from the environment object on purpose:
+        # export() refuses to overwrite variables a requeued or nested job already has.
+        addr = env.master_addr if self.master_addr == ALLOCATION_MASTER else self.master_addr
+        port = self.master_port or env.master_port
+        run_rank(env.rank, env.world_size, env.local_rank, self.cfg_container, self.root, addr, port)
+        return {
+            "rank": env.rank,
+            "host": socket.gethostname(),
+            "restarts": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+        }
+
+
+def submit(cfg: TaxbenchConfig, cfg_container: dict[str, Any], root: Path) -> submitit.Job[Any]:
+    executor = make_executor(cfg, root)
+    job = executor.submit(SlurmExperiment(cfg_container, str(root), cfg.cluster.master_addr, cfg.cluster.master_port))
+    root.mkdir(parents=True, exist_ok=True)
+    (root / JOB_FILE).write_text(
+        json.dumps({"job_id": job.job_id, "submitit_folder": str(submitit_folder(cfg, root))}, indent=2),
+        encoding="utf-8",
+    )
+    return job
+
+
+def wait(job: submitit.Job[Any], root: Path) -> list[dict[str, Any]]:
+    """Block until the job (including any requeues) has finished; results of every task."""
+    try:
+        return job.results()
+    except (FailedJobError, UncompletedJobError) as exc:
+        raise SlurmJobFailed(
+            f"Slurm job {job.job_id} for {root} ended without results (state {job.state}); logs: {job.paths.stderr} "
+            f"and {job.paths.stdout}. Records and complete checkpoints written so far are "
+            f"kept.\n{str(exc)[-2000:]}"
+        ) from exc
+
+
+def launch_slurm(cfg: TaxbenchConfig, cfg_container: dict[str, Any], root: Path, block: bool = True) -> bool:
+    """Submit the experiment; True once it has finished, False when it was queued without waiting (multirun)."""
+    job = submit(cfg, cfg_container, root)
+    print(f"taxbench: submitted Slurm job {job.job_id} ({root}); logs in {job.paths.folder}", flush=True)
+    if not block:
+        SUBMITTED.append((root, job))
+        return False
+    wait(job, root)
+    return True

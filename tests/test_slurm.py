@@ -1,0 +1,220 @@
+"""Slurm through submitit, against a real Slurm on localhost (scripts/slurm_localhost.sh up; .ci/run starts it).
+
+The sbatch-script tests need no Slurm. The others submit real 2-task gloo jobs through the code users run, preempt
+(requeue) one and cancel one, and check results, records and verdicts. Without a reachable Slurm they are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import submitit
+from hydra import compose, initialize_config_module
+
+from taxbench.analysis.summary import analyse
+from taxbench.checkpoints import RunCheckpoints
+from taxbench.cli import prepare
+from taxbench.config import ConfigError
+from taxbench.experiment import ALL_RUNS
+from taxbench.launchers import slurm
+
+TINY = [
+    "experiment.steps=12",
+    "experiment.block_steps=6",
+    "experiment.warmup_steps=2",
+    "experiment.resume_step=6",
+    "cluster.cpu_ranks=2",
+    "cluster.threads_per_rank=1",
+]
+# Enough work per step that a preemption signal lands while the experiment is still running.
+SLOWER_MODEL = ["recipe.model.d_model=128", "recipe.model.d_ff=512", "recipe.model.seq_len=128"]
+
+
+def slurm_unreachable_reason() -> str | None:
+    if not os.environ.get("SLURM_CONF"):
+        return "no Slurm: SLURM_CONF is unset (start one with `eval \"$(scripts/slurm_localhost.sh up)\"`)"
+    if shutil.which("sinfo") is None:
+        return "no Slurm: sinfo is not on PATH"
+    try:
+        probe = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=10)
+    except subprocess.TimeoutExpired:
+        return f"no Slurm: sinfo timed out (SLURM_CONF={os.environ['SLURM_CONF']})"
+    if probe.returncode != 0 or not probe.stdout.strip():
+        return f"no Slurm reachable with SLURM_CONF={os.environ['SLURM_CONF']}: {probe.stderr.strip()[:200]}"
+    return None
+
+
+UNREACHABLE = slurm_unreachable_reason()
+needs_slurm = pytest.mark.skipif(UNREACHABLE is not None, reason=UNREACHABLE or "")
+
+
+def compose_config(overrides: list[str]) -> tuple[Any, dict[str, Any]]:
+    with initialize_config_module(config_module="taxbench.conf", version_base="1.3"):
+        return prepare(compose(config_name="config", overrides=overrides))
+
+
+def sbatch_script(overrides: list[str], root: Path) -> str:
+    cfg, _ = compose_config(["experiment.name=x", *overrides])
+    executor = slurm.make_executor(cfg, root)
+    return executor._make_submission_file_text("python -c pass", "uid")
+
+
+def step_lines(run_dir: Path) -> dict[int, list[dict[str, Any]]]:
+    """Per rank: the records in file order."""
+    out = {}
+    for file in sorted(run_dir.glob("steps.rank*.jsonl")):
+        rank = int(file.name.split(".")[1].removeprefix("rank"))
+        out[rank] = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+    return out
+
+
+def assert_each_step_once(root: Path, steps: int) -> None:
+    for ref in ALL_RUNS:
+        for rank, records in step_lines(root / ref.name).items():
+            assert [r["step"] for r in records] == list(range(1, steps + 1)), (ref.name, rank)
+
+
+FINGERPRINTS = ("loss_bits", "grads", "grad_norm_bits", "params", "optim")
+
+
+def wait_until(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(0.2)
+
+
+# --- the generated sbatch script (no Slurm needed) ---------------------------------------------------------------
+
+
+def test_gpu_sweep_point_asks_for_one_task_per_gpu(tmp_path: Path) -> None:
+    script = sbatch_script(
+        ["cluster=slurm", "cluster.gpus=2432", "cluster.gpus_per_node=8", "recipe.global_batch_size=9728",
+         "recipe.micro_batch_size=4", "cluster.partition=gpu", "cluster.account=proj", "cluster.qos=high",
+         "cluster.constraint=h100", "cluster.time_min=90", "+cluster.sbatch_args.exclusive=true",
+         "cluster.setup=[module load cuda]"],
+        tmp_path,
+    )
+    for line in ("--nodes=304", "--ntasks-per-node=8", "--gpus-per-node=8", "--partition=gpu", "--account=proj",
+                 "--qos=high", "--constraint=h100", "--time=90", "--exclusive", "--cpus-per-task=8",
+                 "module load cuda"):
+        assert line in script, line
+    assert str(tmp_path / ".submitit") in script
+
+
+def test_cpu_job_has_cpu_ranks_tasks_and_no_gpus(tmp_path: Path) -> None:
+    script = sbatch_script(["cluster=slurm_cpu", "cluster.cpu_ranks=4", "recipe.global_batch_size=16"], tmp_path)
+    assert "--ntasks-per-node=4" in script and "--nodes=1" in script
+    assert "gpus" not in script
+
+
+def test_gpu_count_not_a_multiple_of_gpus_per_node_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"cluster.gpus=12 is not a multiple of cluster.gpus_per_node=8"):
+        sbatch_script(["cluster=slurm", "cluster.gpus=12", "recipe.global_batch_size=48"], tmp_path)
+
+
+def test_loopback_master_on_several_nodes_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cluster.master_addr=slurm"):
+        sbatch_script(["cluster=slurm", "cluster.gpus=16", "cluster.master_addr=127.0.0.1",
+                       "recipe.global_batch_size=64"], tmp_path)
+
+
+def test_missing_submitit_gives_install_hint(tmp_path: Path) -> None:
+    # A real interpreter where submitit cannot be imported (a None entry in sys.modules blocks the import).
+    code = (
+        "import sys; sys.modules['submitit'] = None\n"
+        "from taxbench.cli import main\n"
+        f"sys.argv = ['taxbench', 'cluster=slurm_cpu', 'experiment.out_dir={tmp_path}']\n"
+        "main()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "pip install 'taxbench[slurm]'" in done.stderr
+
+
+# --- real Slurm ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@needs_slurm
+def test_cli_runs_the_experiment_as_one_two_task_job(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "taxbench", "cluster=slurm_cpu", f"experiment.out_dir={tmp_path}",
+         "experiment.name=e", *TINY],
+        capture_output=True, text=True, timeout=240, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    root = tmp_path / "e"
+    job_info = json.loads((root / slurm.JOB_FILE).read_text())
+    job: submitit.SlurmJob[Any] = submitit.SlurmJob(
+        Path(job_info["submitit_folder"]) / "%j", job_info["job_id"], tasks=(0, 1)
+    )
+    results = job.results()
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    assert all(r["restarts"] == 0 for r in results)
+    summary = json.loads((root / "summary.json").read_text())
+    assert summary["deterministic_ok"] and summary["world_size"] == 2
+    assert_each_step_once(root, 12)
+
+
+@pytest.mark.slow
+@needs_slurm
+def test_preempted_job_requeues_and_resumes_from_its_checkpoint_bitwise(tmp_path: Path) -> None:
+    cfg, container = compose_config(["cluster=slurm_cpu", f"experiment.out_dir={tmp_path}", "experiment.name=p",
+                                     *TINY, *SLOWER_MODEL])
+    root = tmp_path / "p"
+    job = slurm.submit(cfg, container, root)
+    job._results_timeout_s = 2
+    timed = RunCheckpoints(root / "deterministic-0", 0)
+    wait_until(lambda: timed.latest() is not None, 120, "the timed pair's first checkpoint")
+    before = {ref.name: step_lines(root / ref.name) for ref in ALL_RUNS if (root / ref.name).exists()}
+    committed = timed.latest()
+    job._interrupt()  # preemption: SIGTERM then SIGUSR2; submitit requeues the job
+    wait_until(lambda: job.state in ("PENDING", "REQUEUED", "REQUEUE_HOLD"), 60, "the requeue")
+    subprocess.run(["scontrol", "update", f"JobId={job.job_id}", "StartTime=now"], check=True)
+    results = slurm.wait(job, root)
+
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    assert all(r["restarts"] >= 1 for r in results), results
+    assert_each_step_once(root, cfg.experiment.steps)
+    after = {ref.name: step_lines(root / ref.name) for ref in ALL_RUNS}
+    for name, ranks in before.items():
+        for rank, records in ranks.items():
+            for old in records:
+                new = after[name][rank][old["step"] - 1]
+                if old["step"] <= committed:  # recorded before the checkpoint: kept exactly
+                    assert new == old
+                else:  # re-run after the resume: bitwise the same fingerprints as before the preemption
+                    assert {k: new[k] for k in FINGERPRINTS} == {k: old[k] for k in FINGERPRINTS}
+    summary = analyse(root)
+    assert summary.deterministic_ok
+    assert all(v.agree for v in summary.verdicts)
+
+
+@pytest.mark.slow
+@needs_slurm
+def test_cancelled_job_fails_clearly_and_keeps_its_records(tmp_path: Path) -> None:
+    cfg, container = compose_config(["cluster=slurm_cpu", f"experiment.out_dir={tmp_path}", "experiment.name=c",
+                                     *TINY, *SLOWER_MODEL, "experiment.steps=24"])
+    root = tmp_path / "c"
+    job = slurm.submit(cfg, container, root)
+    job._results_timeout_s = 2
+    timed = RunCheckpoints(root / "baseline-0", 0)
+    wait_until(lambda: timed.latest() is not None, 120, "the timed pair's first checkpoint")
+    # scancel: SIGTERM (which submitit ignores), then SIGKILL after KillWait (1 s on the localhost cluster).
+    job.cancel(check=True)
+    with pytest.raises(slurm.SlurmJobFailed, match=rf"Slurm job {job.job_id} .* logs: "):
+        slurm.wait(job, root)
+    for arm in ("baseline-0", "deterministic-0"):
+        for rank, records in step_lines(root / arm).items():
+            steps = [r["step"] for r in records]
+            assert steps[: timed.latest()] == list(range(1, timed.latest() + 1)), (arm, rank)
