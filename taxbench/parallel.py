@@ -1,0 +1,235 @@
+"""Parallel layout of one run: a DeviceMesh from the recipe's ParallelConfig and the world size, and the model wrapped
+for it (DDP or FSDP2 fully_shard over data parallel, DTensor tensor parallel, expert parallel over all_to_all).
+
+Rank order is (edp, ep, tp) with tp innermost: tp ranks are neighbours (NVLink on one node), the expert-parallel group
+is carved out of data parallel (dp = edp * ep, as in Megatron), and dp_rank = rank // tp. Pipeline parallelism is
+planned (`plan=true`) but not executed by the trainer.
+
+Communicators are created under the arm's NCCL_ALGO (see taxbench.distributed), one mesh per arm and layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+from taxbench.config import ConfigError, DataParallel, ParallelConfig, PolicyConfig, RecipeConfig
+from taxbench.distributed import DistContext
+from taxbench.policy import arm_environment
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    dp: int
+    tp: int
+    pp: int
+    ep: int
+    data_parallel: str  # ddp | fsdp | none
+    rank: int
+    dp_rank: int
+    tp_rank: int
+    ep_rank: int
+    mesh_shape: tuple[int, ...]
+    mesh_dims: tuple[str, ...]
+
+    def manifest(self) -> dict[str, Any]:
+        record = asdict(self)
+        record["mesh_shape"], record["mesh_dims"] = list(self.mesh_shape), list(self.mesh_dims)
+        return record
+
+
+def layout_for(par: ParallelConfig, world_size: int, rank: int) -> Layout:
+    """The trainer's layout for this rank (the recipe was checked by config.validate)."""
+    if par.pp != 1:
+        raise ConfigError(
+            f"recipe.parallel.pp={par.pp}: pipeline parallelism is planned (plan=true) but not executed by the "
+            "trainer; set recipe.parallel.pp=1 to run"
+        )
+    if world_size % par.tp or (world_size // par.tp) % par.ep:
+        raise ConfigError(
+            f"world size {world_size} does not factor as dp*tp with ep | dp for tp={par.tp}, ep={par.ep}; change "
+            "cluster.cpu_ranks / cluster.gpus or recipe.parallel"
+        )
+    dp = world_size // par.tp
+    data_parallel = par.data_parallel.value if world_size > 1 else "none"
+    return Layout(
+        world_size=world_size, dp=dp, tp=par.tp, pp=par.pp, ep=par.ep, data_parallel=data_parallel, rank=rank,
+        dp_rank=rank // par.tp, tp_rank=rank % par.tp, ep_rank=(rank // par.tp) % par.ep,
+        mesh_shape=(dp // par.ep, par.ep, par.tp), mesh_dims=("edp", "ep", "tp"),
+    )
+
+
+@dataclass(frozen=True)
+class Meshes:
+    full: DeviceMesh  # (edp, ep, tp)
+    dp: DeviceMesh  # edp and ep flattened: the data-parallel dimension
+
+
+_MESHES: dict[tuple[str, str, tuple[int, ...]], Meshes] = {}
+
+
+def _meshes(layout: Layout, device_type: str, arm_policy: PolicyConfig) -> Meshes:
+    key = (arm_policy.name, device_type, layout.mesh_shape)
+    if key not in _MESHES:
+        with arm_environment(arm_policy):
+            mesh = init_device_mesh(device_type, layout.mesh_shape, mesh_dim_names=layout.mesh_dims)
+            _MESHES[key] = Meshes(mesh, mesh["edp", "ep"]._flatten("dp"))
+    return _MESHES[key]
+
+
+def expert_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if callable(getattr(m, "enable_expert_parallel", None))]
+
+
+def tensor_parallel_plan(model: nn.Module) -> dict[str, Any]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from taxbench.workloads.dense import MLP, CausalSelfAttention
+
+    plan: dict[str, Any] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, CausalSelfAttention):
+            plan[f"{name}.qkv"], plan[f"{name}.proj"] = ColwiseParallel(), RowwiseParallel()
+        elif isinstance(module, MLP):
+            plan[f"{name}.up"], plan[f"{name}.down"] = ColwiseParallel(), RowwiseParallel()
+    if not plan:
+        raise ConfigError(
+            f"recipe.parallel.tp>1 needs a model with taxbench attention/MLP blocks to shard; {type(model).__name__} "
+            "has none (custom models run with tp=1)"
+        )
+    return plan
+
+
+class ParallelModel:
+    """The model as the trainer drives it: forward module, gradient-sync control, gradient finishing and clipping."""
+
+    def __init__(self, raw: nn.Module, module: nn.Module, layout: Layout, mesh: DeviceMesh | None,
+                 group: dist.ProcessGroup | None, expert_params: list[nn.Parameter]) -> None:
+        self.raw, self.module, self.layout, self.mesh, self.group = raw, module, layout, mesh, group
+        self.expert_params = expert_params
+        self._expert_ids = {id(p) for p in expert_params}
+        self._generic_clip = layout.ep > 1 or any(isinstance(p, DTensor) for p in raw.parameters())
+
+    @contextmanager
+    def gradient_sync(self, enabled: bool) -> Iterator[None]:
+        """Skip the data-parallel gradient reduction on all but the last micro-batch of a step."""
+        if isinstance(self.module, nn.parallel.DistributedDataParallel) and not enabled:
+            with self.module.no_sync():
+                yield
+            return
+        set_sync = getattr(self.module, "set_requires_gradient_sync", None)  # FSDP2
+        if callable(set_sync):
+            set_sync(enabled)
+        with nullcontext():
+            yield
+
+    def finish_gradients(self) -> None:
+        """Expert gradients, which DDP leaves alone, become the mean over all data-parallel ranks."""
+        if not self.expert_params or self.mesh is None:
+            return
+        edp_group = self.mesh["edp"].get_group() if self.mesh["edp"].size() > 1 else None
+        for param in self.expert_params:
+            if param.grad is None:
+                continue
+            if edp_group is not None:
+                dist.all_reduce(param.grad, group=edp_group)
+            param.grad.div_(self.layout.dp)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the norm of the whole model's gradient (all shards), identical on every rank; returns the norm."""
+        params = [p for p in self.raw.parameters() if p.grad is not None]
+        if not self._generic_clip:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        # Sum of squares of the local shards, each divided by how many ranks hold that same shard, summed over the
+        # world: every element of every parameter counts exactly once.
+        world = self.layout.world_size
+        device = params[0].grad.device if params else torch.device("cpu")
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for param in params:
+            grad = param.grad
+            if isinstance(grad, DTensor):
+                shards = 1
+                for dim, placement in enumerate(grad.placements):
+                    if isinstance(placement, Shard):
+                        shards *= grad.device_mesh.size(dim)
+                holders = world // shards
+                local = grad.to_local()
+            else:
+                holders = world // self.layout.ep if id(param) in self._expert_ids else world
+                local = grad
+            total = total + local.detach().float().pow(2).sum() / holders
+        if world > 1:
+            dist.all_reduce(total, group=self.group)
+        norm = total.sqrt()
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for param in params:
+            grad = param.grad
+            (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(scale.to(grad.dtype))
+        return norm
+
+
+def parallelize(model: nn.Module, recipe: RecipeConfig, ctx: DistContext, arm_policy: PolicyConfig) -> ParallelModel:
+    """Wrap `model` (already on ctx.device) for the recipe's layout; gradients of plain DDP runs stay as before."""
+    layout = layout_for(recipe.parallel, ctx.world_size, ctx.rank)
+    if ctx.world_size == 1:
+        return ParallelModel(model, model, layout, None, None, [])
+    group = ctx.group_for(arm_policy)
+    fsdp = recipe.parallel.data_parallel is DataParallel.fsdp
+    if layout.tp == 1 and layout.ep == 1:
+        if fsdp:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = DeviceMesh.from_group(group, ctx.device.type)
+            _fully_shard_blocks(model, mesh, fully_shard)
+            return ParallelModel(model, model, layout, None, group, [])
+        ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
+        return ParallelModel(model, ddp, layout, None, group, [])
+
+    meshes = _meshes(layout, ctx.device.type, arm_policy)
+    mesh = meshes.full
+    expert_params: list[nn.Parameter] = []
+    if layout.ep > 1:
+        experts = expert_modules(model)
+        if not experts:
+            raise ConfigError(f"recipe.parallel.ep={layout.ep} needs an MoE model (recipe.model.kind=moe)")
+        if fsdp:
+            raise ConfigError(
+                "expert parallelism (recipe.parallel.ep>1) runs with recipe.parallel.data_parallel=ddp in this "
+                "version; FSDP2 over experts needs per-expert meshes"
+            )
+        for module in experts:
+            module.enable_expert_parallel(mesh["ep"].get_group())
+            expert_params += [module.w_up, module.w_down]
+    if layout.tp > 1:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        parallelize_module(model, mesh["tp"], tensor_parallel_plan(model))
+    dp_mesh = meshes.dp
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        _fully_shard_blocks(model, dp_mesh, fully_shard)
+        return ParallelModel(model, model, layout, mesh, group, [])
+    if dp_mesh.size() == 1 and not expert_params:
+        return ParallelModel(model, model, layout, mesh, group, [])
+    if expert_params:
+        ignored = {id(p) for p in expert_params}
+        names = [name for name, p in model.named_parameters() if id(p) in ignored]
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+    ddp = nn.parallel.DistributedDataParallel(model, process_group=dp_mesh.get_group())
+    return ParallelModel(model, ddp, layout, mesh, group, expert_params)
+
+
+def _fully_shard_blocks(model: nn.Module, mesh: DeviceMesh, fully_shard: Any) -> None:
+    for block in getattr(model, "blocks", []):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
