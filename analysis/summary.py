@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 from rich.console import Console
 from rich.table import Table
 
@@ -54,11 +55,22 @@ class ExperimentSummary:
         }
 
 
-def analyse(root: Path) -> ExperimentSummary:
-    manifest = load_manifest(root / "deterministic-0")
+@dataclass
+class ExperimentAnalysis:
+    """A summary together with what it was computed from, for reports and wandb."""
+
+    summary: ExperimentSummary
+    runs: dict[str, pd.DataFrame]  # run name -> step records of all ranks
+    manifests: dict[str, dict[str, Any]]  # run name -> manifest.json
+
+
+def analyse_experiment(root: Path) -> ExperimentAnalysis:
+    names = sorted({n for g in GATES for n in g[1:3]})
+    manifests = {name: load_manifest(root / name) for name in names}
+    manifest = manifests["deterministic-0"]
     config = manifest["config"]
     experiment = config["experiment"]
-    runs = {name: load_run(root / name) for name in {n for g in GATES for n in g[1:3]}}
+    runs = {name: load_run(root / name) for name in names}
     tax = estimate_tax(runs["baseline-0"], runs["deterministic-0"], experiment["warmup_steps"],
                        experiment["confidence"])
     verdicts = []
@@ -77,45 +89,50 @@ def analyse(root: Path) -> ExperimentSummary:
         steps_needed=steps_for_half_width(cv) if math.isfinite(cv) else 0,
     )
     (root / SUMMARY_FILE).write_text(json.dumps(summary.to_dict(), indent=2), encoding="utf-8")
-    return summary
+    return ExperimentAnalysis(summary, runs, manifests)
+
+
+def analyse(root: Path) -> ExperimentSummary:
+    return analyse_experiment(root).summary
 
 
 def _pct(value: float) -> str:
     return "n/a" if not math.isfinite(value) else f"{value * 100:+.2f}%"
 
 
-def render(summary: ExperimentSummary, console: Console | None = None) -> None:
+def gate_outcome(verdict: Verdict, strict: bool) -> str:
+    """One line per gate: the verdict, and where a failing gate first differs."""
+    if verdict.agree:
+        after = f" after step {verdict.from_step}" if verdict.from_step else ""
+        return f"[green]bitwise identical[/green] ({verdict.compared_steps} steps{after})"
+    m = verdict.first_mismatch
+    assert m is not None
+    label = "[red]DIFFERS[/red]" if strict else "[yellow]differs[/yellow]"
+    return f"{label} first at step {m.step}, rank {m.rank}, {m.metric}"
+
+
+def render(summary: ExperimentSummary, console: Console | None = None, report_path: Path | None = None) -> None:
+    """The final console summary: one compact table that fits an 80-column terminal."""
     console = console or Console()
     tax = summary.tax
-    console.print(f"[bold]{summary.experiment}[/bold]  recipe={summary.recipe}  ranks={summary.world_size}  "
-                  f"device={summary.device}  results: {summary.root}")
-    timing = Table(title="Step time (steady state)", show_edge=False)
-    for column in ("arm", "median step", "CV"):
-        timing.add_column(column)
-    timing.add_row("baseline", f"{tax.baseline_median_s * 1e3:.2f} ms", f"{tax.baseline_cv * 100:.1f}%")
-    timing.add_row("deterministic", f"{tax.deterministic_median_s * 1e3:.2f} ms", f"{tax.deterministic_cv * 100:.1f}%")
-    console.print(timing)
     level = int(round(tax.confidence * 100))
-    console.print(
-        f"Determinism tax: [bold]{_pct(tax.tax)}[/bold]  {level}% CI [{_pct(tax.low)}, {_pct(tax.high)}]  "
-        f"(Hodges-Lehmann {_pct(tax.hl_tax)} [{_pct(tax.hl_low)}, {_pct(tax.hl_high)}]; {tax.pairs} block pairs, "
-        f"warmup {tax.warmup_steps} steps)"
-    )
-    if tax.drifting:
-        console.print("[yellow]warning: step times still drifting (MSER-5 hit its cap); run more steps[/yellow]")
-    if summary.steps_needed and summary.steps_needed > tax.pairs:
-        console.print(f"for a +/-0.5% interval at this noise level: ~{summary.steps_needed} steps per arm")
-    gates = Table(title="Bitwise gates", show_edge=False)
-    for column in ("gate", "runs", "verdict", "first mismatch (step, rank, metric)"):
-        gates.add_column(column)
+    table = Table(box=None, show_header=False, pad_edge=False, padding=(0, 1),
+                  title=f"[bold]{summary.experiment}[/bold]  {summary.recipe} | {summary.world_size} ranks | "
+                        f"{summary.device}", title_justify="left")
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(overflow="fold")
+    table.add_row("tax", f"[bold]{_pct(tax.tax)}[/bold]  {level}% CI [{_pct(tax.low)}, {_pct(tax.high)}]  "
+                         f"HL {_pct(tax.hl_tax)}")
+    table.add_row("step time", f"baseline {tax.baseline_median_s * 1e3:.2f} ms (CV {tax.baseline_cv * 100:.1f}%)  "
+                               f"deterministic {tax.deterministic_median_s * 1e3:.2f} ms "
+                               f"(CV {tax.deterministic_cv * 100:.1f}%)")
     for verdict, (_, _, _, strict) in zip(summary.verdicts, GATES, strict=True):
-        if verdict.agree:
-            outcome = f"[green]bitwise identical[/green] ({verdict.compared_steps} steps)"
-            where = "-"
-        else:
-            outcome = "[red]DIFFERS[/red]" if strict else "[yellow]differs[/yellow]"
-            m = verdict.first_mismatch
-            assert m is not None
-            where = f"step {m.step}, rank {m.rank}, {m.metric}"
-        gates.add_row(verdict.gate, f"{verdict.reference} vs {verdict.candidate}", outcome, where)
-    console.print(gates)
+        table.add_row(verdict.gate, gate_outcome(verdict, strict))
+    if tax.drifting:
+        table.add_row("[yellow]warning[/yellow]", "step times still drifting (MSER-5 hit its cap); run more steps")
+    sample = f"{tax.pairs} block pairs after {tax.warmup_steps} warmup steps"
+    if summary.steps_needed and summary.steps_needed > tax.pairs * 2:
+        sample += f"; +/-0.5% needs ~{summary.steps_needed} steps/arm"
+    table.add_row("sample", sample)
+    table.add_row("results", summary.root if report_path is None else f"{summary.root}\n{report_path}")
+    console.print(table)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import pandas as pd
 
 from taxbench.records import METRICS
@@ -36,10 +37,15 @@ def compare_runs(
     gate: str, reference_name: str, reference: pd.DataFrame, candidate_name: str, candidate: pd.DataFrame,
     from_step: int = 0,
 ) -> Verdict:
-    """Bitwise agreement on every step > from_step; the first mismatch by (step, rank, metric order)."""
+    """Bitwise agreement on every step > from_step; the first mismatch by (step, rank, metric order).
+
+    Both frames are sorted by (step, rank), as analysis.records.load_run returns them.
+    """
     columns = ["step", "rank", *METRICS]
     ref = reference.loc[reference["step"] > from_step, columns]
     cand = candidate.loc[candidate["step"] > from_step, columns]
+    if _same_keys(ref, cand):
+        return _compare_aligned(gate, reference_name, ref, candidate_name, cand, from_step)
     merged = ref.merge(cand, on=["step", "rank"], how="outer", suffixes=("_ref", "_cand"), indicator=True)
     merged = merged.sort_values(["step", "rank"], kind="stable")
     candidates: list[Mismatch] = []
@@ -61,3 +67,28 @@ def compare_runs(
                                    str(row[f"{metric}_ref"]), str(row[f"{metric}_cand"])))
     first = min(candidates, key=lambda m: (m.step, m.rank)) if candidates else None
     return Verdict(gate, reference_name, candidate_name, first is None, int(both["step"].nunique()), first, from_step)
+
+
+def _same_keys(ref: pd.DataFrame, cand: pd.DataFrame) -> bool:
+    return (
+        len(ref) == len(cand)
+        and bool((ref["step"].to_numpy() == cand["step"].to_numpy()).all())
+        and bool((ref["rank"].to_numpy() == cand["rank"].to_numpy()).all())
+    )
+
+
+def _compare_aligned(
+    gate: str, reference_name: str, ref: pd.DataFrame, candidate_name: str, cand: pd.DataFrame, from_step: int
+) -> Verdict:
+    """Fast path for the usual case (same steps and ranks in the same order): column-wise comparison, no merge."""
+    differs = np.column_stack([ref[m].to_numpy() != cand[m].to_numpy() for m in METRICS])
+    compared = int(ref["step"].nunique())
+    bad = np.flatnonzero(differs.any(axis=1))
+    if bad.size == 0:
+        return Verdict(gate, reference_name, candidate_name, True, compared, None, from_step)
+    # Rows are sorted by (step, rank), so the first differing row is the first mismatch.
+    row = int(bad[0])
+    metric = METRICS[int(np.argmax(differs[row]))]
+    mismatch = Mismatch(int(ref["step"].iat[row]), int(ref["rank"].iat[row]), metric,
+                        str(ref[metric].iat[row]), str(cand[metric].iat[row]))
+    return Verdict(gate, reference_name, candidate_name, False, compared, mismatch, from_step)

@@ -15,7 +15,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from taxbench.config import ConfigError, Launcher, TaxbenchConfig, register_configs, to_typed, validate
+from taxbench.config import ConfigError, Launcher, ReportConfig, TaxbenchConfig, register_configs, to_typed, validate
 from taxbench.pairing import validate_pair
 
 EXIT_CONFIG_ERROR = 2
@@ -39,6 +39,10 @@ def prepare(raw: DictConfig) -> tuple[TaxbenchConfig, dict[str, Any]]:
 
 def experiment_root(cfg: TaxbenchConfig) -> Path:
     root = Path(cfg.experiment.out_dir) / cfg.experiment.name
+    if _is_multirun():  # the points of a sweep share experiment.name: each gets its own folder under it
+        from hydra.core.hydra_config import HydraConfig
+
+        root = root / f"point{HydraConfig.get().job.num}"
     if (root / "deterministic-0").exists():
         raise ConfigError(
             f"{root} already holds results; pick another experiment.name (or out_dir) instead of overwriting them"
@@ -46,34 +50,65 @@ def experiment_root(cfg: TaxbenchConfig) -> Path:
     return root
 
 
-def launch(cfg: TaxbenchConfig, container: dict[str, Any], root: Path) -> None:
+def launch(cfg: TaxbenchConfig, container: dict[str, Any], root: Path) -> bool:
+    """Run the experiment; False when it was only queued (Slurm points of a multirun: the sweep report waits)."""
     from taxbench.launchers.local import launch_inprocess, launch_local
 
     if cfg.cluster.launcher is Launcher.local:
         launch_local(cfg, container, root)
     elif cfg.cluster.launcher is Launcher.inprocess:
         launch_inprocess(cfg, container, root)
+    elif cfg.cluster.launcher is Launcher.slurm:
+        try:
+            from taxbench.launchers.slurm import launch_slurm
+        except ImportError as exc:
+            fail(f"cluster=slurm needs submitit ({exc}); install it with: pip install 'taxbench[slurm]'")
+        try:
+            return launch_slurm(cfg, container, root, block=not _is_multirun())
+        except ConfigError as exc:
+            fail(str(exc))
     else:
         raise ConfigError(f"cluster.launcher={cfg.cluster.launcher.value!r} is not available in this version")
+    return True
 
 
-def report(root: Path) -> int:
-    from taxbench.analysis.summary import analyse, render
+def report(
+    root: Path, settings: ReportConfig | None = None, group: str | None = None, strict_wandb: bool = False
+) -> int:
+    """Analyse an experiment (or a sweep folder), write its report and wandb run per settings, print the summary."""
+    from taxbench.analysis.publish import publish
 
-    summary = analyse(root)
-    render(summary)
-    return 0 if summary.deterministic_ok else EXIT_NOT_DETERMINISTIC
+    settings = settings or ReportConfig(html=False, wandb=False)
+    published = publish(root, settings, group=group, strict_wandb=strict_wandb)
+    return 0 if published.deterministic_ok else EXIT_NOT_DETERMINISTIC
+
+
+def run_plan(raw: DictConfig) -> int:
+    """plan=true: print the meta-device plan for cluster.gpus GPUs and exit; launches nothing, needs no GPU."""
+    from taxbench.plan import make_plan, render_plan
+
+    try:
+        plan = make_plan(to_typed(OmegaConf.to_container(raw, resolve=True)))  # type: ignore[arg-type]
+    except ConfigError as exc:
+        fail(str(exc))
+    print(render_plan(plan))
+    if not plan.valid:
+        fail(f"the parallel layout of recipe {plan.recipe} does not fit cluster.gpus={plan.gpus} (see above)")
+    return 0
 
 
 def run_experiment(raw: DictConfig) -> int:
+    if raw.get("plan", False):
+        return run_plan(raw)
     try:
         cfg, container = prepare(raw)
         root = experiment_root(cfg)
     except ConfigError as exc:
         fail(str(exc))
     root.mkdir(parents=True, exist_ok=True)
-    launch(cfg, container, root)
-    return report(root)
+    if not launch(cfg, container, root):
+        return 0
+    return report(root, cfg.report, group=root.parent.name if _is_multirun() else None)
 
 
 register_configs()
@@ -98,17 +133,52 @@ def subcommand(argv: list[str]) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     analyse_cmd = sub.add_parser("analyse", help="re-analyse an experiment directory and print its summary")
     analyse_cmd.add_argument("root", type=Path)
+    report_cmd = sub.add_parser("report", help="write report/report.html and report.md for an experiment or sweep")
+    report_cmd.add_argument("root", type=Path, help="an experiment directory, or a folder of experiments (sweep)")
+    report_cmd.add_argument("--wandb", action="store_true", help="also log to wandb (offline unless WANDB_MODE is set)")
+    report_cmd.add_argument("--wandb-project", default=ReportConfig.wandb_project)
+    report_cmd.add_argument("--wandb-group", default=None, help="wandb group (default: the sweep folder's name)")
+    shards_cmd = sub.add_parser("build-shards", help="tokenize a text file (bytes) into a token-shard folder")
+    shards_cmd.add_argument("text_file", type=Path)
+    shards_cmd.add_argument("out_dir", type=Path)
+    shards_cmd.add_argument("--tokens-per-shard", type=int, default=1 << 24)
+    shards_cmd.add_argument("--dtype", choices=["uint16", "uint32"], default="uint16")
+    from taxbench.tracing.commands import TRACING_COMMANDS, add_tracing_parsers, input_errors, run_tracing_command
+
+    add_tracing_parsers(sub)
     args = parser.parse_args(argv)
+    if args.command in TRACING_COMMANDS:
+        try:
+            return run_tracing_command(args)
+        except input_errors() as exc:
+            fail(str(exc))
+    if args.command == "build-shards":
+        from taxbench.datasets.build import build_shards_command
+        from taxbench.datasets.shards import ShardError
+
+        try:
+            return build_shards_command(args.text_file, args.out_dir, args.tokens_per_shard, args.dtype)
+        except ShardError as exc:
+            fail(str(exc))
     from taxbench.analysis.records import RecordError
 
     try:
+        if args.command == "report":
+            from taxbench.analysis.wandb_log import WandbUnavailable
+
+            settings = ReportConfig(html=True, wandb=args.wandb, wandb_project=args.wandb_project,
+                                    wandb_group=args.wandb_group)
+            try:
+                return report(args.root, settings, strict_wandb=True)
+            except WandbUnavailable as exc:
+                fail(str(exc))
         return report(args.root)
     except (RecordError, FileNotFoundError) as exc:
         fail(str(exc))
     return 0
 
 
-SUBCOMMANDS = {"analyse"}
+SUBCOMMANDS = {"analyse", "build-shards", "report", "diff", "localize"}
 
 
 def main() -> None:

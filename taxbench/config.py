@@ -45,7 +45,7 @@ class DataParallel(str, Enum):
 class ModelConfig:
     kind: str = "dense"  # a name from taxbench.workloads (dense, moe), or "custom" with `factory`
     # kind=custom: a Hydra node {_target_: my_pkg.build, ...kwargs} instantiated to an nn.Module (tokens -> logits)
-    factory: dict[str, Any] | None = None
+    factory: dict[str, Any] = field(default_factory=dict)
     vocab_size: int = 256
     seq_len: int = 64
     d_model: int = 64
@@ -148,7 +148,26 @@ class FaultConfig:
     replica: int = 1
     step: int = 3
     rank: int = 0
-    kind: str = "flip_param_bit"
+    kind: str = "flip_param_bit"  # flip_param_bit | perturb_collective | nondeterministic_op
+    module: str | None = None  # nondeterministic_op: module path, e.g. "blocks.1.ffn"
+    op: str | None = None  # nondeterministic_op: ATen op pattern, e.g. "aten.mm.default"
+
+
+@dataclass
+class TraceConfig:
+    """Tracing-ladder capture of chosen steps; records go to <run>/trace/trace.rank<R>.jsonl (see taxbench.tracing).
+
+    Traced steps run slower (fingerprints inside the timed step): keep `steps` narrow.
+    """
+
+    enabled: bool = False
+    rung: int = 1  # 1: collectives, optimizer step, checkpoint load; 2: + module outputs; 3: + ATen ops
+    steps: list[int] = field(default_factory=list)  # empty: every step
+    ranks: list[int] = field(default_factory=list)  # empty: every rank
+    runs: list[str] = field(default_factory=list)  # run names such as "deterministic-1"; empty: every run
+    modules: list[str] = field(default_factory=list)  # fnmatch patterns on module paths (covers submodules)
+    ops: list[str] = field(default_factory=list)  # fnmatch patterns on ATen op names, e.g. "aten.index_put_*"
+    max_numel: int = 0  # larger tensors are recorded by shape only (no digest); 0: no limit
 
 
 @dataclass
@@ -164,6 +183,7 @@ class ExperimentConfig:
     # Preemption safety: every run checkpoints every N blocks (0: never) and a restarted experiment resumes from there.
     checkpoint_every_blocks: int = 1
     fault: FaultConfig = field(default_factory=FaultConfig)
+    trace: TraceConfig = field(default_factory=TraceConfig)
 
 
 @dataclass
@@ -187,6 +207,9 @@ class TaxbenchConfig:
     # checked for comparability.
     arm_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
     experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+    # plan=true: build the model on the meta device, print parameter count, per-GPU memory and layout validity for
+    # cluster.gpus ranks, and exit without training (no GPU needed).
+    plan: bool = False
     report: ReportConfig = field(default_factory=ReportConfig)
 
 
@@ -227,6 +250,53 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def layout_problems(recipe: RecipeConfig, world: int) -> list[str]:
+    """Every reason the recipe's parallel layout cannot run on `world` ranks (empty when it can).
+
+    world = tp * pp * dp, and the expert-parallel group is carved out of data parallel (ep divides dp), as in Megatron.
+    """
+    par, model = recipe.parallel, recipe.model
+    problems = [f"recipe.parallel.{k}={v} must be >= 1" for k, v in (("tp", par.tp), ("pp", par.pp), ("ep", par.ep))
+                if v < 1]
+    if problems:
+        return problems
+    model_parallel = par.tp * par.pp
+    dp = world // model_parallel
+    if world % model_parallel:
+        problems.append(
+            f"world size {world} is not divisible by tp*pp = {par.tp}*{par.pp} = {model_parallel}; change cluster.gpus "
+            "(or cluster.cpu_ranks) or the recipe's parallel layout"
+        )
+    elif dp % par.ep:
+        problems.append(
+            f"data-parallel size dp = world/(tp*pp) = {world}/{model_parallel} = {dp} is not divisible by "
+            f"recipe.parallel.ep={par.ep} (expert parallelism is carved out of data parallelism); pick ep dividing {dp}"
+        )
+    if par.ep > 1 and model.n_experts % par.ep:
+        problems.append(
+            f"recipe.model.n_experts={model.n_experts} is not divisible by recipe.parallel.ep={par.ep}"
+            + ("; expert parallelism needs an MoE model (recipe.model.kind=moe)" if model.n_experts == 0 else "")
+        )
+    if model.n_experts and not 1 <= model.top_k <= model.n_experts:
+        problems.append(f"recipe.model.top_k={model.top_k} must be in [1, n_experts={model.n_experts}]")
+    if model.kind != "custom":
+        for key, value in (("n_heads", model.n_heads), ("d_ff", model.d_ff)):
+            if value % par.tp:
+                problems.append(f"recipe.model.{key}={value} is not divisible by recipe.parallel.tp={par.tp}")
+        if model.n_shared_experts and (model.moe_d_ff or model.d_ff) * model.n_shared_experts % par.tp:
+            problems.append(f"the shared-expert width is not divisible by recipe.parallel.tp={par.tp}")
+    if model.n_layers % par.pp:
+        problems.append(
+            f"recipe.model.n_layers={model.n_layers} is not divisible by recipe.parallel.pp={par.pp} (layers per stage)"
+        )
+    if dp and not world % model_parallel and recipe.global_batch_size % (recipe.micro_batch_size * dp):
+        problems.append(
+            f"recipe.global_batch_size={recipe.global_batch_size} is not divisible by micro_batch_size*dp = "
+            f"{recipe.micro_batch_size}*{dp}; pick a global batch that is a multiple of {recipe.micro_batch_size * dp}"
+        )
+    return problems
+
+
 def validate(cfg: TaxbenchConfig) -> None:
     """Cross-field rules; raises ConfigError naming the key, the value and the fix."""
     recipe, cluster, exp = cfg.recipe, cfg.cluster, cfg.experiment
@@ -265,30 +335,19 @@ def validate(cfg: TaxbenchConfig) -> None:
         recipe.model.d_model % recipe.model.n_heads == 0,
         f"recipe.model.d_model={recipe.model.d_model} is not divisible by recipe.model.n_heads={recipe.model.n_heads}",
     )
-    par = recipe.parallel
-    for key, value in (("tp", par.tp), ("pp", par.pp), ("ep", par.ep)):
-        _require(value >= 1, f"recipe.parallel.{key}={value} must be >= 1")
     ws = world_size(cluster)
-    model_parallel = par.tp * par.pp
-    _require(
-        ws % model_parallel == 0,
-        f"world size {ws} is not divisible by tp*pp = {par.tp}*{par.pp} = {model_parallel}; change cluster.gpus "
-        "(or cluster.cpu_ranks) or the recipe's parallel layout",
-    )
-    dp = ws // model_parallel
-    _require(
-        recipe.global_batch_size % (recipe.micro_batch_size * dp) == 0,
-        f"recipe.global_batch_size={recipe.global_batch_size} is not divisible by micro_batch_size*dp = "
-        f"{recipe.micro_batch_size}*{dp}; pick a global batch that is a multiple of {recipe.micro_batch_size * dp}",
-    )
+    problems = layout_problems(recipe, ws)
+    _require(not problems, "; ".join(problems))
     data = recipe.data
-    _require(data.kind in ("synthetic", "shards"), f"recipe.data.kind={data.kind!r} is unknown; choose synthetic or shards")
+    _require(data.kind in ("synthetic", "shards"),
+             f"recipe.data.kind={data.kind!r} is unknown; choose synthetic or shards")
     _require(data.num_workers >= 0, f"recipe.data.num_workers={data.num_workers} must be >= 0")
     if data.kind == "shards":
         from taxbench.datasets.shards import ShardError
         from taxbench.datasets.source import check_shard_recipe
 
         try:
+            dp = ws // (recipe.parallel.tp * recipe.parallel.pp)
             check_shard_recipe(data, recipe.model.vocab_size, recipe.model.seq_len, recipe.micro_batch_size, dp)
         except (ShardError, ImportError) as exc:
             raise ConfigError(f"recipe.data.path={data.path}: {exc}") from exc
@@ -298,3 +357,22 @@ def validate(cfg: TaxbenchConfig) -> None:
         _require(1 <= fault.step <= exp.steps, f"experiment.fault.step={fault.step} must be in [1, {exp.steps}]")
         _require(0 <= fault.rank < ws, f"experiment.fault.rank={fault.rank} must be in [0, {ws})")
         _require(fault.replica in (0, 1), f"experiment.fault.replica={fault.replica} must be 0 or 1")
+        fault_kinds = ("flip_param_bit", "perturb_collective", "nondeterministic_op")
+        _require(fault.kind in fault_kinds, f"experiment.fault.kind={fault.kind!r} must be one of {list(fault_kinds)}")
+        _require(
+            fault.kind != "perturb_collective" or ws >= 2,
+            "experiment.fault.kind=perturb_collective needs world size >= 2 (a gradient all-reduce to perturb)",
+        )
+        _require(
+            fault.kind != "nondeterministic_op" or bool(fault.module and fault.op),
+            "experiment.fault.kind=nondeterministic_op needs experiment.fault.module (e.g. blocks.1.ffn) and "
+            "experiment.fault.op (e.g. aten.mm.default)",
+        )
+    trace = exp.trace
+    if trace.enabled:
+        _require(trace.rung in (1, 2, 3), f"experiment.trace.rung={trace.rung} must be 1, 2 or 3")
+        _require(all(1 <= s <= exp.steps for s in trace.steps),
+                 f"experiment.trace.steps={list(trace.steps)} must lie in [1, {exp.steps}]")
+        _require(all(0 <= r < ws for r in trace.ranks),
+                 f"experiment.trace.ranks={list(trace.ranks)} must lie in [0, {ws})")
+        _require(trace.max_numel >= 0, f"experiment.trace.max_numel={trace.max_numel} must be >= 0 (0: no limit)")

@@ -62,4 +62,8 @@ def build_source(
 ) -> TokenSource:
     if cfg.kind == "synthetic":
         return SyntheticTokens(cfg.seed, vocab_size, seq_len, micro_batch, dp_rank, dp_size)
-    raise ConfigError(f"recipe.data.kind={cfg.kind!r} is unknown; choose one of ['synthetic']")
+    if cfg.kind == "shards":
+        from taxbench.datasets.source import build_shard_source
+
+        return build_shard_source(cfg, vocab_size, seq_len, micro_batch, dp_rank, dp_size)
+    raise ConfigError(f"recipe.data.kind={cfg.kind!r} is unknown; choose one of ['synthetic', 'shards']")

@@ -37,7 +37,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def init(rank: int, world_size: int, local_rank: int, device: Device, master_addr: str, master_port: int) -> DistContext:
+def init(
+    rank: int, world_size: int, local_rank: int, device: Device, master_addr: str, master_port: int
+) -> DistContext:
     if device is Device.cuda:
         if not torch.cuda.is_available():
             raise RuntimeError(

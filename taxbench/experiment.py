@@ -18,6 +18,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from taxbench import manifest, policy
+from taxbench.checkpoints import RunCheckpoints, commit, common_resume_step, finish
 from taxbench.config import ARM_NAMES, TaxbenchConfig
 from taxbench.distributed import DistContext
 from taxbench.records import run_name, write_manifest
@@ -84,51 +85,109 @@ class Experiment:
                 "config": OmegaConf.to_container(OmegaConf.structured(self.cfg), resolve=True),
                 "policy": OmegaConf.to_container(OmegaConf.structured(arm_policy)),
                 "policy_applied": applied,
+                # Rank 0's view (world, dp/tp/ep sizes, mesh); fingerprints stay per rank in steps.rank<R>.jsonl.
                 "layout": {
-                    "world_size": self.ctx.world_size,
+                    **trainer.parallel.layout.manifest(),
                     "backend": self.ctx.backend,
                     "grad_accum": trainer.grad_accum,
-                    "data_parallel": "ddp" if self.ctx.world_size > 1 else "none",
-                    "tp": self.cfg.recipe.parallel.tp,
-                    "pp": self.cfg.recipe.parallel.pp,
-                    "ep": self.cfg.recipe.parallel.ep,
                 },
                 "stack": stack,
             },
         )
 
     def run(self) -> None:
-        exp = self.cfg.experiment
-        rounds = exp.steps // exp.block_steps
-        timed = {arm: self._trainer(ref) for arm, ref in TIMED.items()}
-        for block, order in enumerate(arm_order(exp.order_seed, rounds)):
-            for arm in order:
-                timed[arm].run_block(exp.block_steps, block, self.on_step)
-        for trainer in timed.values():
-            trainer.close()
-        del timed
-
+        """Run the schedule. Restarted after a preemption, it skips finished runs and resumes unfinished ones from
+        their last complete checkpoint (records written past it are dropped, so nothing is duplicated)."""
+        self._run_timed_pair()
         self._run_whole(REPEAT)
         self._run_resumed()
         self._run_whole(BASELINE_REPEAT)
 
-    def _run_whole(self, ref: RunRef, steps: int | None = None, trainer: Trainer | None = None) -> Trainer:
-        exp = self.cfg.experiment
-        trainer = trainer or self._trainer(ref)
-        remaining = exp.steps - trainer.step if steps is None else steps
-        while remaining > 0:
-            n = min(exp.block_steps - trainer.step % exp.block_steps, remaining)
-            trainer.run_block(n, trainer.step // exp.block_steps, self.on_step)
-            remaining -= n
-        trainer.close()
+    def _checkpoints(self, ref: RunRef) -> RunCheckpoints:
+        return RunCheckpoints(self.root / ref.name, self.ctx.rank)
+
+    def _start(self, ref: RunRef, step: int | None) -> Trainer:
+        """A trainer for `ref` at `step` (None: from scratch, dropping records of an interrupted earlier attempt)."""
+        trainer = self._trainer(ref)
+        if step is None:
+            trainer.writer.truncate_after(0)
+        else:
+            trainer.load_checkpoint(self._checkpoints(ref).path(step))
         return trainer
+
+    def _skip(self, steps: int) -> None:
+        if self.on_step is not None:
+            for _ in range(steps):
+                self.on_step()
+
+    def _checkpoint_due(self, step: int) -> bool:
+        exp = self.cfg.experiment
+        every = exp.checkpoint_every_blocks * exp.block_steps
+        return every > 0 and step < exp.steps and step % every == 0
+
+    def _run_timed_pair(self) -> None:
+        exp = self.cfg.experiment
+        progress = {arm: self._checkpoints(ref) for arm, ref in TIMED.items()}
+        if all(p.finished for p in progress.values()):
+            self._skip(2 * exp.steps)
+            return
+        # Both arms resume from the same block boundary, so every round still holds one block of each arm.
+        start = common_resume_step(list(progress.values()))
+        timed = {arm: self._start(ref, start) for arm, ref in TIMED.items()}
+        self._skip(2 * (start or 0))
+        first_block = (start or 0) // exp.block_steps
+        for block, order in enumerate(arm_order(exp.order_seed, exp.steps // exp.block_steps)):
+            if block < first_block:
+                continue
+            for arm in order:
+                timed[arm].run_block(exp.block_steps, block, self.on_step)
+            step = (block + 1) * exp.block_steps
+            if self._checkpoint_due(step):
+                commit(step, [(progress[arm], timed[arm]) for arm in ARM_NAMES])
+        for trainer in timed.values():
+            trainer.close()
+        finish(list(progress.values()))
+
+    def _advance(self, ref: RunRef, trainer: Trainer, until: int) -> None:
+        exp = self.cfg.experiment
+        checkpoints = self._checkpoints(ref)
+        while trainer.step < until:
+            n = min(exp.block_steps - trainer.step % exp.block_steps, until - trainer.step)
+            trainer.run_block(n, trainer.step // exp.block_steps, self.on_step)
+            if self._checkpoint_due(trainer.step):
+                commit(trainer.step, [(checkpoints, trainer)])
+
+    def _run_whole(self, ref: RunRef) -> None:
+        exp = self.cfg.experiment
+        checkpoints = self._checkpoints(ref)
+        if checkpoints.finished:
+            self._skip(exp.steps)
+            return
+        start = checkpoints.latest()
+        trainer = self._start(ref, start)
+        self._skip(start or 0)
+        self._advance(ref, trainer, exp.steps)
+        trainer.close()
+        finish([checkpoints])
 
     def _run_resumed(self) -> None:
         exp = self.cfg.experiment
-        checkpoint = self.root / RESUMED.name / "checkpoints" / f"step{exp.resume_step}.rank{self.ctx.rank}.pt"
-        first = self._run_whole(RESUMED, steps=exp.resume_step)
-        first.save_checkpoint(checkpoint)
-        del first
-        resumed = self._trainer(RESUMED)
-        resumed.load_checkpoint(checkpoint)
-        self._run_whole(RESUMED, trainer=resumed)
+        checkpoints = self._checkpoints(RESUMED)
+        if checkpoints.finished:
+            self._skip(exp.steps)
+            return
+        start = checkpoints.latest()
+        self._skip(start or 0)
+        if start is None or start < exp.resume_step:
+            first = self._start(RESUMED, start)
+            self._advance(RESUMED, first, exp.resume_step)
+            if exp.resume_step not in checkpoints.complete():
+                commit(exp.resume_step, [(checkpoints, first)])
+            first.close()
+            del first
+            start = exp.resume_step
+        # The restart-replay gate: a fresh trainer continues from the checkpoint.
+        resumed = self._start(RESUMED, start)
+        self._advance(RESUMED, resumed, exp.steps)
+        resumed.close()
+        finish([checkpoints])

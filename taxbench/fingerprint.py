@@ -25,10 +25,10 @@ def _signed(value: int) -> int:
 _M1 = _signed(0xBF58476D1CE4E5B9)
 _M2 = _signed(0x94D049BB133111EB)
 _GOLDEN = _signed(0x9E3779B97F4A7C15)
-_DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(sorted((str(d) for d in (
+_DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(sorted(str(d) for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
     torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
-))))}
+)))}
 
 
 def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:

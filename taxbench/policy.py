@@ -62,7 +62,8 @@ def validate_policy(policy: PolicyConfig, device: Device) -> None:
         if policy.nccl_algo not in VALID_DETERMINISTIC_NCCL_ALGOS:
             raise PolicyError(
                 f"mode {policy.name!r}: nccl_algo={policy.nccl_algo!r} is not accepted for deterministic runs "
-                f"(Tree and NVLS reduce in a topology-dependent order); use one of {list(VALID_DETERMINISTIC_NCCL_ALGOS)}"
+                "(Tree and NVLS reduce in a topology-dependent order); "
+                f"use one of {list(VALID_DETERMINISTIC_NCCL_ALGOS)}"
             )
         if policy.allow_tf32 or policy.cudnn_benchmark:
             raise PolicyError(

@@ -42,7 +42,8 @@ def step_progress(total: int, description: str, enabled: bool = True) -> Iterato
             elapsed = time.perf_counter() - start
             rate = done / elapsed if elapsed > 0 else 0.0
             eta = (total - done) / rate if rate > 0 else 0.0
-            print(f"{description}: {done}/{total} steps, {rate:.1f} steps/s, ETA {eta:.0f}s", file=sys.stderr, flush=True)
+            line = f"{description}: {done}/{total} steps, {rate:.1f} steps/s, ETA {eta:.0f}s"
+            print(line, file=sys.stderr, flush=True)
             next_report += max(1, total // 10)
 
     yield advance

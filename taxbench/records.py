@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from taxbench.redaction import redact
+
 SCHEMA_VERSION = 1
 
 # Fingerprinted metrics in the order they are produced within a step; the first mismatch is reported in this order.
@@ -70,5 +72,6 @@ class StepWriter:
 def write_manifest(run_dir: Path, manifest: dict[str, Any]) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps({"schema_version": SCHEMA_VERSION, **manifest}, indent=2, default=str), encoding="utf-8")
+    text = json.dumps({"schema_version": SCHEMA_VERSION, **redact(manifest)}, indent=2, default=str)
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, run_dir / MANIFEST)

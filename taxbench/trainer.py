@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,13 +18,15 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
 
 from taxbench import fingerprint, policy
 from taxbench.config import FaultConfig, PolicyConfig, Precision, TaxbenchConfig
 from taxbench.data import build_source
 from taxbench.distributed import DistContext
-from taxbench.records import StepWriter, steps_file
+from taxbench.parallel import layout_for, parallelize
+from taxbench.records import StepWriter, run_name, steps_file
+from taxbench.tracing.capture import tracer_for_run
+from taxbench.tracing.faults import STEP_FAULT_KINDS, step_fault
 from taxbench.workloads import build_model
 
 
@@ -112,8 +114,8 @@ class Trainer:
         self.step = 0
         self.grad_clip = recipe.optimizer.grad_clip
         self.autocast_dtype = torch.bfloat16 if recipe.precision is Precision.bf16 else None
-        dp_size = ctx.world_size // (recipe.parallel.tp * recipe.parallel.pp)
-        dp_rank = ctx.rank // (recipe.parallel.tp * recipe.parallel.pp)
+        layout = layout_for(recipe.parallel, ctx.world_size, ctx.rank)
+        dp_size, dp_rank = layout.dp, layout.dp_rank
         self.grad_accum = recipe.global_batch_size // (recipe.micro_batch_size * dp_size)
         self.tokens_per_step = self.grad_accum * recipe.micro_batch_size * recipe.model.seq_len
 
@@ -121,11 +123,8 @@ class Trainer:
         with policy.active(arm_policy):
             model = build_model(recipe.model, arm_policy.deterministic_kernels).to(ctx.device)
         self.raw_model = model
-        self.model: torch.nn.Module = (
-            DistributedDataParallel(model, process_group=ctx.group_for(arm_policy))
-            if ctx.world_size > 1
-            else model
-        )
+        self.parallel = parallelize(model, recipe, ctx, arm_policy)  # DDP / FSDP2 / TP / EP; see manifest "layout"
+        self.model: torch.nn.Module = self.parallel.module
         opt = recipe.optimizer
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, weight_decay=opt.weight_decay
@@ -137,6 +136,11 @@ class Trainer:
         self.timer = StepTimer(ctx.device)
         self.writer = StepWriter(steps_file(run_dir, ctx.rank))
         self._pending: list[tuple[dict[str, Any], Any, torch.Tensor]] = []
+        # Faults acting inside a step and the tracing-ladder capture; both None in ordinary runs (no per-step cost).
+        self._step_fault = step_fault(self.fault, self)
+        self.tracer = tracer_for_run(cfg.experiment.trace, run_name(arm, replica), run_dir, ctx.rank)
+        if self.tracer is not None:
+            self.tracer.attach(self)
 
     @contextmanager
     def activated(self) -> Iterator[None]:
@@ -153,18 +157,30 @@ class Trainer:
             _sync(self.ctx.device)
             window_start = time.perf_counter()
             for _ in range(steps):
-                self._train_step(block)
+                with self._step_scope():
+                    self._train_step(block)
                 if on_step is not None:
                     on_step()
             _sync(self.ctx.device)
             window = time.perf_counter() - window_start
             self._flush(window / steps)
 
+    def _step_scope(self) -> AbstractContextManager[None]:
+        if self._step_fault is None and self.tracer is None:
+            return nullcontext()
+        scope = ExitStack()
+        if self._step_fault is not None:  # entered first, so that the capture sees the faulty op's output
+            scope.enter_context(self._step_fault.around(self.step + 1))
+        if self.tracer is not None:
+            scope.enter_context(self.tracer.capture_step(self.step + 1))
+        return scope
+
     def _train_step(self, block: int) -> None:
         self.step += 1
         data_start = time.perf_counter()
         batches = [self.data.next_batch() for _ in range(self.grad_accum)]
-        batches = [(x.to(self.ctx.device, non_blocking=True), y.to(self.ctx.device, non_blocking=True)) for x, y in batches]
+        device = self.ctx.device
+        batches = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in batches]
         data_s = time.perf_counter() - data_start
 
         started = self.timer.start()
@@ -172,14 +188,14 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.ctx.device)
         for i, (inputs, targets) in enumerate(batches):
             last = i == len(batches) - 1
-            sync_ctx = self.model.no_sync() if isinstance(self.model, DistributedDataParallel) and not last else nullcontext()
-            with sync_ctx:
+            with self.parallel.gradient_sync(last):
                 loss = self._loss(inputs, targets)
                 (loss / self.grad_accum).backward()
             loss_sum += loss.detach()
+        self.parallel.finish_gradients()
         params = [p for p in self.raw_model.parameters() if p.grad is not None]
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        grad_norm = self.parallel.clip_grad_norm_(max_norm)
         self.optimizer.step()
         measured = self.timer.stop(started)
 
@@ -229,13 +245,13 @@ class Trainer:
 
     def _optimizer_tensors(self) -> Iterator[torch.Tensor]:
         for param in self.raw_model.parameters():
-            for key, value in sorted(self.optimizer.state.get(param, {}).items()):
+            for _, value in sorted(self.optimizer.state.get(param, {}).items()):
                 if isinstance(value, torch.Tensor):
                     yield value
 
     def _inject_fault(self) -> None:
         fault = self.fault
-        if fault is None or fault.step != self.step or fault.rank != self.ctx.rank:
+        if fault is None or fault.kind in STEP_FAULT_KINDS or fault.step != self.step or fault.rank != self.ctx.rank:
             return
         if fault.kind != "flip_param_bit":
             raise ValueError(f"experiment.fault.kind={fault.kind!r} is unknown; use 'flip_param_bit'")
@@ -291,10 +307,14 @@ class Trainer:
         self.rng = RngSnapshot.from_state_dict(state["rng"])
         self.step = int(state["step"])
         self.writer.truncate_after(self.step)
+        if self.tracer is not None:
+            self.tracer.checkpoint_loaded(self)
 
     def close(self) -> None:
         self._flush(None)
         self.writer.close()
+        if self.tracer is not None:
+            self.tracer.close()
 
 
 def _bits_to_float(bits: int) -> float:

@@ -76,7 +76,9 @@ def test_override_that_changes_nothing_is_accepted() -> None:
         (["+arm_overrides.baseline.cluster.cpu_ranks=4"], "cluster.cpu_ranks: baseline=4 deterministic=2"),
     ],
 )
-def test_cli_reports_bad_config_without_a_traceback(taxbench_cli, tmp_path: Path, args: list[str], expected: str) -> None:
+def test_cli_reports_bad_config_without_a_traceback(
+    taxbench_cli, tmp_path: Path, args: list[str], expected: str
+) -> None:
     result = taxbench_cli(*args, f"experiment.out_dir={tmp_path}", cwd=tmp_path, timeout=120)
     assert result.returncode != 0
     assert expected in result.stderr

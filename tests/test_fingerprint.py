@@ -91,4 +91,5 @@ def test_float_bits_are_exact() -> None:
     assert fingerprint.bits_hex(int(fingerprint.float_bits(torch.tensor(-0.0))), torch.float32) == "80000000"
     nudged = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
     assert fingerprint.bits_hex(int(fingerprint.float_bits(nudged)), torch.float32) == "3f800001"
-    assert fingerprint.bits_hex(int(fingerprint.float_bits(torch.tensor(1.0, dtype=torch.bfloat16))), torch.bfloat16) == "3f80"
+    one_bf16 = fingerprint.float_bits(torch.tensor(1.0, dtype=torch.bfloat16))
+    assert fingerprint.bits_hex(int(one_bf16), torch.bfloat16) == "3f80"

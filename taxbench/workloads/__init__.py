@@ -1,47 +1,48 @@
 """Model zoo: each workload maps token ids [batch, seq] to logits [batch, seq, vocab].
 
 A model may expose `aux_loss()` returning a scalar tensor (e.g. MoE load balancing) that the trainer adds to the loss.
-Custom models: `recipe.model.kind=custom recipe.model.target=my_pkg.my_module.factory`, where
-`factory(model_cfg, **recipe.model.kwargs)` returns such an nn.Module.
+Custom models use Hydra's `_target_` convention: `recipe.model.kind=custom` and `recipe.model.factory` a node such as
+`{_target_: my_pkg.models.build, width: 512, vocab_size: ${recipe.model.vocab_size}}`; `hydra.utils.instantiate`
+calls the factory with the other keys as keyword arguments and it must return such an nn.Module.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
 from torch import nn
 
 from taxbench.config import ConfigError, ModelConfig
 from taxbench.workloads.dense import build_dense
+from taxbench.workloads.moe import build_moe
 
 Builder = Callable[[ModelConfig, bool], nn.Module]
 
-BUILDERS: dict[str, Builder] = {"dense": build_dense}
+BUILDERS: dict[str, Builder] = {"dense": build_dense, "moe": build_moe}
 
 
-def _load_factory(target: str) -> Callable[..., nn.Module]:
-    module_name, _, attr = target.rpartition(".")
-    if not module_name:
-        raise ConfigError(f"recipe.model.target={target!r} must be a dotted path like 'my_pkg.models.build'")
+def _build_custom(cfg: ModelConfig) -> nn.Module:
+    if not cfg.factory or "_target_" not in cfg.factory:
+        raise ConfigError(
+            "recipe.model.kind=custom needs recipe.model.factory with a _target_, e.g. "
+            "'+recipe.model.factory={_target_: my_pkg.models.build}'"
+        )
+    target = cfg.factory["_target_"]
     try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"recipe.model.target={target!r} cannot be imported: {exc}") from exc
-    if not callable(factory):
-        raise ConfigError(f"recipe.model.target={target!r} is not callable")
-    return factory
+        model = instantiate(cfg.factory, _convert_="all")
+    except InstantiationException as exc:
+        raise ConfigError(f"recipe.model.factory._target_={target!r} could not be instantiated: {exc}") from exc
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"recipe.model.factory._target_={target!r} returned {type(model).__name__}, not an nn.Module")
+    return model
 
 
 def build_model(cfg: ModelConfig, deterministic_kernels: bool) -> nn.Module:
     """Build the recipe's model; `deterministic_kernels` selects fixed-order paths where a model has fast ones."""
     if cfg.kind == "custom":
-        if not cfg.target:
-            raise ConfigError("recipe.model.kind=custom needs recipe.model.target=<module.factory>")
-        model = _load_factory(cfg.target)(cfg, **cfg.kwargs)
-        if not isinstance(model, nn.Module):
-            raise ConfigError(f"recipe.model.target={cfg.target!r} returned {type(model).__name__}, not an nn.Module")
-        return model
+        return _build_custom(cfg)
     if cfg.kind not in BUILDERS:
         raise ConfigError(
             f"recipe.model.kind={cfg.kind!r} is unknown; choose one of {sorted(BUILDERS) + ['custom']}"

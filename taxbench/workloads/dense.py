@@ -12,17 +12,18 @@ from taxbench.config import ModelConfig
 class CausalSelfAttention(nn.Module):
     def __init__(self, d_model: int, n_heads: int) -> None:
         super().__init__()
-        self.n_heads = n_heads
+        self.head_dim = d_model // n_heads
+        # Output features are laid out head-major, [head][q|k|v][head_dim], so that tensor parallelism (column-wise
+        # sharding of qkv) gives every rank whole heads; the head count is read from the (local) output width.
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.proj = nn.Linear(d_model, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, dim = x.shape
-        q, k, v = self.qkv(x).split(dim, dim=2)
-        shape = (batch, seq, self.n_heads, dim // self.n_heads)
-        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+        batch, seq, _ = x.shape
+        qkv = self.qkv(x).view(batch, seq, -1, 3, self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(batch, seq, dim))
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class MLP(nn.Module):

@@ -1,0 +1,147 @@
+"""Sweeps: a folder whose subfolders hold experiment directories (Hydra multirun, Slurm arrays, or hand-made).
+
+An experiment directory is one holding `deterministic-0/manifest.json`. Each point's GPU count is its manifest's
+`layout.world_size`. A point that cannot be analysed (a crashed or unfinished job) stays in the table with its error
+instead of hiding the rest of the sweep.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+from rich.console import Console
+from rich.table import Table
+
+from taxbench.analysis.records import RecordError
+from taxbench.analysis.summary import GATES, ExperimentAnalysis, ExperimentSummary, analyse_experiment
+from taxbench.records import MANIFEST
+
+# Folders below the sweep root searched for experiments: <sweep>/<job>/<experiment>/ and one level more.
+MAX_DEPTH = 3
+SWEEP_FILE = "sweep.csv"
+GATE_LABELS = {"repeatability": "repeat", "restart_replay": "replay", "baseline_sanity": "baseline"}
+
+
+def is_experiment(path: Path) -> bool:
+    return (path / "deterministic-0" / MANIFEST).is_file()
+
+
+def find_experiments(root: Path, max_depth: int = MAX_DEPTH) -> list[Path]:
+    """Experiment directories under root (not root itself), sorted by path; no descent into an experiment."""
+
+    def walk(folder: Path, depth: int) -> Iterator[Path]:
+        if depth > max_depth:
+            return
+        try:
+            children = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+        except OSError:
+            return
+        for child in children:
+            if is_experiment(child):
+                yield child
+            elif child.name not in ("wandb", "report"):
+                yield from walk(child, depth + 1)
+
+    return list(walk(root, 1))
+
+
+@dataclass
+class SweepAnalysis:
+    root: Path
+    points: pd.DataFrame  # one row per experiment, sorted by (recipe, world_size)
+    summaries: list[ExperimentSummary] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)  # experiment path -> why it was not analysed
+
+    @property
+    def deterministic_ok(self) -> bool:
+        return not self.errors and all(s.deterministic_ok for s in self.summaries)
+
+
+POINT_COLUMNS = ("experiment", "path", "recipe", "device", "world_size", "tax", "low", "high", "hl_tax", "pairs",
+                 "confidence", "baseline_median_s", "deterministic_median_s", "deterministic_ok",
+                 *(gate for gate, *_ in GATES), "error")
+
+
+def point_row(summary: ExperimentSummary, root: Path) -> dict[str, object]:
+    tax = summary.tax
+    row: dict[str, object] = {
+        "experiment": summary.experiment,
+        "path": str(Path(summary.root).relative_to(root)) if Path(summary.root).is_relative_to(root) else summary.root,
+        "recipe": summary.recipe,
+        "device": summary.device,
+        "world_size": summary.world_size,
+        "tax": tax.tax,
+        "low": tax.low,
+        "high": tax.high,
+        "hl_tax": tax.hl_tax,
+        "pairs": tax.pairs,
+        "confidence": tax.confidence,
+        "baseline_median_s": tax.baseline_median_s,
+        "deterministic_median_s": tax.deterministic_median_s,
+        "deterministic_ok": summary.deterministic_ok,
+        "error": "",
+    }
+    for verdict in summary.verdicts:
+        row[verdict.gate] = "identical" if verdict.agree else "differs"
+    return row
+
+
+def analyse_sweep(
+    root: Path, on_experiment: Callable[[ExperimentAnalysis], None] | None = None
+) -> SweepAnalysis:
+    """Analyse every experiment under root; on_experiment sees each full analysis (e.g. to write its report)
+    before its step records are dropped, so a large sweep never holds more than one experiment in memory."""
+    experiments = find_experiments(root)
+    if not experiments:
+        raise RecordError(
+            f"{root}: no experiment directories (folders with deterministic-0/{MANIFEST}) within {MAX_DEPTH} levels; "
+            "pass an experiment directory or a sweep folder"
+        )
+    rows, summaries, errors = [], [], {}
+    for path in experiments:
+        try:
+            analysis = analyse_experiment(path)
+        except (RecordError, ValueError, KeyError, OSError) as exc:
+            errors[str(path)] = f"{type(exc).__name__}: {exc}"
+            rows.append({"experiment": path.name, "path": str(path.relative_to(root)), "error": errors[str(path)]})
+            continue
+        if on_experiment is not None:
+            on_experiment(analysis)
+        summaries.append(analysis.summary)
+        rows.append(point_row(analysis.summary, root))
+    points = pd.DataFrame(rows).reindex(columns=list(POINT_COLUMNS))
+    points = points.sort_values(["recipe", "world_size", "path"], na_position="last", kind="stable")
+    points = points.reset_index(drop=True)
+    points.to_csv(root / SWEEP_FILE, index=False)
+    return SweepAnalysis(root, points, summaries, errors)
+
+
+def _pct(value: object) -> str:
+    return "n/a" if not isinstance(value, float) or not math.isfinite(value) else f"{value * 100:+.2f}%"
+
+
+def render_sweep(sweep: SweepAnalysis, console: Console | None = None, report_path: Path | None = None) -> None:
+    """Compact console table: one line per sweep point."""
+    console = console or Console()
+    table = Table(title=f"[bold]sweep[/bold] {sweep.root}", title_justify="left", show_edge=False, pad_edge=False)
+    for column, justify in (("recipe", "left"), ("GPUs", "right"), ("tax", "right"), ("CI", "right"),
+                            ("gates", "left")):
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    for row in sweep.points.to_dict("records"):
+        if row["error"]:
+            table.add_row(str(row["experiment"]), "", "", "", f"[red]not analysed[/red]: {row['error'][:60]}")
+            continue
+        gates = " ".join(
+            ("[green]✓[/green]" if row[gate] == "identical" else "[red]✗[/red]" if strict else "[yellow]~[/yellow]")
+            + GATE_LABELS[gate]
+            for gate, _, _, strict in GATES
+        )
+        table.add_row(str(row["recipe"]), str(row["world_size"]), _pct(row["tax"]),
+                      f"[{_pct(row['low'])}, {_pct(row['high'])}]", gates)
+    console.print(table)
+    if report_path is not None:
+        console.print(f"report: {report_path}")
