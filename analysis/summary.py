@@ -131,7 +131,7 @@ def render(summary: ExperimentSummary, console: Console | None = None, report_pa
     if tax.drifting:
         table.add_row("[yellow]warning[/yellow]", "step times still drifting (MSER-5 hit its cap); run more steps")
     sample = f"{tax.pairs} block pairs after {tax.warmup_steps} warmup steps"
-    if summary.steps_needed and summary.steps_needed > tax.pairs * 2:
+    if summary.steps_needed > tax.steady_steps:
         sample += f"; +/-0.5% needs ~{summary.steps_needed} steps/arm"
     table.add_row("sample", sample)
     table.add_row("results", summary.root if report_path is None else f"{summary.root}\n{report_path}")

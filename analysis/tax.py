@@ -32,6 +32,7 @@ class TaxEstimate:
     baseline_cv: float
     deterministic_cv: float
     warmup_steps: int
+    steady_steps: int  # per arm, after the warmup cut
     drifting: bool
 
     def to_dict(self) -> dict:
@@ -111,5 +112,6 @@ def estimate_tax(
         baseline_cv=cv(post["baseline"]),
         deterministic_cv=cv(post["deterministic"]),
         warmup_steps=warmup,
+        steady_steps=len(post["baseline"]),
         drifting=any(cut.drifting for cut in cuts.values()),
     )

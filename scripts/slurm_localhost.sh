@@ -61,6 +61,8 @@ write_config() {
     host=$(hostname -s)
     mem=$(( $(awk '/MemTotal/ {print int($2/1024)}' /proc/meminfo) - 1024 ))
     mkdir -p "$DIR"/{state,spool,log,run,bin,munge,dev}
+    # munged runs as the munge user and must reach its socket folder, also when DIR came from `mktemp -d` (mode 0700).
+    chmod a+x "$DIR"
     local gres_types="" node_gres=""
     if [ "$FAKE_GPUS" -gt 0 ]; then
         gres_types="GresTypes=gpu"

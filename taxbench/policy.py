@@ -143,12 +143,37 @@ def apply_flags(policy: PolicyConfig) -> None:
     torch.backends.cudnn.allow_tf32 = policy.allow_tf32
 
 
+def _current_flags() -> dict[str, Any]:
+    return {
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "fill": torch.utils.deterministic.fill_uninitialized_memory,  # type: ignore[attr-defined]
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "matmul_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+    }
+
+
+def _restore_flags(flags: dict[str, Any]) -> None:
+    torch.use_deterministic_algorithms(flags["deterministic"], warn_only=flags["warn_only"])
+    torch.utils.deterministic.fill_uninitialized_memory = flags["fill"]  # type: ignore[attr-defined]
+    torch.backends.cudnn.deterministic = flags["cudnn_deterministic"]
+    torch.backends.cudnn.benchmark = flags["cudnn_benchmark"]
+    torch.backends.cuda.matmul.allow_tf32 = flags["matmul_tf32"]
+    torch.backends.cudnn.allow_tf32 = flags["cudnn_tf32"]
+
+
 @contextmanager
 def active(policy: PolicyConfig) -> Iterator[None]:
-    """Run a block of this arm's work under its flags and per-arm environment."""
+    """Run a block of this arm's work under its flags and per-arm environment; the previous flags come back after."""
+    saved = _current_flags()
     with arm_environment(policy):
         apply_flags(policy)
-        yield
+        try:
+            yield
+        finally:
+            _restore_flags(saved)
 
 
 def applied_state(device: Device) -> dict[str, Any]:

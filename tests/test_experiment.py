@@ -23,7 +23,8 @@ def run(taxbench_cli, tmp_path: Path, name: str, *extra: str):
 def test_two_rank_experiment_passes_the_gates_and_reports_the_tax(taxbench_cli, tmp_path: Path) -> None:
     result, root = run(taxbench_cli, tmp_path, "clean")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "Determinism tax" in result.stdout and "95% CI" in result.stdout
+    assert "95% CI [" in result.stdout and "baseline" in result.stdout and "deterministic" in result.stdout
+    assert result.stdout.count("bitwise identical") == 3
     summary = json.loads((root / "summary.json").read_text())
     assert summary["deterministic_ok"] is True
     gates = {v["gate"]: v for v in summary["verdicts"]}

@@ -20,10 +20,13 @@ MOE_TINY = ModelConfig(kind="moe", vocab_size=256, seq_len=64, d_model=64, n_lay
 
 @pytest.fixture
 def two_threads() -> Iterator[None]:
-    saved = torch.get_num_threads()
+    """Two intra-op threads and torch's deterministic algorithms off, as in a baseline rank on CPU."""
+    saved_threads, saved_deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(2)
+    torch.use_deterministic_algorithms(False)
     yield
-    torch.set_num_threads(saved)
+    torch.set_num_threads(saved_threads)
+    torch.use_deterministic_algorithms(saved_deterministic)
 
 
 def _train_step_bytes(cfg: ModelConfig, deterministic_kernels: bool) -> torch.Tensor:
