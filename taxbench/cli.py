@@ -1,8 +1,13 @@
 """Command line: `python -m taxbench [hydra overrides]` runs an experiment; subcommands work on results.
 
-    python -m taxbench                          # embedded default: dense_tiny, 2 gloo ranks on CPU
-    python -m taxbench +recipe=moe_tiny experiment.steps=120
-    python -m taxbench analyse runs/<experiment>  # re-analyse a finished experiment
+    python -m taxbench                              # embedded default: dense_tiny, 2 gloo ranks on CPU
+    python -m taxbench +recipe=moe_tiny cluster.threads_per_rank=2
+    python -m taxbench +recipe=moe_1t cluster.gpus=2432 plan=true
+    python -m taxbench analyse runs/<experiment>    # re-analyse and print the summary
+    python -m taxbench report runs/<experiment or sweep> [--wandb]
+    python -m taxbench diff RUN_A RUN_B             # tracing ladder: first origin per rank
+    python -m taxbench localize RUN_A RUN_B         # replay deeper rungs until an op is named
+    python -m taxbench build-shards corpus.txt shards/
 """
 
 from __future__ import annotations
@@ -128,57 +133,79 @@ def _is_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode.name == "MULTIRUN"
 
 
-def subcommand(argv: list[str]) -> int:
+def _analyse(args: argparse.Namespace) -> int:
+    return report(args.root)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from taxbench.analysis.wandb_log import WandbUnavailable
+
+    settings = ReportConfig(html=True, wandb=args.wandb, wandb_project=args.wandb_project,
+                            wandb_group=args.wandb_group)
+    try:
+        return report(args.root, settings, strict_wandb=True)
+    except WandbUnavailable as exc:
+        fail(str(exc))
+    return EXIT_CONFIG_ERROR
+
+
+def _build_shards(args: argparse.Namespace) -> int:
+    from taxbench.datasets.build import build_shards_command
+
+    return build_shards_command(args.text_file, args.out_dir, args.tokens_per_shard, args.dtype)
+
+
+def _tracing(args: argparse.Namespace) -> int:
+    from taxbench.tracing.commands import run_tracing_command
+
+    return run_tracing_command(args)
+
+
+def _input_errors() -> tuple[type[Exception], ...]:
+    """Exceptions that mean bad input to a subcommand: reported as `taxbench: error: ...`, never as a traceback."""
+    from taxbench.analysis.records import RecordError
+    from taxbench.datasets.shards import ShardError
+    from taxbench.tracing.commands import input_errors
+
+    return (RecordError, ShardError, FileNotFoundError, *input_errors())
+
+
+def _parser() -> argparse.ArgumentParser:
+    from taxbench.tracing.commands import add_tracing_parsers
+
     parser = argparse.ArgumentParser(prog="taxbench", description="Work on finished taxbench experiments.")
     sub = parser.add_subparsers(dest="command", required=True)
     analyse_cmd = sub.add_parser("analyse", help="re-analyse an experiment directory and print its summary")
     analyse_cmd.add_argument("root", type=Path)
+    analyse_cmd.set_defaults(handler=_analyse)
     report_cmd = sub.add_parser("report", help="write report/report.html and report.md for an experiment or sweep")
     report_cmd.add_argument("root", type=Path, help="an experiment directory, or a folder of experiments (sweep)")
     report_cmd.add_argument("--wandb", action="store_true", help="also log to wandb (offline unless WANDB_MODE is set)")
     report_cmd.add_argument("--wandb-project", default=ReportConfig.wandb_project)
     report_cmd.add_argument("--wandb-group", default=None, help="wandb group (default: the sweep folder's name)")
+    report_cmd.set_defaults(handler=_report)
     shards_cmd = sub.add_parser("build-shards", help="tokenize a text file (bytes) into a token-shard folder")
     shards_cmd.add_argument("text_file", type=Path)
     shards_cmd.add_argument("out_dir", type=Path)
     shards_cmd.add_argument("--tokens-per-shard", type=int, default=1 << 24)
     shards_cmd.add_argument("--dtype", choices=["uint16", "uint32"], default="uint16")
-    from taxbench.tracing.commands import TRACING_COMMANDS, add_tracing_parsers, input_errors, run_tracing_command
-
+    shards_cmd.set_defaults(handler=_build_shards)
     add_tracing_parsers(sub)
-    args = parser.parse_args(argv)
-    if args.command in TRACING_COMMANDS:
-        try:
-            return run_tracing_command(args)
-        except input_errors() as exc:
-            fail(str(exc))
-    if args.command == "build-shards":
-        from taxbench.datasets.build import build_shards_command
-        from taxbench.datasets.shards import ShardError
+    for name in ("diff", "localize"):
+        sub.choices[name].set_defaults(handler=_tracing)
+    return parser
 
-        try:
-            return build_shards_command(args.text_file, args.out_dir, args.tokens_per_shard, args.dtype)
-        except ShardError as exc:
-            fail(str(exc))
-    from taxbench.analysis.records import RecordError
 
+def subcommand(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
     try:
-        if args.command == "report":
-            from taxbench.analysis.wandb_log import WandbUnavailable
-
-            settings = ReportConfig(html=True, wandb=args.wandb, wandb_project=args.wandb_project,
-                                    wandb_group=args.wandb_group)
-            try:
-                return report(args.root, settings, strict_wandb=True)
-            except WandbUnavailable as exc:
-                fail(str(exc))
-        return report(args.root)
-    except (RecordError, FileNotFoundError) as exc:
+        return int(args.handler(args))
+    except _input_errors() as exc:
         fail(str(exc))
-    return 0
+    return EXIT_CONFIG_ERROR
 
 
-SUBCOMMANDS = {"analyse", "build-shards", "report", "diff", "localize"}
+SUBCOMMANDS = {"analyse", "report", "build-shards", "diff", "localize"}
 
 
 def main() -> None:
