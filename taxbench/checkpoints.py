@@ -68,6 +68,7 @@ class RunCheckpoints:
             if step not in kept:
                 file.unlink(missing_ok=True)
 
+
 def commit(step: int, runs: Sequence[tuple[RunCheckpoints, Checkpointed]]) -> None:
     """Save every run's state at `step` on this rank, then record the step once every rank has saved."""
     for checkpoints, trainer in runs:

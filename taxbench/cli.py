@@ -49,10 +49,35 @@ def experiment_root(cfg: TaxbenchConfig) -> Path:
 
         root = root / f"point{HydraConfig.get().job.num}"
     if (root / "deterministic-0").exists():
-        raise ConfigError(
-            f"{root} already holds results; pick another experiment.name (or out_dir) instead of overwriting them"
-        )
+        if not cfg.experiment.continue_existing:
+            raise ConfigError(
+                f"{root} already holds results; pick another experiment.name (or out_dir) instead of overwriting "
+                "them, or continue an interrupted experiment with experiment.continue_existing=true"
+            )
+        _require_same_config(root, cfg)
     return root
+
+
+# Settings that may change when an interrupted experiment is continued: they do not affect what the runs compute.
+CONTINUE_MAY_CHANGE = ("experiment.continue_existing", "report.")
+
+
+def _require_same_config(root: Path, cfg: TaxbenchConfig) -> None:
+    import json
+
+    from taxbench.pairing import differences
+
+    manifest = root / "deterministic-0" / "manifest.json"
+    if not manifest.exists():
+        raise ConfigError(f"{root} has no {manifest.name} to continue from; start a new experiment.name")
+    stored = json.loads(manifest.read_text(encoding="utf-8"))["config"]
+    current = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
+    changed = [d for d in differences(stored, current) if not d[0].startswith(CONTINUE_MAY_CHANGE)]
+    if changed:
+        lines = "\n".join(f"  {key}: was {a!r}, now {b!r}" for key, a, b in changed)
+        raise ConfigError(
+            f"experiment.continue_existing=true needs the config {root} was started with; changed:\n{lines}"
+        )
 
 
 def launch(cfg: TaxbenchConfig, container: dict[str, Any], root: Path) -> bool:

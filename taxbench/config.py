@@ -8,7 +8,7 @@ key, the offending value and what would be accepted.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -20,23 +20,23 @@ class ConfigError(ValueError):
     """A user-facing configuration problem; the message says what is wrong and how to fix it."""
 
 
-class Precision(str, Enum):
+class Precision(StrEnum):
     fp32 = "fp32"
     bf16 = "bf16"
 
 
-class Device(str, Enum):
+class Device(StrEnum):
     cpu = "cpu"
     cuda = "cuda"
 
 
-class Launcher(str, Enum):
+class Launcher(StrEnum):
     inprocess = "inprocess"
     local = "local"
     slurm = "slurm"
 
 
-class DataParallel(str, Enum):
+class DataParallel(StrEnum):
     ddp = "ddp"
     fsdp = "fsdp"
 
@@ -179,6 +179,9 @@ class ExperimentConfig:
     warmup_steps: int = 6  # fixed minimum warmup, checked by MSER-5
     resume_step: int = 20  # the restart-replay replica checkpoints here and resumes
     order_seed: int = 0  # seeds the randomized arm order per round
+    # Continue an interrupted experiment in its existing folder (same config): finished runs are kept, unfinished ones
+    # resume from their last complete checkpoint.
+    continue_existing: bool = False
     confidence: float = 0.95
     # Preemption safety: every run checkpoints every N blocks (0: never) and a restarted experiment resumes from there.
     checkpoint_every_blocks: int = 1
@@ -315,7 +318,10 @@ def validate(cfg: TaxbenchConfig) -> None:
         ("recipe.model.n_layers", recipe.model.n_layers),
     ):
         _require(value >= 1, f"{key}={value} must be >= 1")
-    _require(world_size(cluster) >= 1, f"world size must be >= 1 (cluster.cpu_ranks / cluster.gpus), got {world_size(cluster)}")
+    _require(
+        world_size(cluster) >= 1,
+        f"world size must be >= 1 (cluster.cpu_ranks / cluster.gpus), got {world_size(cluster)}",
+    )
     _require(
         exp.steps % exp.block_steps == 0,
         f"experiment.steps={exp.steps} is not a multiple of experiment.block_steps={exp.block_steps}; "

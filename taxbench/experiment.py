@@ -64,7 +64,8 @@ class Experiment:
         run_dir = self.root / ref.name
         fault = self.cfg.experiment.fault
         applies = fault.enabled and fault.arm == ref.arm and str(fault.replica) == ref.replica
-        trainer = Trainer(self.cfg, ref.arm, ref.replica, self.cfg.arms[ref.arm], self.ctx, run_dir, fault if applies else None)
+        arm_policy = self.cfg.arms[ref.arm]
+        trainer = Trainer(self.cfg, ref.arm, ref.replica, arm_policy, self.ctx, run_dir, fault if applies else None)
         self._write_manifest(ref, trainer)
         return trainer
 
@@ -82,7 +83,7 @@ class Experiment:
                 "run": ref.name,
                 "arm": ref.arm,
                 "replica": ref.replica,
-                "config": OmegaConf.to_container(OmegaConf.structured(self.cfg), resolve=True),
+                "config": OmegaConf.to_container(OmegaConf.structured(self.cfg), resolve=True, enum_to_str=True),
                 "policy": OmegaConf.to_container(OmegaConf.structured(arm_policy)),
                 "policy_applied": applied,
                 # Rank 0's view (world, dp/tp/ep sizes, mesh); fingerprints stay per rank in steps.rank<R>.jsonl.

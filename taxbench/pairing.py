@@ -36,11 +36,12 @@ def arm_run_config(cfg: TaxbenchConfig, arm: str) -> dict[str, Any]:
     return resolved
 
 
-def _diff(a: Any, b: Any, prefix: str) -> list[tuple[str, Any, Any]]:
+def differences(a: Any, b: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted key, value in a, value in b) for every leaf where two nested dicts differ."""
     if isinstance(a, dict) and isinstance(b, dict):
         out: list[tuple[str, Any, Any]] = []
         for key in sorted(set(a) | set(b)):
-            out += _diff(a.get(key), b.get(key), f"{prefix}.{key}" if prefix else str(key))
+            out += differences(a.get(key), b.get(key), f"{prefix}.{key}" if prefix else str(key))
         return out
     return [] if a == b else [(prefix, a, b)]
 
@@ -48,7 +49,7 @@ def _diff(a: Any, b: Any, prefix: str) -> list[tuple[str, Any, Any]]:
 def pair_differences(cfg: TaxbenchConfig) -> list[tuple[str, Any, Any]]:
     """(key, baseline value, deterministic value) for everything but the policy that differs between the arms."""
     baseline, deterministic = (arm_run_config(cfg, arm) for arm in ARM_NAMES)
-    return _diff(baseline, deterministic, "")
+    return differences(baseline, deterministic)
 
 
 def validate_pair(cfg: TaxbenchConfig) -> None:

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -73,3 +78,36 @@ def test_existing_results_are_never_overwritten(taxbench_cli, tmp_path: Path) ->
     result, _ = run(taxbench_cli, tmp_path, "taken")
     assert result.returncode == 2
     assert "already holds results" in result.stderr
+
+
+def test_crashed_experiment_continues_without_losing_or_duplicating_records(taxbench_cli, tmp_path: Path) -> None:
+    """SIGKILL the whole job in the middle of the schedule, then continue it: every run ends with each step exactly
+    once per rank and all gates still agree bitwise."""
+    args = ["experiment.steps=36", "experiment.block_steps=6", "experiment.warmup_steps=2", "experiment.resume_step=12",
+            f"experiment.out_dir={tmp_path}", "experiment.name=crash", "report.wandb=false", "report.html=false"]
+    root = tmp_path / "crash"
+    victim = subprocess.Popen([sys.executable, "-m", "taxbench", *args], cwd=tmp_path, start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    repeat_records = root / "deterministic-1" / "steps.rank0.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and victim.poll() is None:
+        if repeat_records.exists() and len(repeat_records.read_text().splitlines()) >= 8:
+            break
+        time.sleep(0.05)
+    assert victim.poll() is None, "the run finished before it could be interrupted"
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+
+    refused = taxbench_cli(*args, cwd=tmp_path, timeout=120)
+    assert refused.returncode == 2 and "experiment.continue_existing=true" in refused.stderr
+    changed = taxbench_cli(*args, "experiment.continue_existing=true", "experiment.steps=42", cwd=tmp_path, timeout=120)
+    assert changed.returncode == 2 and "experiment.steps: was 36, now 42" in changed.stderr
+
+    result = taxbench_cli(*args, "experiment.continue_existing=true", cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((root / "summary.json").read_text())
+    assert summary["deterministic_ok"] and all(v["agree"] for v in summary["verdicts"])
+    for run_name in ("baseline-0", "deterministic-0", "deterministic-1", "deterministic-resumed", "baseline-1"):
+        frame = load_run(root / run_name)
+        for rank in (0, 1):
+            assert list(frame.loc[frame["rank"] == rank, "step"]) == list(range(1, 37)), (run_name, rank)
