@@ -1,0 +1,109 @@
+"""CUDA checks: skipped without a GPU (CI and CPU machines); run on a GPU node with `scripts/gpu_check.sh`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from taxbench import fingerprint, policy
+from taxbench.config import Device, ModelConfig, PolicyConfig
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run scripts/gpu_check.sh on one)"),
+]
+
+DETERMINISTIC = PolicyConfig(
+    name="deterministic", deterministic=True, cudnn_benchmark=False, allow_tf32=False,
+    cublas_workspace_config=":4096:8", nccl_algo="Ring", nvte_allow_nondeterministic_algo=False,
+    deterministic_kernels=True,
+)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+@pytest.mark.parametrize("numel", [1, 1000, 1 << 20])
+def test_digest_is_identical_on_cpu_and_cuda(dtype: torch.dtype, numel: int) -> None:
+    tensor = (torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 1000).to(dtype)
+    assert int(fingerprint.tensor_digest(tensor)) == int(fingerprint.tensor_digest(tensor.cuda()))
+
+
+def test_deterministic_policy_makes_torch_refuse_a_nondeterministic_cuda_kernel() -> None:
+    values = torch.rand(1000, device="cuda")
+    with policy.active(DETERMINISTIC), pytest.raises(RuntimeError, match="deterministic"):
+        torch.histc(values, bins=10)
+    torch.histc(values, bins=10)  # the baseline (flags restored) may use it
+
+
+def test_workspace_config_set_after_cuda_init_is_refused(tmp_path: Path) -> None:
+    """cuBLAS reads CUBLAS_WORKSPACE_CONFIG once: taxbench must refuse, not silently apply it too late."""
+    script = (
+        "import os, torch\n"
+        "os.environ.pop('CUBLAS_WORKSPACE_CONFIG', None)\n"
+        "torch.ones(1, device='cuda') @ torch.ones(1, 1, device='cuda')\n"
+        "from taxbench import policy\n"
+        "from taxbench.config import Device, PolicyConfig\n"
+        "p = PolicyConfig(name='d', deterministic=True, cudnn_benchmark=False, allow_tf32=False,\n"
+        "                 cublas_workspace_config=':4096:8', nccl_algo='Ring',\n"
+        "                 nvte_allow_nondeterministic_algo=False)\n"
+        "try:\n"
+        "    policy.prepare_process_env([p], Device.cuda)\n"
+        "except policy.PolicyError as exc:\n"
+        "    print('refused:', exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert "refused: CUDA was initialized before taxbench could set" in out.stdout, out.stderr
+
+
+def test_moe_fast_combine_differs_on_cuda_and_fixed_order_path_does_not() -> None:
+    from taxbench.workloads import build_model
+
+    cfg = ModelConfig(kind="moe", vocab_size=256, seq_len=128, d_model=128, n_layers=2, n_heads=4, d_ff=256,
+                      n_experts=8, top_k=2, moe_d_ff=256, n_shared_experts=1)
+
+    def step_bytes(deterministic_kernels: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = build_model(cfg, deterministic_kernels).cuda()
+        tokens = torch.randint(0, 256, (16, cfg.seq_len), device="cuda")
+        logits = model(tokens)
+        logits.float().logsumexp(-1).mean().backward()
+        return torch.cat([logits.detach().float().flatten()] + [p.grad.flatten() for p in model.parameters()])
+
+    torch.manual_seed(1)
+    with policy.active(replace(DETERMINISTIC, deterministic=False, deterministic_kernels=False)):
+        fast = [step_bytes(False) for _ in range(8)]
+    with policy.active(DETERMINISTIC):
+        fixed = [step_bytes(True) for _ in range(8)]
+    assert all(torch.equal(fixed[0], other) for other in fixed[1:])
+    assert any(not torch.equal(fast[0], other) for other in fast[1:]), "CUDA fast path was bitwise stable 8 times"
+
+
+@pytest.mark.parametrize(
+    "recipe_args",
+    [
+        ["recipe.precision=bf16"],
+        ["+recipe=moe_tiny", "recipe.precision=bf16"],
+    ],
+)
+def test_single_gpu_experiment_passes_the_strict_gates(taxbench_cli, tmp_path: Path, recipe_args: list[str]) -> None:
+    result = taxbench_cli(*recipe_args, "cluster=inprocess", "cluster.device=cuda", "cluster.gpus=1",
+                          "experiment.steps=24", "experiment.block_steps=6", "experiment.warmup_steps=4",
+                          "experiment.resume_step=12", f"experiment.out_dir={tmp_path}", "experiment.name=gpu",
+                          "report.wandb=false", cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    summary = json.loads((tmp_path / "gpu" / "summary.json").read_text())
+    assert summary["deterministic_ok"], summary["verdicts"]
+    manifest = json.loads((tmp_path / "gpu" / "deterministic-0" / "manifest.json").read_text())
+    assert manifest["stack"]["gpu"] and manifest["stack"]["cuda"]
+    assert manifest["policy_applied"]["env"]["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert manifest["policy_applied"]["matmul_allow_tf32"] is False
+    print(json.dumps(summary["tax"], indent=1))  # the tax on this GPU, for the check's log
+
+
+def test_policy_validation_reads_this_cuda_build() -> None:
+    policy.validate_policy(DETERMINISTIC, Device.cuda)
