@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from taxbench import fingerprint, policy
@@ -154,6 +155,10 @@ class Trainer:
 
     def run_block(self, steps: int, block: int, on_step: Callable[[], None] | None = None) -> None:
         with self.activated():
+            # Start the block together: untimed work before it (the arm switch, the other arm's records) on one rank
+            # would otherwise leak into another rank's timed first step through the gradient all-reduce.
+            if dist.is_initialized() and self.ctx.world_size > 1:
+                dist.barrier()
             _sync(self.ctx.device)
             window_start = time.perf_counter()
             for _ in range(steps):
@@ -164,6 +169,7 @@ class Trainer:
             _sync(self.ctx.device)
             window = time.perf_counter() - window_start
             self._flush(window / steps)
+            self.writer.sync()
 
     def _step_scope(self) -> AbstractContextManager[None]:
         if self._step_fault is None and self.tracer is None:
@@ -281,12 +287,12 @@ class Trainer:
                 params=fingerprint.to_hex(params),
                 optim=fingerprint.to_hex(optim),
             )
-            self.writer.write(record)
+            self.writer.write(record)  # flushed per line; fsync once per block (run_block), not per step
         self._pending.clear()
-        self.writer.sync()
 
     def save_checkpoint(self, path: Path) -> None:
         self._flush(None)
+        self.writer.sync()
         path.parent.mkdir(parents=True, exist_ok=True)
         state = {
             "step": self.step,
