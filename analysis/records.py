@@ -34,7 +34,7 @@ _FIELD_TYPES = {
     "data_s": pa.float64(),
     "tokens": pa.int64(),
     "time_s": pa.float64(),
-    "wall_s": pa.float64(),
+    "window_s": pa.float64(),
     "device_s": pa.float64(),
     "loss": pa.float64(),
     "grad_norm": pa.float64(),

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import html
-import math
 import os
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -21,7 +20,7 @@ from typing import Any
 
 from taxbench.analysis.plots import step_time_plot, sweep_tax_plot
 from taxbench.analysis.records import step_times
-from taxbench.analysis.summary import GATES, ExperimentAnalysis, ExperimentSummary
+from taxbench.analysis.summary import GATES, ExperimentAnalysis, ExperimentSummary, pct
 from taxbench.analysis.sweep import GATE_LABELS, SweepAnalysis
 from taxbench.analysis.tax import block_ratios
 from taxbench.analysis.verdicts import Verdict
@@ -185,9 +184,6 @@ def write_report(report: Report, out_dir: Path) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------------ content
-def _pct(value: float) -> str:
-    return "n/a" if not math.isfinite(value) else f"{value * 100:+.2f}%"
-
 
 def _value(value: Any) -> str:
     if value is None:
@@ -266,9 +262,9 @@ def experiment_report(analysis: ExperimentAnalysis) -> Report:
                   f"results {summary.root} · generated {datetime.now(UTC):%Y-%m-%d %H:%M UTC}"),
         Heading("Determinism tax"),
         Paragraph(
-            f"Tax **{_pct(tax.tax)}**, {level}% CI [{_pct(tax.low)}, {_pct(tax.high)}] (paired t on log block "
+            f"Tax **{pct(tax.tax)}**, {level}% CI [{pct(tax.low)}, {pct(tax.high)}] (paired t on log block "
             f"ratios, {tax.pairs} interleaved block pairs after a {tax.warmup_steps}-step warmup). Hodges-Lehmann "
-            f"cross-check {_pct(tax.hl_tax)} [{_pct(tax.hl_low)}, {_pct(tax.hl_high)}].",
+            f"cross-check {pct(tax.hl_tax)} [{pct(tax.hl_low)}, {pct(tax.hl_high)}].",
             tone="warn" if tax.drifting else "",
         ),
         TableBlock(
@@ -339,8 +335,8 @@ def sweep_report(sweep: SweepAnalysis, point_reports: dict[str, Path] | None = N
                          "", ""])
             highlight.append(True)
             continue
-        rows.append([str(row["experiment"]), str(row["recipe"]), str(row["world_size"]), _pct(row["tax"]),
-                     f"[{_pct(row['low'])}, {_pct(row['high'])}]", _pct(row["hl_tax"]),
+        rows.append([str(row["experiment"]), str(row["recipe"]), str(row["world_size"]), pct(row["tax"]),
+                     f"[{pct(row['low'])}, {pct(row['high'])}]", pct(row["hl_tax"]),
                      f"{row['baseline_median_s'] * 1e3:.3f} ms", f"{row['deterministic_median_s'] * 1e3:.3f} ms",
                      *(str(row[g]) for g, *_ in GATES)])
         highlight.append(not row["deterministic_ok"])

@@ -96,8 +96,9 @@ def analyse(root: Path) -> ExperimentSummary:
     return analyse_experiment(root).summary
 
 
-def _pct(value: float) -> str:
-    return "n/a" if not math.isfinite(value) else f"{value * 100:+.2f}%"
+def pct(value: object) -> str:
+    """A fraction as a signed percentage ("+1.23%"), or "n/a" when it is missing or not finite."""
+    return "n/a" if not isinstance(value, float) or not math.isfinite(value) else f"{value * 100:+.2f}%"
 
 
 def gate_outcome(verdict: Verdict, strict: bool) -> str:
@@ -121,8 +122,8 @@ def render(summary: ExperimentSummary, console: Console | None = None, report_pa
                         f"{summary.device}", title_justify="left")
     table.add_column(style="bold", no_wrap=True)
     table.add_column(overflow="fold")
-    table.add_row("tax", f"[bold]{_pct(tax.tax)}[/bold]  {level}% CI [{_pct(tax.low)}, {_pct(tax.high)}]  "
-                         f"HL {_pct(tax.hl_tax)}")
+    table.add_row("tax", f"[bold]{pct(tax.tax)}[/bold]  {level}% CI [{pct(tax.low)}, {pct(tax.high)}]  "
+                         f"HL {pct(tax.hl_tax)}")
     table.add_row("step time", f"baseline {tax.baseline_median_s * 1e3:.2f} ms (CV {tax.baseline_cv * 100:.1f}%)  "
                                f"deterministic {tax.deterministic_median_s * 1e3:.2f} ms "
                                f"(CV {tax.deterministic_cv * 100:.1f}%)")

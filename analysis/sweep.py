@@ -7,7 +7,6 @@ instead of hiding the rest of the sweep.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from taxbench.analysis.records import RecordError
-from taxbench.analysis.summary import GATES, ExperimentAnalysis, ExperimentSummary, analyse_experiment
+from taxbench.analysis.summary import GATES, ExperimentAnalysis, ExperimentSummary, analyse_experiment, pct
 from taxbench.records import MANIFEST
 
 # Folders below the sweep root searched for experiments: <sweep>/<job>/<experiment>/ and one level more.
@@ -120,9 +119,6 @@ def analyse_sweep(
     return SweepAnalysis(root, points, summaries, errors)
 
 
-def _pct(value: object) -> str:
-    return "n/a" if not isinstance(value, float) or not math.isfinite(value) else f"{value * 100:+.2f}%"
-
 
 def render_sweep(sweep: SweepAnalysis, console: Console | None = None, report_path: Path | None = None) -> None:
     """Compact console table: one line per sweep point."""
@@ -140,8 +136,8 @@ def render_sweep(sweep: SweepAnalysis, console: Console | None = None, report_pa
             + GATE_LABELS[gate]
             for gate, _, _, strict in GATES
         )
-        table.add_row(str(row["recipe"]), str(row["world_size"]), _pct(row["tax"]),
-                      f"[{_pct(row['low'])}, {_pct(row['high'])}]", gates)
+        table.add_row(str(row["recipe"]), str(row["world_size"]), pct(row["tax"]),
+                      f"[{pct(row['low'])}, {pct(row['high'])}]", gates)
     console.print(table)
     if report_path is not None:
         console.print(f"report: {report_path}")

@@ -72,7 +72,7 @@ def _run_frame(spec: SyntheticExperiment, arm: str, replica: str, rng: np.random
     frame = pd.DataFrame({
         "schema_version": SCHEMA_VERSION, "arm": arm, "replica": replica, "rank": ranks, "step": steps,
         "block": (steps - 1) // spec.block_steps, "data_s": 1e-4, "tokens": 4096, "time_s": time_s,
-        "wall_s": time_s, "device_s": time_s * 0.98, "loss": 5.0 / np.sqrt(steps), "grad_norm": 1.0,
+        "window_s": time_s * 1.02, "device_s": time_s * 0.98, "loss": 5.0 / np.sqrt(steps), "grad_norm": 1.0,
         **_fingerprints(steps, ranks, salt),
     })
     if injection is not None and injection.run == f"{arm}-{replica}":

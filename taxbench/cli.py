@@ -39,6 +39,10 @@ def prepare(raw: DictConfig) -> tuple[TaxbenchConfig, dict[str, Any]]:
     cfg = to_typed(container)
     validate(cfg)
     validate_pair(cfg)
+    from taxbench.policy import validate_policy
+
+    for arm_policy in cfg.arms.values():
+        validate_policy(arm_policy, cfg.cluster.device)
     return cfg, container
 
 
@@ -71,7 +75,10 @@ def _require_same_config(root: Path, cfg: TaxbenchConfig) -> None:
     if not manifest.exists():
         raise ConfigError(f"{root} has no {manifest.name} to continue from; start a new experiment.name")
     stored = json.loads(manifest.read_text(encoding="utf-8"))["config"]
-    current = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
+    from taxbench.redaction import redact
+
+    # The stored config went through redaction; compare like with like.
+    current = redact(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True))
     changed = [d for d in differences(stored, current) if not d[0].startswith(CONTINUE_MAY_CHANGE)]
     if changed:
         lines = "\n".join(f"  {key}: was {a!r}, now {b!r}" for key, a, b in changed)

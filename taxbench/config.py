@@ -341,9 +341,16 @@ def validate(cfg: TaxbenchConfig) -> None:
         recipe.model.d_model % recipe.model.n_heads == 0,
         f"recipe.model.d_model={recipe.model.d_model} is not divisible by recipe.model.n_heads={recipe.model.n_heads}",
     )
+    _require(exp.checkpoint_every_blocks >= 0,
+             f"experiment.checkpoint_every_blocks={exp.checkpoint_every_blocks} must be >= 0 (0: no checkpoints)")
     ws = world_size(cluster)
     problems = layout_problems(recipe, ws)
     _require(not problems, "; ".join(problems))
+    _require(
+        recipe.parallel.pp == 1,
+        f"recipe.parallel.pp={recipe.parallel.pp}: pipeline parallelism is planned (plan=true) but not executed by "
+        "this version; run with recipe.parallel.pp=1",
+    )
     data = recipe.data
     _require(data.kind in ("synthetic", "shards"),
              f"recipe.data.kind={data.kind!r} is unknown; choose synthetic or shards")

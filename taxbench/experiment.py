@@ -111,7 +111,7 @@ class Experiment:
         """A trainer for `ref` at `step` (None: from scratch, dropping records of an interrupted earlier attempt)."""
         trainer = self._trainer(ref)
         if step is None:
-            trainer.writer.truncate_after(0)
+            trainer.drop_records_after(0)
         else:
             trainer.load_checkpoint(self._checkpoints(ref).path(step))
         return trainer

@@ -67,6 +67,8 @@ def tensor_digest(tensor: torch.Tensor) -> torch.Tensor:
     pad = (-raw.numel()) % (8 * ROW_LANES)
     if pad:
         raw = torch.cat([raw, raw.new_zeros(pad)])
+    elif raw.storage_offset() % 8:  # a view starting mid-lane cannot be reinterpreted as int64 in place
+        raw = raw.clone()
     lanes = raw.view(torch.int64).view(-1, ROW_LANES)
     rows = (mix(lanes ^ _column_key(lanes.device)).sum(dim=1))
     row_keys = mix(torch.arange(1, rows.numel() + 1, dtype=torch.int64, device=rows.device) * _M2)
@@ -77,7 +79,9 @@ def tensor_digest(tensor: torch.Tensor) -> torch.Tensor:
 
 def combine(digests: Iterable[torch.Tensor]) -> torch.Tensor:
     """Order-sensitive combination of digests: the k-th digest is mixed with k before summing."""
-    stacked = torch.stack(list(digests))
+    digests = list(digests)
+    device = next((d.device for d in digests if d.device.type != "cpu"), digests[0].device)
+    stacked = torch.stack([d.to(device, non_blocking=True) for d in digests])
     keys = mix(torch.arange(1, stacked.numel() + 1, dtype=torch.int64, device=stacked.device) * _GOLDEN)
     return mix(mix(stacked ^ keys).sum())
 

@@ -41,18 +41,7 @@ class StepWriter:
     def truncate_after(self, step: int) -> None:
         """Drop records past `step` (written after the checkpoint a resume starts from)."""
         self._file.close()
-        kept = []
-        if self.path.exists():
-            for line in self.path.read_text(encoding="utf-8").splitlines():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a torn last line from a crash
-                if record.get("step", 0) <= step:
-                    kept.append(line)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
-        os.replace(tmp, self.path)
+        truncate_jsonl_after(self.path, step)
         self._file = self.path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
@@ -67,6 +56,23 @@ class StepWriter:
         if not self._file.closed:
             self.sync()
             self._file.close()
+
+
+def truncate_jsonl_after(path: Path, step: int) -> None:
+    """Atomically keep only the records of a JSONL stream whose "step" is <= `step` (and drop a torn last line)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a torn last line from a crash
+        if record.get("step", 0) <= step:
+            kept.append(line)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def write_manifest(run_dir: Path, manifest: dict[str, Any]) -> None:

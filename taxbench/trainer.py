@@ -62,7 +62,10 @@ class RngSnapshot:
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> RngSnapshot:
-        return cls(state["python"], state["numpy"], state["torch_cpu"], state["torch_cuda"])
+        # torch.load(map_location=<cuda>) moves every tensor to the GPU; RNG states must be CPU ByteTensors.
+        cuda = state["torch_cuda"]
+        return cls(state["python"], state["numpy"], state["torch_cpu"].cpu(),
+                   None if cuda is None else [s.cpu() for s in cuda])
 
 
 class StepTimer:
@@ -250,10 +253,11 @@ class Trainer:
         return digest if digest is not None else torch.zeros((), dtype=torch.int64, device=self.ctx.device)
 
     def _optimizer_tensors(self) -> Iterator[torch.Tensor]:
+        """Optimizer state in a fixed order, on its parameter's device (Adam keeps `step` on the CPU)."""
         for param in self.raw_model.parameters():
             for _, value in sorted(self.optimizer.state.get(param, {}).items()):
                 if isinstance(value, torch.Tensor):
-                    yield value
+                    yield value if value.device == param.device else value.to(param.device, non_blocking=True)
 
     def _inject_fault(self) -> None:
         fault = self.fault
@@ -276,9 +280,11 @@ class Trainer:
             seconds = self.timer.seconds(measured)
             loss_bits, grads, norm_bits, params, optim = values
             record.update(
-                time_s=seconds,
-                wall_s=window_per_step if self.timer.cuda else seconds,
+                time_s=seconds,  # the analysed step time: CUDA events on GPU, perf_counter on CPU
                 device_s=seconds if self.timer.cuda else None,
+                # GPU: the block's synchronized wall-clock window per step (data loading and the harness's own work
+                # included), a cross-check on the event times. On CPU time_s is already wall-clock.
+                window_s=window_per_step,
                 loss=_bits_to_float(loss_bits),
                 loss_bits=fingerprint.bits_hex(loss_bits, torch.float32),
                 grad_norm=_bits_to_float(norm_bits),
@@ -312,9 +318,15 @@ class Trainer:
         self.data.load_state_dict(state["data"])
         self.rng = RngSnapshot.from_state_dict(state["rng"])
         self.step = int(state["step"])
-        self.writer.truncate_after(self.step)
+        self.drop_records_after(self.step)
         if self.tracer is not None:
             self.tracer.checkpoint_loaded(self)
+
+    def drop_records_after(self, step: int) -> None:
+        """Forget step and trace records past `step`: a resumed or restarted run writes them again."""
+        self.writer.truncate_after(step)
+        if self.tracer is not None:
+            self.tracer.truncate_after(step)
 
     def close(self) -> None:
         self._flush(None)

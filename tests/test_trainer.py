@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import random
+from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 from hydra import compose, initialize_config_module
+from torch import nn
 
 from taxbench.analysis.records import load_run
 from taxbench.cli import prepare
@@ -68,6 +72,51 @@ def test_interleaving_does_not_perturb_either_run(tmp_path: Path) -> None:
         left.run_block(2, block)
         right.run_block(2, block)
     left.close()
+    right.close()
+    assert fingerprints(tmp_path / "alone").equals(fingerprints(tmp_path / "left"))
+
+
+class NoisyLM(nn.Module):
+    """Draws from the python, numpy and torch global RNGs every forward, like dropout or stochastic rounding would."""
+
+    def __init__(self, vocab_size: int, width: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, width)
+        self.head = nn.Linear(width, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        scale = 1 + 1e-3 * (random.random() + float(np.random.rand()))
+        hidden = nn.functional.dropout(self.embed(tokens) * scale, p=0.1, training=True)
+        return self.head(hidden)
+
+
+def build_noisy_lm(vocab_size: int, width: int) -> nn.Module:
+    return NoisyLM(vocab_size, width)
+
+
+def noisy_config() -> TaxbenchConfig:
+    cfg = tiny_config()
+    factory = {"_target_": f"{__name__}.build_noisy_lm", "vocab_size": cfg.recipe.model.vocab_size, "width": 16}
+    return replace(cfg, recipe=replace(cfg.recipe, model=replace(cfg.recipe.model, kind="custom", factory=factory)))
+
+
+def test_global_rng_streams_are_per_run_and_restored_by_checkpoints(tmp_path: Path) -> None:
+    """A model drawing from every global RNG: interleaving and resuming must leave its random streams untouched."""
+    cfg = noisy_config()
+    alone = make(cfg, tmp_path / "alone")
+    alone.run_block(6, 0)
+    alone.close()
+
+    left, right = make(cfg, tmp_path / "left"), make(cfg, tmp_path / "right", arm="baseline")
+    left.run_block(3, 0)
+    right.run_block(3, 0)  # draws from the same global RNGs in between
+    left.save_checkpoint(tmp_path / "ckpt.pt")
+    left.close()
+    random.random(), np.random.rand(), torch.rand(1)  # anything else the process does meanwhile
+    resumed = make(cfg, tmp_path / "left")
+    resumed.load_checkpoint(tmp_path / "ckpt.pt")
+    resumed.run_block(3, 1)
+    resumed.close()
     right.close()
     assert fingerprints(tmp_path / "alone").equals(fingerprints(tmp_path / "left"))
 

@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from taxbench import fingerprint
+from taxbench.records import truncate_jsonl_after
 from taxbench.tracing.collectives import probe_for
 from taxbench.tracing.trace_io import TraceWriter, trace_file
 
@@ -317,6 +318,14 @@ class Tracer:
         if self._writer is None:
             self._writer = TraceWriter(trace_file(self.run_dir, self.rank))
         self._writer.write_batch({**p.record, "in": side(p.inputs), "out": side(p.outputs)} for p in pending)
+
+    def truncate_after(self, step: int) -> None:
+        """Drop trace records past `step`, as the step records are dropped when a run resumes or restarts."""
+        self.flush()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        truncate_jsonl_after(trace_file(self.run_dir, self.rank), step)
 
     def close(self) -> None:
         self.flush()
