@@ -217,6 +217,7 @@ class TaxbenchConfig:
 
 
 ARM_NAMES = ("baseline", "deterministic")
+FAULT_KINDS = ("flip_param_bit", "perturb_collective", "nondeterministic_op")
 
 
 def register_configs() -> None:
@@ -370,8 +371,7 @@ def validate(cfg: TaxbenchConfig) -> None:
         _require(1 <= fault.step <= exp.steps, f"experiment.fault.step={fault.step} must be in [1, {exp.steps}]")
         _require(0 <= fault.rank < ws, f"experiment.fault.rank={fault.rank} must be in [0, {ws})")
         _require(fault.replica in (0, 1), f"experiment.fault.replica={fault.replica} must be 0 or 1")
-        fault_kinds = ("flip_param_bit", "perturb_collective", "nondeterministic_op")
-        _require(fault.kind in fault_kinds, f"experiment.fault.kind={fault.kind!r} must be one of {list(fault_kinds)}")
+        _require(fault.kind in FAULT_KINDS, f"experiment.fault.kind={fault.kind!r} must be one of {list(FAULT_KINDS)}")
         _require(
             fault.kind != "perturb_collective" or ws >= 2,
             "experiment.fault.kind=perturb_collective needs world size >= 2 (a gradient all-reduce to perturb)",

@@ -11,7 +11,6 @@ from taxbench.tracing.localize import NO_DIVERGENCE, LocalizeError, localize
 from taxbench.tracing.localize import render as render_localization
 from taxbench.tracing.trace_io import TraceError
 
-TRACING_COMMANDS = ("diff", "localize")
 EXIT_DIVERGED = 3  # same code as a failed determinism gate
 
 

@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from taxbench.config import FaultConfig
     from taxbench.trainer import Trainer
 
-FAULT_KINDS = ("flip_param_bit", "perturb_collective", "nondeterministic_op")
 STEP_FAULT_KINDS = ("perturb_collective", "nondeterministic_op")
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -64,6 +64,8 @@ def _check_record(record: Any, where: str) -> dict[str, Any]:
     missing = [key for key in RECORD_KEYS if key not in record]
     if missing:
         raise TraceError(f"{where}: trace record lacks {missing}; the file is not a taxbench trace or is damaged")
+    if record["kind"] not in KINDS:
+        raise TraceError(f"{where}: kind={record['kind']!r} is not a trace record kind {list(KINDS)}")
     for side in ("in", "out"):
         if not isinstance(record[side], list):
             raise TraceError(f"{where}: field {side!r} must be a list of tensor summaries")
