@@ -223,9 +223,11 @@ FAULT_KINDS = ("flip_param_bit", "perturb_collective", "nondeterministic_op")
 def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="taxbench_schema", node=TaxbenchConfig)
-    cs.store(group="recipe", name="recipe_schema", node=RecipeConfig)
-    cs.store(group="mode", name="policy_schema", node=PolicyConfig)
-    cs.store(group="cluster", name="cluster_schema", node=ClusterConfig)
+    # Kept out of the recipe/mode/cluster groups so that they are not listed as choices; a group file starts with
+    # e.g. `defaults: [/schema/recipe@_here_]` so that its fields are typed and checked.
+    cs.store(group="schema", name="recipe", node=RecipeConfig)
+    cs.store(group="schema", name="policy", node=PolicyConfig)
+    cs.store(group="schema", name="cluster", node=ClusterConfig)
 
 
 def to_typed(cfg: DictConfig | dict[str, Any]) -> TaxbenchConfig:
