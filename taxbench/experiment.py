@@ -10,9 +10,13 @@
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -21,7 +25,7 @@ from taxbench import manifest, policy
 from taxbench.checkpoints import RunCheckpoints, commit, common_resume_step, finish
 from taxbench.config import ARM_NAMES, TaxbenchConfig
 from taxbench.distributed import DistContext
-from taxbench.records import run_name, write_manifest
+from taxbench.records import MANIFEST, run_name, write_manifest
 from taxbench.trainer import Trainer
 
 
@@ -59,6 +63,7 @@ def total_steps(cfg: TaxbenchConfig) -> int:
 class Experiment:
     def __init__(self, cfg: TaxbenchConfig, ctx: DistContext, root: Path, on_step: Callable[[], None] | None = None):
         self.cfg, self.ctx, self.root, self.on_step = cfg, ctx, root, on_step
+        self.attempt_id = uuid.uuid4().hex[:12]  # this start of the schedule (rank 0 names it in the manifests)
 
     def _trainer(self, ref: RunRef) -> Trainer:
         run_dir = self.root / ref.name
@@ -68,6 +73,20 @@ class Experiment:
         trainer = Trainer(self.cfg, ref.arm, ref.replica, arm_policy, self.ctx, run_dir, fault if applies else None)
         self._write_manifest(ref, trainer)
         return trainer
+
+    def _attempts(self, ref: RunRef, stack: dict) -> list[dict]:
+        """Every start of this run's processes (a requeue or continue adds one), with where it ran."""
+        path = self.root / ref.name / MANIFEST
+        attempts = json.loads(path.read_text(encoding="utf-8")).get("attempts", []) if path.exists() else []
+        if not attempts or attempts[-1]["id"] != self.attempt_id:
+            attempts.append({
+                "id": self.attempt_id,
+                "started_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+                "hostnames": stack["hostnames"],
+                "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+                "slurm_restart_count": os.environ.get("SLURM_RESTART_COUNT"),
+            })
+        return attempts
 
     def _write_manifest(self, ref: RunRef, trainer: Trainer) -> None:
         stack = manifest.gather_stack(self.ctx)
@@ -93,6 +112,7 @@ class Experiment:
                     "grad_accum": trainer.grad_accum,
                 },
                 "stack": stack,
+                "attempts": self._attempts(ref, stack),
             },
         )
 

@@ -111,3 +111,6 @@ def test_crashed_experiment_continues_without_losing_or_duplicating_records(taxb
         frame = load_run(root / run_name)
         for rank in (0, 1):
             assert list(frame.loc[frame["rank"] == rank, "step"]) == list(range(1, 37)), (run_name, rank)
+    attempts = {run: len(json.loads((root / run / "manifest.json").read_text())["attempts"])
+                for run in ("deterministic-0", "deterministic-1", "deterministic-resumed")}
+    assert attempts == {"deterministic-0": 1, "deterministic-1": 2, "deterministic-resumed": 1}
