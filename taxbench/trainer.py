@@ -27,7 +27,7 @@ from taxbench.distributed import DistContext
 from taxbench.parallel import layout_for, parallelize
 from taxbench.records import StepWriter, run_name, steps_file
 from taxbench.tracing.capture import tracer_for_run
-from taxbench.tracing.faults import STEP_FAULT_KINDS, step_fault
+from taxbench.tracing.faults import STEP_FAULT_KINDS, flip_lowest_bit, step_fault
 from taxbench.workloads import build_model
 
 
@@ -263,13 +263,10 @@ class Trainer:
         fault = self.fault
         if fault is None or fault.kind in STEP_FAULT_KINDS or fault.step != self.step or fault.rank != self.ctx.rank:
             return
-        if fault.kind != "flip_param_bit":
-            raise ValueError(f"experiment.fault.kind={fault.kind!r} is unknown; use 'flip_param_bit'")
+        first = next(self.raw_model.parameters())
+        to_local = getattr(first, "to_local", None)  # a sharded parameter: flip this rank's shard
         with torch.no_grad():
-            first = next(self.raw_model.parameters())
-            flat = first.view(-1)[:1]
-            int_dtype = {4: torch.int32, 2: torch.int16, 8: torch.int64}[flat.element_size()]
-            flat.view(int_dtype).bitwise_xor_(1)
+            flip_lowest_bit(to_local() if callable(to_local) else first)
 
     def _flush(self, window_per_step: float | None) -> None:
         """Turn pending steps into records: one host copy of all digests, then one line per step."""
