@@ -5,23 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_module
-from omegaconf import OmegaConf
+from conftest import compose_config
 
-from taxbench.cli import prepare
-from taxbench.config import ConfigError, Device, Precision, TaxbenchConfig
-
-
-def compose_config(*overrides: str) -> TaxbenchConfig:
-    with initialize_config_module(config_module="taxbench.conf", version_base="1.3"):
-        raw = compose("config", overrides=list(overrides))
-    OmegaConf.resolve(raw)
-    cfg, _ = prepare(raw)
-    return cfg
+from taxbench.config import ConfigError, Device, Precision
 
 
 def test_embedded_default_is_dense_tiny_on_two_cpu_ranks() -> None:
-    cfg = compose_config()
+    cfg, _ = compose_config()
     assert cfg.recipe.name == "dense_tiny"
     assert cfg.cluster.device is Device.cpu and cfg.cluster.cpu_ranks == 2
     assert cfg.recipe.precision is Precision.fp32
@@ -30,7 +20,7 @@ def test_embedded_default_is_dense_tiny_on_two_cpu_ranks() -> None:
 
 
 def test_explicit_recipe_selection_replaces_the_default() -> None:
-    cfg = compose_config("+recipe=dense_tiny", "recipe.model.d_model=32", "recipe.model.n_heads=2")
+    cfg, _ = compose_config("+recipe=dense_tiny", "recipe.model.d_model=32", "recipe.model.n_heads=2")
     assert cfg.recipe.model.d_model == 32
 
 
@@ -61,7 +51,7 @@ def test_pair_differing_beyond_policy_is_refused_with_the_diff() -> None:
 
 
 def test_override_that_changes_nothing_is_accepted() -> None:
-    cfg = compose_config("+arm_overrides.deterministic.recipe.micro_batch_size=4")
+    cfg, _ = compose_config("+arm_overrides.deterministic.recipe.micro_batch_size=4")
     assert cfg.recipe.micro_batch_size == 4
 
 

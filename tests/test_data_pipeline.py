@@ -9,10 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hydra import compose, initialize_config_module
-from omegaconf import OmegaConf
+from conftest import compose_config
 
-from taxbench.cli import prepare
 from taxbench.config import ConfigError, DataConfig
 from taxbench.data import build_source
 from taxbench.datasets.build import build_shards
@@ -226,12 +224,6 @@ def test_token_ids_beyond_the_model_vocabulary_are_refused(shard_dir: Path) -> N
 
 
 def test_config_validation_reports_shard_problems_before_ranks_start(tmp_path: Path, shard_dir: Path) -> None:
-    def compose_config(*overrides: str) -> None:
-        with initialize_config_module(config_module="taxbench.conf", version_base="1.3"):
-            raw = compose("config", overrides=list(overrides))
-        OmegaConf.resolve(raw)
-        prepare(raw)
-
     compose_config("recipe.data.kind=shards", f"recipe.data.path={shard_dir}", "recipe.data.verify_checksums=true")
     with pytest.raises(ConfigError, match=f"recipe.data.path={tmp_path / 'nope'}: token-shard folder"):
         compose_config("recipe.data.kind=shards", f"recipe.data.path={tmp_path / 'nope'}")

@@ -9,7 +9,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, run_taxbench
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +39,6 @@ def test_installed_wheel_composes_the_config_outside_the_repo(wheel: Path, tmp_p
     where = subprocess.run([sys.executable, "-c", "import taxbench, taxbench.conf; print(taxbench.conf.__file__)"],
                            cwd=tmp_path, env=env, capture_output=True, text=True, check=True)
     assert where.stdout.startswith(str(site))
-    job = subprocess.run([sys.executable, "-m", "taxbench", "+recipe=dense_tiny", "--cfg", "job"], cwd=tmp_path,
-                         env=env, capture_output=True, text=True, timeout=120)
+    job = run_taxbench("+recipe=dense_tiny", "--cfg", "job", cwd=tmp_path, env=env, timeout=120)
     assert job.returncode == 0, job.stderr
     assert "name: dense_tiny" in job.stdout and "cublas_workspace_config: :4096:8" in job.stdout

@@ -4,14 +4,13 @@ unsharded model, the layout arithmetic matches the trainer's data sharding, and 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from conftest import run_taxbench
 from torch.distributed.tensor import DTensor
 
 from taxbench import distributed
@@ -123,16 +122,17 @@ def test_layout_arithmetic_matches_data_sharding() -> None:
         layout_for(ParallelConfig(pp=2), world_size=4, rank=0)
 
 
+# Two blocks per arm, resumed after the first: the shortest run that exercises every gate.
+SHORT_EXPERIMENT = ("experiment.steps=12", "experiment.block_steps=6", "experiment.warmup_steps=2",
+                    "experiment.resume_step=6", "report.wandb=false", "report.html=false")
+
+
 @pytest.mark.slow
 def test_moe_tiny_experiment_baseline_differs_and_deterministic_arm_does_not(tmp_path: Path) -> None:
     """End to end on one rank with 2 threads (the machine has 2 cores): the baseline sanity gate sees the fast MoE
     combine's nondeterminism, while repeatability and restart replay hold bitwise; the manifest records the layout."""
-    command = [
-        sys.executable, "-m", "taxbench", "+recipe=moe_tiny", "cluster=inprocess", "cluster.threads_per_rank=2",
-        "experiment.steps=12", "experiment.block_steps=6", "experiment.warmup_steps=2", "experiment.resume_step=6",
-        f"experiment.out_dir={tmp_path}", "experiment.name=moe", "report.wandb=false", "report.html=false",
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    done = run_taxbench("+recipe=moe_tiny", "cluster=inprocess", "cluster.threads_per_rank=2", *SHORT_EXPERIMENT,
+                        f"experiment.out_dir={tmp_path}", "experiment.name=moe", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "moe" / "summary.json").read_text())
     verdicts = {verdict["gate"]: verdict for verdict in summary["verdicts"]}
@@ -156,12 +156,8 @@ def test_moe_tiny_experiment_baseline_differs_and_deterministic_arm_does_not(tmp
 )
 def test_sharded_layouts_pass_repeatability_and_restart_replay(layout_args: list[str], tmp_path: Path) -> None:
     """Two gloo ranks end to end: sharded parameters and optimizer state survive checkpoint and resume bitwise."""
-    command = [
-        sys.executable, "-m", "taxbench", *layout_args, "cluster.cpu_ranks=2",
-        "experiment.steps=12", "experiment.block_steps=6", "experiment.warmup_steps=2", "experiment.resume_step=6",
-        f"experiment.out_dir={tmp_path}", "experiment.name=layout", "report.wandb=false", "report.html=false",
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    done = run_taxbench(*layout_args, "cluster.cpu_ranks=2", *SHORT_EXPERIMENT, f"experiment.out_dir={tmp_path}",
+                        "experiment.name=layout", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "layout" / "summary.json").read_text())
     verdicts = {verdict["gate"]: verdict for verdict in summary["verdicts"]}

@@ -2,23 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
-from hydra import compose, initialize_config_module
+from conftest import compose_typed, run_taxbench
 
-from taxbench.config import register_configs, to_typed
 from taxbench.plan import make_plan
 
-
-def _cfg(*overrides: str):
-    register_configs()
-    with initialize_config_module(config_module="taxbench.conf", version_base="1.3"):
-        raw = compose(config_name="config", overrides=list(overrides))
-    from omegaconf import OmegaConf
-
-    return to_typed(OmegaConf.to_container(raw, resolve=True))
+_cfg = compose_typed  # plan configs name more GPUs than local ranks, which validate() refuses by design
 
 
 def test_moe_1t_is_a_trillion_parameters_and_fits_2432_gpus() -> None:
@@ -63,18 +52,12 @@ def test_invalid_layouts_are_named(overrides: list[str], message: str) -> None:
 
 
 def test_plan_command_prints_and_exits_without_launching(tmp_path) -> None:
-    ok = subprocess.run(
-        [sys.executable, "-m", "taxbench", "+recipe=moe_1t", "cluster.gpus=2432", "plan=true",
-         f"experiment.out_dir={tmp_path}"],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
-    )
+    ok = run_taxbench("+recipe=moe_1t", "cluster.gpus=2432", "plan=true", f"experiment.out_dir={tmp_path}",
+                      cwd=tmp_path, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert "985,328,009,216" in ok.stdout and "layout: valid" in ok.stdout and "optimizer" in ok.stdout
     assert not [path for path in tmp_path.rglob("*") if path.is_file()]  # nothing launched (Hydra's empty run dir)
-    bad = subprocess.run(
-        [sys.executable, "-m", "taxbench", "+recipe=moe_1t", "cluster.gpus=2400", "plan=true"],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
-    )
+    bad = run_taxbench("+recipe=moe_1t", "cluster.gpus=2400", "plan=true", cwd=tmp_path, timeout=120)
     assert bad.returncode == 2
     assert "layout: INVALID" in bad.stdout and "pick ep dividing 150" in bad.stdout
     assert "does not fit cluster.gpus=2400" in bad.stderr

@@ -17,11 +17,10 @@ from typing import Any
 
 import pytest
 import submitit
-from hydra import compose, initialize_config_module
+from conftest import compose_config, run_taxbench
 
 from taxbench.analysis.summary import analyse
 from taxbench.checkpoints import RunCheckpoints
-from taxbench.cli import prepare
 from taxbench.config import ConfigError
 from taxbench.experiment import ALL_RUNS
 from taxbench.launchers import slurm
@@ -56,13 +55,8 @@ UNREACHABLE = slurm_unreachable_reason()
 needs_slurm = pytest.mark.skipif(UNREACHABLE is not None, reason=UNREACHABLE or "")
 
 
-def compose_config(overrides: list[str]) -> tuple[Any, dict[str, Any]]:
-    with initialize_config_module(config_module="taxbench.conf", version_base="1.3"):
-        return prepare(compose(config_name="config", overrides=overrides))
-
-
 def sbatch_script(overrides: list[str], root: Path) -> str:
-    cfg, _ = compose_config(["experiment.name=x", *overrides])
+    cfg, _ = compose_config(*["experiment.name=x", *overrides])
     executor = slurm.make_executor(cfg, root)
     return executor._make_submission_file_text("python -c pass", "uid")
 
@@ -147,11 +141,8 @@ def test_missing_submitit_gives_install_hint(tmp_path: Path) -> None:
 @pytest.mark.slow
 @needs_slurm
 def test_cli_runs_the_experiment_as_one_two_task_job(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "taxbench", "cluster=slurm_cpu", f"experiment.out_dir={tmp_path}",
-         "experiment.name=e", *TINY],
-        capture_output=True, text=True, timeout=240, cwd=tmp_path,
-    )
+    done = run_taxbench("cluster=slurm_cpu", f"experiment.out_dir={tmp_path}", "experiment.name=e", *TINY,
+                        cwd=tmp_path, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     root = tmp_path / "e"
     job_info = json.loads((root / slurm.JOB_FILE).read_text())
@@ -169,7 +160,7 @@ def test_cli_runs_the_experiment_as_one_two_task_job(tmp_path: Path) -> None:
 @pytest.mark.slow
 @needs_slurm
 def test_preempted_job_requeues_and_resumes_from_its_checkpoint_bitwise(tmp_path: Path) -> None:
-    cfg, container = compose_config(["cluster=slurm_cpu", f"experiment.out_dir={tmp_path}", "experiment.name=p",
+    cfg, container = compose_config(*["cluster=slurm_cpu", f"experiment.out_dir={tmp_path}", "experiment.name=p",
                                      *TINY, *SLOWER_MODEL])
     root = tmp_path / "p"
     job = slurm.submit(cfg, container, root)
@@ -203,7 +194,7 @@ def test_preempted_job_requeues_and_resumes_from_its_checkpoint_bitwise(tmp_path
 @pytest.mark.slow
 @needs_slurm
 def test_cancelled_job_fails_clearly_and_keeps_its_records(tmp_path: Path) -> None:
-    cfg, container = compose_config(["cluster=slurm_cpu", f"experiment.out_dir={tmp_path}", "experiment.name=c",
+    cfg, container = compose_config(*["cluster=slurm_cpu", f"experiment.out_dir={tmp_path}", "experiment.name=c",
                                      *TINY, *SLOWER_MODEL, "experiment.steps=24"])
     root = tmp_path / "c"
     job = slurm.submit(cfg, container, root)

@@ -3,25 +3,21 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
-from omegaconf import OmegaConf
+from conftest import compose_raw, compose_typed, run_taxbench
+from omegaconf import DictConfig
 
 from taxbench.cli import prepare
-from taxbench.config import TaxbenchConfig, register_configs, to_typed
+from taxbench.config import TaxbenchConfig
 from taxbench.distributed import DistContext
 from taxbench.tracing.capture import CaptureScope
 from taxbench.tracing.diff import CONTROL_FLOW, IDENTICAL, ORIGIN, OUTSIDE, VIA_VIEW, diff_runs, diff_traces
 from taxbench.tracing.localize import NAMED, localize
 from taxbench.tracing.trace_io import TRACE_SCHEMA_VERSION, TraceError, TraceWriter, read_trace, trace_file
 from taxbench.trainer import Trainer
-
-register_configs()
 
 FAULT_MM = ["experiment.fault.kind=nondeterministic_op", "experiment.fault.module=blocks.1.ffn",
             "experiment.fault.op=aten.mm.default"]
@@ -31,14 +27,13 @@ FAULT_MM = ["experiment.fault.kind=nondeterministic_op", "experiment.fault.modul
 TINY = ["recipe.model.seq_len=16", "recipe.model.d_model=32", "recipe.model.d_ff=64", "recipe.model.vocab_size=64"]
 
 
-def _raw(overrides: list[str]):  # type: ignore[no-untyped-def]
-    with initialize_config_module("taxbench.conf", version_base="1.3"):
-        return compose("config", overrides=["experiment.name=trace-test", *TINY, *overrides])
+def _raw(overrides: list[str]) -> DictConfig:
+    return compose_raw("experiment.name=trace-test", *TINY, *overrides)
 
 
 def _cfg(overrides: list[str]) -> TaxbenchConfig:
     # one micro-batch per step on one rank
-    return to_typed(OmegaConf.to_container(_raw(["recipe.global_batch_size=4", *overrides]), resolve=True))
+    return compose_typed("experiment.name=trace-test", *TINY, "recipe.global_batch_size=4", *overrides)
 
 
 def _run_in_process(cfg: TaxbenchConfig, run_dir: Path, steps: int, faulty: bool) -> Path:
@@ -207,18 +202,15 @@ def test_trace_files_round_trip_and_bad_files_give_clear_errors(tmp_path: Path) 
 
 def test_cli_diff_prints_origin_json_and_rejects_corrupt_traces(tmp_path: Path) -> None:
     run_a, run_b = _pair(tmp_path, ["experiment.trace.rung=3", "experiment.trace.modules=[blocks.1.ffn]"], FAULT_MM)
-    done = subprocess.run([sys.executable, "-m", "taxbench", "diff", str(run_a), str(run_b), "--json"],
-                          capture_output=True, text=True, timeout=120)
+    done = run_taxbench("diff", str(run_a), str(run_b), "--json", cwd=tmp_path, timeout=120)
     assert done.returncode == 3, done.stderr
     primary = json.loads(done.stdout)["primary"]
     assert (primary["name"], primary["scope"], primary["rank"]) == ("aten.mm.default", "blocks.1.ffn.up", 0)
-    text = subprocess.run([sys.executable, "-m", "taxbench", "diff", str(run_a), str(run_b)],
-                          capture_output=True, text=True, timeout=120)
+    text = run_taxbench("diff", str(run_a), str(run_b), cwd=tmp_path, timeout=120)
     assert "origin op aten.mm.default:0 in blocks.1.ffn.up" in text.stdout
     trace = trace_file(run_b, 0)
     trace.write_text(trace.read_text()[:-5])
-    bad = subprocess.run([sys.executable, "-m", "taxbench", "diff", str(run_a), str(run_b)],
-                         capture_output=True, text=True, timeout=120)
+    bad = run_taxbench("diff", str(run_a), str(run_b), cwd=tmp_path, timeout=120)
     assert bad.returncode == 2 and "taxbench: error:" in bad.stderr and "Traceback" not in bad.stderr
 
 

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from hydra import compose, initialize_config_module
+from conftest import compose_config
 from torch import nn
 
 from taxbench.analysis.records import load_run
-from taxbench.cli import prepare
 from taxbench.config import TaxbenchConfig
 from taxbench.distributed import DistContext
 from taxbench.records import METRICS
@@ -20,11 +19,8 @@ from taxbench.trainer import Trainer
 
 
 def tiny_config() -> TaxbenchConfig:
-    with initialize_config_module(config_module="taxbench.conf", version_base="1.3"):
-        raw = compose("config", overrides=["cluster=inprocess", "recipe.global_batch_size=4",
-                                           "recipe.model.d_model=32", "recipe.model.n_heads=2",
-                                           "recipe.model.seq_len=16", "experiment.name=t"])
-    cfg, _ = prepare(raw)
+    cfg, _ = compose_config("cluster=inprocess", "recipe.global_batch_size=4", "recipe.model.d_model=32",
+                            "recipe.model.n_heads=2", "recipe.model.seq_len=16", "experiment.name=t")
     return cfg
 
 

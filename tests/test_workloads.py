@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from conftest import compose_typed
 from torch import nn
 
 from taxbench.config import ConfigError, ModelConfig
@@ -118,15 +119,7 @@ def test_unknown_kind_lists_choices() -> None:
 
 
 def test_custom_model_from_the_command_line_with_interpolated_sizes() -> None:
-    from hydra import compose, initialize_config_module
-    from omegaconf import OmegaConf
-
-    from taxbench.config import register_configs, to_typed
-
-    register_configs()
     factory = f"{{_target_: {__name__}.build_tiny_lstm_lm, vocab_size: '${{recipe.model.vocab_size}}', width: 8}}"
-    with initialize_config_module(config_module="taxbench.conf", version_base="1.3"):
-        raw = compose(config_name="config", overrides=["recipe.model.kind=custom", f"++recipe.model.factory={factory}"])
-    cfg = to_typed(OmegaConf.to_container(raw, resolve=True))
+    cfg = compose_typed("recipe.model.kind=custom", f"++recipe.model.factory={factory}")
     model = build_model(cfg.recipe.model, deterministic_kernels=True)
     assert model(torch.randint(0, 256, (1, 4))).shape == (1, 4, 256)
