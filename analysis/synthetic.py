@@ -14,10 +14,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from taxbench.records import METRICS, SCHEMA_VERSION, steps_file, write_manifest
+from taxbench.records import ALL_RUNS, METRICS, SCHEMA_VERSION, steps_file, write_manifest
 
-RUNS = (("baseline", "0"), ("deterministic", "0"), ("deterministic", "1"), ("deterministic", "resumed"),
-        ("baseline", "1"))
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
@@ -107,10 +105,10 @@ def _manifest(spec: SyntheticExperiment, name: str, arm: str, replica: str) -> d
 def write_experiment(root: Path, spec: SyntheticExperiment, injection: Injection | None = None) -> Path:
     """Write the five runs of one experiment under root (root/<run>/manifest.json, steps.rank<R>.jsonl)."""
     rng = np.random.default_rng(spec.seed)
-    for arm, replica in RUNS:
-        run_dir = root / f"{arm}-{replica}"
-        write_manifest(run_dir, _manifest(spec, root.name, arm, replica))
-        frame = _run_frame(spec, arm, replica, rng, injection)
+    for ref in ALL_RUNS:
+        run_dir = root / ref.name
+        write_manifest(run_dir, _manifest(spec, root.name, ref.arm, ref.replica))
+        frame = _run_frame(spec, ref.arm, ref.replica, rng, injection)
         for rank, part in frame.groupby("rank", sort=True):
             part.to_json(steps_file(run_dir, int(rank)), orient="records", lines=True)
     return root

@@ -15,7 +15,6 @@ import os
 import random
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -25,25 +24,8 @@ from taxbench import manifest, policy
 from taxbench.checkpoints import RunCheckpoints, commit, common_resume_step, finish
 from taxbench.config import ARM_NAMES, TaxbenchConfig
 from taxbench.distributed import DistContext
-from taxbench.records import MANIFEST, run_name, write_manifest
+from taxbench.records import ALL_RUNS, BASELINE_REPEAT, MANIFEST, REPEAT, RESUMED, TIMED, RunRef, write_manifest
 from taxbench.trainer import Trainer
-
-
-@dataclass(frozen=True)
-class RunRef:
-    arm: str
-    replica: str
-
-    @property
-    def name(self) -> str:
-        return run_name(self.arm, self.replica)
-
-
-TIMED = {arm: RunRef(arm, "0") for arm in ARM_NAMES}
-REPEAT = RunRef("deterministic", "1")
-RESUMED = RunRef("deterministic", "resumed")
-BASELINE_REPEAT = RunRef("baseline", "1")
-ALL_RUNS = (TIMED["baseline"], TIMED["deterministic"], REPEAT, RESUMED, BASELINE_REPEAT)
 
 
 def arm_order(order_seed: int, rounds: int) -> list[list[str]]:

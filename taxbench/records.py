@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from taxbench.config import ARM_NAMES
 from taxbench.redaction import redact
 
 SCHEMA_VERSION = 1
@@ -20,6 +22,24 @@ SCHEMA_VERSION = 1
 METRICS = ("loss_bits", "grads", "grad_norm_bits", "params", "optim")
 
 MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class RunRef:
+    arm: str
+    replica: str
+
+    @property
+    def name(self) -> str:
+        return run_name(self.arm, self.replica)
+
+
+# The runs of an experiment, each a folder <arm>-<replica> (see taxbench.experiment for what each is for).
+TIMED = {arm: RunRef(arm, "0") for arm in ARM_NAMES}
+REPEAT = RunRef("deterministic", "1")
+RESUMED = RunRef("deterministic", "resumed")
+BASELINE_REPEAT = RunRef("baseline", "1")
+ALL_RUNS = (TIMED["baseline"], TIMED["deterministic"], REPEAT, RESUMED, BASELINE_REPEAT)
 
 
 def steps_file(run_dir: Path, rank: int) -> Path:

@@ -22,8 +22,8 @@ from conftest import compose_config, run_taxbench
 from taxbench.analysis.summary import analyse
 from taxbench.checkpoints import RunCheckpoints
 from taxbench.config import ConfigError
-from taxbench.experiment import ALL_RUNS
 from taxbench.launchers import slurm
+from taxbench.records import ALL_RUNS
 
 TINY = [
     "experiment.steps=12",
