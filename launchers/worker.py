@@ -3,28 +3,39 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from taxbench import distributed, policy
-from taxbench.config import to_typed
+from taxbench.config import TaxbenchConfig, to_typed
+from taxbench.distributed import DistContext
 from taxbench.experiment import Experiment, total_steps
 from taxbench.progress import step_progress
+
+
+@contextmanager
+def rank_process(cfgs: Sequence[TaxbenchConfig], rank: int, world_size: int, local_rank: int, master_addr: str,
+                 master_port: int) -> Iterator[DistContext]:
+    """Set this process up as one rank for runs of `cfgs` (threads, determinism env, process group); tear down."""
+    cluster = cfgs[0].cluster
+    os.environ.setdefault("OMP_NUM_THREADS", str(cluster.threads_per_rank))
+    torch.set_num_threads(cluster.threads_per_rank)
+    # Before the first CUDA op: cuBLAS reads its workspace config once per process.
+    policy.prepare_process_env([p for cfg in cfgs for p in cfg.arms.values()], cluster.device)
+    ctx = distributed.init(rank, world_size, local_rank, cluster.device, master_addr, master_port)
+    try:
+        yield ctx
+    finally:
+        distributed.shutdown()
 
 
 def run_rank(rank: int, world_size: int, local_rank: int, cfg_container: dict[str, Any], root: str,
              master_addr: str, master_port: int) -> None:
     cfg = to_typed(cfg_container)
-    threads = cfg.cluster.threads_per_rank
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    torch.set_num_threads(threads)
-    # Before the first CUDA op: cuBLAS reads its workspace config once per process.
-    policy.prepare_process_env(cfg.arms.values(), cfg.cluster.device)
-    ctx = distributed.init(rank, world_size, local_rank, cfg.cluster.device, master_addr, master_port)
-    try:
+    with rank_process([cfg], rank, world_size, local_rank, master_addr, master_port) as ctx:
         with step_progress(total_steps(cfg), f"{cfg.experiment.name}", enabled=rank == 0) as on_step:
             Experiment(cfg, ctx, Path(root), on_step).run()
-    finally:
-        distributed.shutdown()

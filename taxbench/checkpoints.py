@@ -87,9 +87,8 @@ def finish(runs: Sequence[RunCheckpoints]) -> None:
     _barrier()
     if runs and runs[0].rank == 0:
         for checkpoints in runs:
-            progress = checkpoints._progress()
-            progress["finished"] = True
-            checkpoints._write_progress(progress)
+            # The checkpoint files go next, so none is listed as complete any more.
+            checkpoints._write_progress({"complete": [], "finished": True})
     _barrier()
     for checkpoints in runs:
         for file in checkpoints.dir.glob(f"step*.rank{checkpoints.rank}.pt"):

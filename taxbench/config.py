@@ -152,6 +152,9 @@ class FaultConfig:
     module: str | None = None  # nondeterministic_op: module path, e.g. "blocks.1.ffn"
     op: str | None = None  # nondeterministic_op: ATen op pattern, e.g. "aten.mm.default"
 
+    def applies_to(self, arm: str, replica: str) -> bool:
+        return self.enabled and self.arm == arm and str(self.replica) == replica
+
 
 @dataclass
 class TraceConfig:

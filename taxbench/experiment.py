@@ -50,9 +50,9 @@ class Experiment:
     def _trainer(self, ref: RunRef) -> Trainer:
         run_dir = self.root / ref.name
         fault = self.cfg.experiment.fault
-        applies = fault.enabled and fault.arm == ref.arm and str(fault.replica) == ref.replica
         arm_policy = self.cfg.arms[ref.arm]
-        trainer = Trainer(self.cfg, ref.arm, ref.replica, arm_policy, self.ctx, run_dir, fault if applies else None)
+        trainer = Trainer(self.cfg, ref.arm, ref.replica, arm_policy, self.ctx, run_dir,
+                          fault if fault.applies_to(ref.arm, ref.replica) else None)
         self._write_manifest(ref, trainer)
         return trainer
 

@@ -266,3 +266,22 @@ def test_localize_walks_the_ladder_to_a_nondeterministic_op(tmp_path: Path) -> N
     # a clean pair of the same experiment has nothing to localize
     clean = localize(root / "deterministic-0", root / "deterministic-resumed", tmp_path / "work-clean")
     assert clean.verdict == "no_divergence" and clean.path == []
+
+
+def test_replays_start_from_the_latest_complete_checkpoint_before_the_step(tmp_path: Path) -> None:
+    from taxbench.checkpoints import RunCheckpoints, commit, finish
+    from taxbench.tracing.localize import RunSpec
+
+    class Saver:
+        def save_checkpoint(self, path: Path) -> None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"state")
+
+    run = tmp_path / "deterministic-1"
+    checkpoints = RunCheckpoints(run, rank=0)
+    for step in (6, 12):
+        commit(step, [(checkpoints, Saver())])
+    spec = RunSpec(run, run.name, "deterministic", "1", {}, world_size=1)
+    assert [spec.checkpoint_before(s) for s in (5, 7, 12, 13)] == [0, 6, 6, 12]
+    finish([checkpoints])  # a finished run keeps no checkpoints: replays start from seeded init
+    assert spec.checkpoint_before(13) == 0

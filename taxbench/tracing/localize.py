@@ -65,18 +65,10 @@ class RunSpec:
                                 "`python -m taxbench`") from exc
 
     def checkpoint_before(self, step: int) -> int:
-        """The latest step k < `step` with a checkpoint on every rank (0 when there is none)."""
-        directory = self.run_dir / "checkpoints"
-        best = 0
-        for path in directory.glob("step*.rank0.pt"):
-            try:
-                k = int(path.name.removeprefix("step").split(".")[0])
-            except ValueError:
-                continue
-            complete = all((directory / f"step{k}.rank{r}.pt").exists() for r in range(self.world_size))
-            if complete and best < k < step:
-                best = k
-        return best
+        """The latest step k < `step` with a complete checkpoint (saved by every rank; 0 when there is none)."""
+        from taxbench.checkpoints import RunCheckpoints
+
+        return max((k for k in RunCheckpoints(self.run_dir, rank=0).complete() if k < step), default=0)
 
 
 @dataclass(frozen=True)
@@ -137,24 +129,15 @@ def _job(spec: RunSpec, out_dir: Path, rung: int, step: int, modules: tuple[str,
 
 def run_replay_rank(rank: int, world: int, jobs: list[ReplayJob], addr: str, port: int) -> None:
     """One rank of a replay: both runs, one after the other (like the experiment schedule)."""
-    import os
-
-    import torch
-
-    from taxbench import distributed, policy
+    from taxbench.checkpoints import RunCheckpoints
     from taxbench.config import to_typed
+    from taxbench.launchers.worker import rank_process
     from taxbench.trainer import Trainer
 
     configs = [to_typed(job.config) for job in jobs]
-    threads = configs[0].cluster.threads_per_rank
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    torch.set_num_threads(threads)
-    policy.prepare_process_env([p for cfg in configs for p in cfg.arms.values()], configs[0].cluster.device)
-    ctx = distributed.init(rank, world, rank, configs[0].cluster.device, addr, port)
-    try:
+    with rank_process(configs, rank, world, rank, addr, port) as ctx:
         for job, cfg in zip(jobs, configs, strict=True):
-            fault = cfg.experiment.fault
-            applies = fault.enabled and fault.arm == job.arm and str(fault.replica) == job.replica
+            applies = cfg.experiment.fault.applies_to(job.arm, job.replica)
             out = Path(job.out_dir)
 
             def trainer(cfg: Any = cfg, out: Path = out, applies: bool = applies, job: ReplayJob = job) -> Trainer:
@@ -164,18 +147,17 @@ def run_replay_rank(rank: int, world: int, jobs: list[ReplayJob], addr: str, por
             current = trainer()
             if job.checkpoint_step:
                 assert job.checkpoint_dir is not None
-                current.load_checkpoint(Path(job.checkpoint_dir) / f"step{job.checkpoint_step}.rank{rank}.pt")
+                original = RunCheckpoints(Path(job.checkpoint_dir).parent, rank)
+                current.load_checkpoint(original.path(job.checkpoint_step))
             if job.restart_at:
                 current.run_block(job.restart_at - current.step, 0)
-                checkpoint = out / "checkpoints" / f"step{job.restart_at}.rank{rank}.pt"
+                checkpoint = RunCheckpoints(out, rank).path(job.restart_at)
                 current.save_checkpoint(checkpoint)
                 current.close()
                 current = trainer()
                 current.load_checkpoint(checkpoint)
             current.run_block(job.until_step - current.step, 0)
             current.close()
-    finally:
-        distributed.shutdown()
 
 
 def _spawned(rank: int, world: int, jobs: list[ReplayJob], addr: str, port: int) -> None:
