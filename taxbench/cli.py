@@ -67,15 +67,15 @@ CONTINUE_MAY_CHANGE = ("experiment.continue_existing", "report.")
 
 
 def _require_same_config(root: Path, cfg: TaxbenchConfig) -> None:
-    import json
-
+    from taxbench.analysis.records import RecordError, load_manifest
     from taxbench.pairing import differences
-
-    manifest = root / "deterministic-0" / "manifest.json"
-    if not manifest.exists():
-        raise ConfigError(f"{root} has no {manifest.name} to continue from; start a new experiment.name")
-    stored = json.loads(manifest.read_text(encoding="utf-8"))["config"]
+    from taxbench.records import TIMED
     from taxbench.redaction import redact
+
+    try:
+        stored = load_manifest(root / TIMED["deterministic"].name)["config"]
+    except RecordError as exc:
+        raise ConfigError(f"cannot continue {root}: {exc}; start a new experiment.name") from exc
 
     # The stored config went through redaction; compare like with like.
     current = redact(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True))
