@@ -13,78 +13,36 @@
 from __future__ import annotations
 
 import argparse
+import difflib
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import hydra
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from taxbench.config import ConfigError, Launcher, ReportConfig, TaxbenchConfig, register_configs, to_typed, validate
-from taxbench.pairing import validate_pair
-
-EXIT_CONFIG_ERROR = 2
-EXIT_NOT_DETERMINISTIC = 3
+from taxbench import exit_codes
+from taxbench.config import ConfigError, Launcher, ReportConfig, TaxbenchConfig, register_configs, to_typed
+from taxbench.experiment_folder import claimed, experiment_root
 
 
-def fail(message: str, code: int = EXIT_CONFIG_ERROR) -> None:
+def fail(message: str, code: int = exit_codes.CONFIG_ERROR) -> None:
     print(f"taxbench: error: {message}", file=sys.stderr)
     raise SystemExit(code)
 
 
 def prepare(raw: DictConfig) -> tuple[TaxbenchConfig, dict[str, Any]]:
-    """Typed, validated config plus its plain container (what gets shipped to ranks)."""
+    """Typed config that passed every pre-launch check, plus its plain container (what gets shipped to ranks)."""
+    from taxbench.preflight import check_before_launch
+
     container = OmegaConf.to_container(raw, resolve=True)
     assert isinstance(container, dict)
     cfg = to_typed(container)
-    validate(cfg)
-    validate_pair(cfg)
-    from taxbench.policy import validate_policy
-
-    for arm_policy in cfg.arms.values():
-        validate_policy(arm_policy, cfg.cluster.device)
+    check_before_launch(cfg)
     return cfg, container
-
-
-def experiment_root(cfg: TaxbenchConfig) -> Path:
-    root = Path(cfg.experiment.out_dir) / cfg.experiment.name
-    if _is_multirun():  # the points of a sweep share experiment.name: each gets its own folder under it
-        from hydra.core.hydra_config import HydraConfig
-
-        root = root / f"point{HydraConfig.get().job.num}"
-    if (root / "deterministic-0").exists():
-        if not cfg.experiment.continue_existing:
-            raise ConfigError(
-                f"{root} already holds results; pick another experiment.name (or out_dir) instead of overwriting "
-                "them, or continue an interrupted experiment with experiment.continue_existing=true"
-            )
-        _require_same_config(root, cfg)
-    return root
-
-
-# Settings that may change when an interrupted experiment is continued: they do not affect what the runs compute.
-CONTINUE_MAY_CHANGE = ("experiment.continue_existing", "report.")
-
-
-def _require_same_config(root: Path, cfg: TaxbenchConfig) -> None:
-    from taxbench.analysis.records import RecordError, load_manifest
-    from taxbench.pairing import differences
-    from taxbench.records import TIMED
-    from taxbench.redaction import redact
-
-    try:
-        stored = load_manifest(root / TIMED["deterministic"].name)["config"]
-    except RecordError as exc:
-        raise ConfigError(f"cannot continue {root}: {exc}; start a new experiment.name") from exc
-
-    # The stored config went through redaction; compare like with like.
-    current = redact(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True))
-    changed = [d for d in differences(stored, current) if not d[0].startswith(CONTINUE_MAY_CHANGE)]
-    if changed:
-        lines = "\n".join(f"  {key}: was {a!r}, now {b!r}" for key, a, b in changed)
-        raise ConfigError(
-            f"experiment.continue_existing=true needs the config {root} was started with; changed:\n{lines}"
-        )
 
 
 def launch(cfg: TaxbenchConfig, container: dict[str, Any], root: Path) -> bool:
@@ -116,8 +74,7 @@ def report(
     from taxbench.analysis.publish import publish
 
     settings = settings or ReportConfig(html=False, wandb=False)
-    published = publish(root, settings, group=group, strict_wandb=strict_wandb)
-    return 0 if published.deterministic_ok else EXIT_NOT_DETERMINISTIC
+    return publish(root, settings, group=group, strict_wandb=strict_wandb).exit_code
 
 
 def run_plan(raw: DictConfig) -> int:
@@ -137,15 +94,21 @@ def run_plan(raw: DictConfig) -> int:
 def run_experiment(raw: DictConfig) -> int:
     if raw.get("plan", False):
         return run_plan(raw)
+    from taxbench.analysis.records import RecordError
+    from taxbench.launchers.local import RankFailed
+
     try:
         cfg, container = prepare(raw)
-        root = experiment_root(cfg)
-    except ConfigError as exc:
+        with claimed(cfg, experiment_root(cfg, _multirun_point())) as root:
+            try:
+                if not launch(cfg, container, root):
+                    return exit_codes.OK
+            except RankFailed as exc:
+                fail(str(exc), exit_codes.FAILED)
+            return report(root, cfg.report, group=root.parent.name if _is_multirun() else None)
+    except (ConfigError, RecordError) as exc:  # RecordError: results that cannot be read back or written
         fail(str(exc))
-    root.mkdir(parents=True, exist_ok=True)
-    if not launch(cfg, container, root):
-        return 0
-    return report(root, cfg.report, group=root.parent.name if _is_multirun() else None)
+    return exit_codes.CONFIG_ERROR
 
 
 register_configs()
@@ -165,6 +128,13 @@ def _is_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode.name == "MULTIRUN"
 
 
+def _multirun_point() -> int | None:
+    """The point number of this job in a multirun (its points share experiment.name), else None."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.get().job.num if _is_multirun() else None
+
+
 def _analyse(args: argparse.Namespace) -> int:
     return report(args.root)
 
@@ -178,7 +148,7 @@ def _report(args: argparse.Namespace) -> int:
         return report(args.root, settings, strict_wandb=True)
     except WandbUnavailable as exc:
         fail(str(exc))
-    return EXIT_CONFIG_ERROR
+    return exit_codes.CONFIG_ERROR
 
 
 def _build_shards(args: argparse.Namespace) -> int:
@@ -234,13 +204,63 @@ def subcommand(argv: list[str]) -> int:
         return int(args.handler(args))
     except _input_errors() as exc:
         fail(str(exc))
-    return EXIT_CONFIG_ERROR
+    return exit_codes.CONFIG_ERROR
 
 
-SUBCOMMANDS = {"analyse", "report", "build-shards", "diff", "localize"}
+SUBCOMMANDS = ("analyse", "report", "build-shards", "diff", "localize")
+
+# Hydra and OmegaConf raise these for a bad override, an unknown config group option or a wrong type.
+_HYDRA_INPUT_ERRORS = (HydraException, OmegaConfBaseException)
+
+
+def _config_error_line(exc: BaseException) -> str:
+    """Hydra's multi-line message (and its OmegaConf cause) as one line, without the search-path and key noise."""
+    parts: list[str] = []
+    for error in (exc, exc.__cause__):
+        options: list[str] | None = None
+        for line in (line.strip() for line in str(error or "").splitlines()):
+            if not line or line.startswith(("full_key:", "object_type=", "reference_type=", "Set the environment")):
+                continue
+            if line.startswith("Config search path"):
+                break
+            if options is not None:
+                options.append(line)
+            elif line.startswith("Available options in"):
+                options = []
+                parts.append(line.rstrip(":").lower())
+            else:
+                parts.append(line.rstrip(".:"))
+        if options:
+            parts[-1] += ": " + ", ".join(options)
+    return "; ".join(dict.fromkeys(parts)) or type(exc).__name__
+
+
+def _unknown_word(argv: list[str]) -> str | None:
+    """The first argument that is neither an override (`key=value`, `+key=...`, `~key`) nor an option."""
+    if not argv:
+        return None
+    first = argv[0]
+    return None if first.startswith(("-", "+", "~")) or "=" in first else first
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] in SUBCOMMANDS:
-        raise SystemExit(subcommand(sys.argv[1:]))
-    hydra_entry()
+    argv = sys.argv[1:]
+    if argv and argv[0] in SUBCOMMANDS:
+        raise SystemExit(subcommand(argv))
+    word = _unknown_word(argv)
+    if word is not None:
+        close = difflib.get_close_matches(word, SUBCOMMANDS, n=1)
+        hint = f"did you mean `taxbench {close[0]}`? " if close else ""
+        fail(f"unknown subcommand or override {word!r}; {hint}subcommands: {', '.join(SUBCOMMANDS)}; overrides look "
+             "like key=value (`python -m taxbench --help`)")
+    # Hydra prints its own errors with exit 1; let them reach us instead, so that a config error is one line, exit 2.
+    full_errors = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        hydra_entry()
+    except _HYDRA_INPUT_ERRORS as exc:
+        if full_errors:
+            raise
+        fail(_config_error_line(exc))
+    except BrokenPipeError:  # `python -m taxbench --help | head`: the reader left, nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

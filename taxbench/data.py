@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import torch
 
-from taxbench.config import ConfigError, DataConfig
+from taxbench.config import DataConfig, DataKind
 
 
 class TokenSource(Protocol):
@@ -60,10 +60,8 @@ class SyntheticTokens:
 def build_source(
     cfg: DataConfig, vocab_size: int, seq_len: int, micro_batch: int, dp_rank: int, dp_size: int
 ) -> TokenSource:
-    if cfg.kind == "synthetic":
+    if cfg.kind == DataKind.synthetic:
         return SyntheticTokens(cfg.seed, vocab_size, seq_len, micro_batch, dp_rank, dp_size)
-    if cfg.kind == "shards":
-        from taxbench.datasets.source import build_shard_source
+    from taxbench.datasets.source import build_shard_source
 
-        return build_shard_source(cfg, vocab_size, seq_len, micro_batch, dp_rank, dp_size)
-    raise ConfigError(f"recipe.data.kind={cfg.kind!r} is unknown; choose one of ['synthetic', 'shards']")
+    return build_shard_source(cfg, vocab_size, seq_len, micro_batch, dp_rank, dp_size)

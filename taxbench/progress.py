@@ -11,7 +11,16 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn, TimeRemainingColumn
+from rich.text import Text
+
+
+class StepRateColumn(ProgressColumn):
+    """Steps per second; rich has no speed until it has seen two updates, so the first frames show a placeholder."""
+
+    def render(self, task: Task) -> Text:
+        speed = task.speed
+        return Text("   --- steps/s" if speed is None else f"{speed:>6.1f} steps/s")
 
 
 @contextmanager
@@ -25,7 +34,7 @@ def step_progress(total: int, description: str, enabled: bool = True) -> Iterato
             TextColumn("{task.description}"),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("{task.speed:>6.1f} steps/s"),
+            StepRateColumn(),
             TimeRemainingColumn(),
         )
         with Progress(*columns, console=console, transient=True) as bar:

@@ -43,3 +43,37 @@ def compose_config(*overrides: str) -> tuple[TaxbenchConfig, dict[str, Any]]:
 @pytest.fixture
 def taxbench_cli():
     return run_taxbench
+
+
+def run_taxbench_in_terminal(*args: str, cwd: Path, timeout: float = 600) -> tuple[int, str]:
+    """`python -m taxbench ...` with stdin, stdout and stderr on a pseudo-terminal, as a person runs it: rich then
+    draws live progress bars (a piped run never takes that branch). Returns the exit code and everything shown."""
+    import pty
+    import select
+    import time
+
+    controller, terminal = pty.openpty()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TERM": "xterm-256color", "COLUMNS": "100"}
+    process = subprocess.Popen([sys.executable, "-m", "taxbench", *args], cwd=cwd, stdin=terminal, stdout=terminal,
+                               stderr=terminal, env=env, close_fds=True)
+    os.close(terminal)
+    shown, deadline = bytearray(), time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([controller], [], [], 0.5)
+            if ready:
+                try:
+                    chunk = os.read(controller, 65536)
+                except OSError:  # EIO: every holder of the terminal has exited
+                    break
+                if not chunk:
+                    break
+                shown += chunk
+            elif process.poll() is not None:
+                break
+        else:
+            process.kill()
+            raise TimeoutError(f"taxbench {' '.join(args)} still running after {timeout}s")
+        return process.wait(timeout=30), shown.decode("utf-8", errors="replace")
+    finally:
+        os.close(controller)

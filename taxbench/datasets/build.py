@@ -8,6 +8,7 @@ import numpy as np
 
 from taxbench.datasets.shards import DTYPES, INDEX_FILE, ShardEntry, ShardError, ShardIndex, file_sha256, write_index
 from taxbench.datasets.tokenizer import ByteTokenizer
+from taxbench.oserrors import describe_os_error
 
 DEFAULT_TOKENS_PER_SHARD = 1 << 24  # 32 MiB per uint16 shard
 READ_CHUNK_BYTES = 1 << 22
@@ -42,15 +43,28 @@ def build_shards(
         raise ShardError(f"--dtype {dtype} cannot hold token ids up to {tokenizer.vocab_size - 1}; use uint32")
     if tokens_per_shard < 1:
         raise ShardError(f"--tokens-per-shard {tokens_per_shard} must be >= 1")
+    if text_file.is_dir():
+        raise ShardError(f"{text_file} is a directory; pass one text file (concatenate a corpus first)")
     if not text_file.is_file():
         raise ShardError(f"text file {text_file} does not exist")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ShardError(f"OUT_DIR {out_dir} is a file, not a folder; pick a new or empty folder")
     if (out_dir / INDEX_FILE).exists():
         raise ShardError(f"{out_dir} already holds a token-shard folder ({INDEX_FILE}); pick another OUT_DIR or "
                          "remove it first")
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ShardError(f"{out_dir} is not empty; pick a new or empty OUT_DIR")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        return _tokenize_into(text_file, out_dir, tokens_per_shard, dtype, tokenizer)
+    except OSError as exc:
+        for partial in out_dir.glob("*.tmp"):
+            partial.unlink(missing_ok=True)
+        raise ShardError(f"cannot write token shards: {describe_os_error(exc)}") from exc
 
+
+def _tokenize_into(text_file: Path, out_dir: Path, tokens_per_shard: int, dtype: str,
+                   tokenizer: ByteTokenizer) -> ShardIndex:
     entries: list[ShardEntry] = []
     buffer = np.empty(tokens_per_shard, dtype=DTYPES[dtype])
     filled, max_token = 0, -1

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from taxbench.config import ConfigError, DataConfig
+from taxbench.config import ConfigError, DataConfig, DataLoaderKind
 from taxbench.datasets.dali_reader import DaliShardReader, dali_available, require_dali
 from taxbench.datasets.order import shard_order
 from taxbench.datasets.shards import INDEX_FILE, ShardError, TokenShards
 from taxbench.datasets.torch_reader import TorchShardReader
-
-LOADERS = ("auto", "torch", "dali")
 
 
 def _cuda_in_use() -> bool:
@@ -18,13 +16,11 @@ def _cuda_in_use() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
-def resolve_loader(loader: str, cuda: bool) -> str:
+def resolve_loader(loader: DataLoaderKind, cuda: bool) -> DataLoaderKind:
     """auto picks DALI only on GPU ranks where it is installed (on CPU it brings nothing over torch)."""
-    if loader not in LOADERS:
-        raise ConfigError(f"recipe.data.loader={loader!r} is unknown; choose one of {list(LOADERS)}")
-    if loader == "auto":
-        return "dali" if cuda and dali_available() else "torch"
-    if loader == "dali":
+    if loader == DataLoaderKind.auto:
+        return DataLoaderKind.dali if cuda and dali_available() else DataLoaderKind.torch
+    if loader == DataLoaderKind.dali:
         require_dali()
     return loader
 
@@ -55,7 +51,7 @@ def build_shard_source(cfg: DataConfig, vocab_size: int, seq_len: int, micro_bat
     shards = open_shards(cfg, vocab_size)
     order = shard_order(shards, cfg.seed, seq_len, micro_batch, dp_rank, dp_size)
     cuda = _cuda_in_use()
-    if resolve_loader(cfg.loader, cuda) == "dali":
+    if resolve_loader(cfg.loader, cuda) == DataLoaderKind.dali:
         return DaliShardReader(shards, order, seq_len, torch.cuda.current_device() if cuda else None,
                                num_threads=cfg.num_workers)
     return TorchShardReader(shards, order, seq_len, num_workers=cfg.num_workers)

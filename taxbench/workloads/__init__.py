@@ -14,13 +14,13 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from torch import nn
 
-from taxbench.config import ConfigError, ModelConfig
+from taxbench.config import ConfigError, ModelConfig, ModelKind
 from taxbench.workloads.dense import build_dense
 from taxbench.workloads.moe import build_moe
 
 Builder = Callable[[ModelConfig, bool], nn.Module]
 
-BUILDERS: dict[str, Builder] = {"dense": build_dense, "moe": build_moe}
+BUILDERS: dict[ModelKind, Builder] = {ModelKind.dense: build_dense, ModelKind.moe: build_moe}
 
 
 def _build_custom(cfg: ModelConfig) -> nn.Module:
@@ -33,7 +33,8 @@ def _build_custom(cfg: ModelConfig) -> nn.Module:
     try:
         model = instantiate(cfg.factory, _convert_="all")
     except InstantiationException as exc:
-        raise ConfigError(f"recipe.model.factory._target_={target!r} could not be instantiated: {exc}") from exc
+        reason = str(exc).split(", set env var HYDRA_FULL_ERROR")[0]  # our errors are one line; the hint is noise
+        raise ConfigError(f"recipe.model.factory._target_={target!r} could not be instantiated: {reason}") from exc
     if not isinstance(model, nn.Module):
         raise ConfigError(f"recipe.model.factory._target_={target!r} returned {type(model).__name__}, not an nn.Module")
     return model
@@ -41,10 +42,12 @@ def _build_custom(cfg: ModelConfig) -> nn.Module:
 
 def build_model(cfg: ModelConfig, deterministic_kernels: bool) -> nn.Module:
     """Build the recipe's model; `deterministic_kernels` selects fixed-order paths where a model has fast ones."""
-    if cfg.kind == "custom":
-        return _build_custom(cfg)
-    if cfg.kind not in BUILDERS:
+    try:
+        kind = ModelKind(cfg.kind)
+    except ValueError:
         raise ConfigError(
-            f"recipe.model.kind={cfg.kind!r} is unknown; choose one of {sorted(BUILDERS) + ['custom']}"
-        )
-    return BUILDERS[cfg.kind](cfg, deterministic_kernels)
+            f"recipe.model.kind={cfg.kind!r} is unknown; choose one of {[k.value for k in ModelKind]}"
+        ) from None
+    if kind is ModelKind.custom:
+        return _build_custom(cfg)
+    return BUILDERS[kind](cfg, deterministic_kernels)

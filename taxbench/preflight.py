@@ -1,0 +1,172 @@
+"""Every check that runs before a rank starts, in one place above the schema and the parts it checks.
+
+A bad input must stop here, with exit 2 and one line naming the key, the value and what is accepted, and before the
+experiment folder exists. Beyond the schema's cross-field rules (taxbench.config.validate) this builds the model on
+the meta device (factory, shape and vocabulary errors), opens the token shards, checks the device and the output
+folder, and checks that an injected fault or a trace selection names something that exists.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from taxbench.config import (
+    ConfigError,
+    DataKind,
+    Device,
+    FaultKind,
+    Launcher,
+    ModelKind,
+    RecipeConfig,
+    TaxbenchConfig,
+    validate,
+    world_size,
+)
+from taxbench.pairing import validate_pair
+from taxbench.policy import validate_policy
+from taxbench.workloads import build_model
+
+# A custom model whose forward has no meta kernels (data-dependent ops) is checked on CPU up to this size.
+CPU_FORWARD_CHECK_MAX_PARAMS = 50_000_000
+
+
+def check_before_launch(cfg: TaxbenchConfig) -> None:
+    """Raise ConfigError for anything that would fail once the ranks run."""
+    check_device(cfg)  # first: without the GPUs asked for, the layout errors below would only confuse
+    validate(cfg)
+    validate_pair(cfg)
+    for arm_policy in cfg.arms.values():
+        validate_policy(arm_policy, cfg.cluster.device)
+    check_data(cfg.recipe, world_size(cfg.cluster))
+    model = check_model(cfg.recipe)
+    check_fault_and_trace(cfg, model)
+    check_out_dir(Path(cfg.experiment.out_dir))
+
+
+def check_device(cfg: TaxbenchConfig) -> None:
+    cluster = cfg.cluster
+    if cluster.device != Device.cuda or cluster.launcher == Launcher.slurm:
+        return  # a Slurm job runs on the cluster's GPU nodes, not on the submitting machine
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if available == 0:
+        raise ConfigError(
+            f"cluster.device=cuda but this machine has no usable CUDA GPU (torch {torch.__version__}); use "
+            "cluster.device=cpu here, or cluster=slurm to run on GPU nodes"
+        )
+    if cluster.launcher != Launcher.inprocess and cluster.gpus > available:
+        raise ConfigError(f"cluster.gpus={cluster.gpus} but this machine has {available} GPU(s); use "
+                          f"cluster.gpus<={available}, or cluster=slurm for more")
+
+
+def check_data(recipe: RecipeConfig, world: int) -> None:
+    data = recipe.data
+    if data.kind != DataKind.shards:
+        return
+    from taxbench.datasets.shards import ShardError
+    from taxbench.datasets.source import check_shard_recipe
+
+    dp = max(world // (recipe.parallel.tp * recipe.parallel.pp), 1)
+    try:
+        check_shard_recipe(data, recipe.model.vocab_size, recipe.model.seq_len, recipe.micro_batch_size, dp)
+    except (ShardError, ImportError) as exc:
+        raise ConfigError(f"recipe.data.path={data.path}: {exc}") from exc
+
+
+def check_model(recipe: RecipeConfig) -> nn.Module:
+    """Build the model on the meta device (no memory); a custom model must also map tokens to [batch, seq, vocab]."""
+    try:
+        with torch.device("meta"):
+            model = build_model(recipe.model, deterministic_kernels=True)
+    except ConfigError:
+        raise
+    except Exception as exc:  # a factory or a shape problem inside the model's constructor
+        raise ConfigError(f"recipe.model: building the model failed: {_one_line(exc)}") from exc
+    if recipe.model.kind == ModelKind.custom:
+        _check_logits(recipe, model)
+    return model
+
+
+def _check_logits(recipe: RecipeConfig, model: nn.Module) -> None:
+    batch, seq, vocab = recipe.micro_batch_size, recipe.model.seq_len, recipe.model.vocab_size
+    target = recipe.model.factory.get("_target_")
+    try:
+        with torch.no_grad():
+            logits = model(torch.zeros(batch, seq, dtype=torch.long, device="meta"))
+    except NotImplementedError:  # an op without a meta kernel (data-dependent shapes): try a real, small instance
+        if sum(p.numel() for p in model.parameters()) > CPU_FORWARD_CHECK_MAX_PARAMS:
+            return
+        with torch.no_grad():
+            logits = build_model(recipe.model, deterministic_kernels=True)(torch.zeros(batch, seq, dtype=torch.long))
+    except Exception as exc:
+        raise ConfigError(f"recipe.model.factory._target_={target!r}: the forward pass on a [{batch}, {seq}] token "
+                          f"batch failed: {_one_line(exc)}") from exc
+    if not isinstance(logits, torch.Tensor):
+        raise ConfigError(f"recipe.model.factory._target_={target!r} returns {type(logits).__name__}; taxbench needs "
+                          f"a logits tensor [batch, seq, vocab] = [{batch}, {seq}, {vocab}]")
+    if tuple(logits.shape) != (batch, seq, vocab):
+        hint = (f"; set recipe.model.vocab_size={logits.shape[-1]} or fix the model's vocabulary"
+                if logits.dim() == 3 and tuple(logits.shape[:2]) == (batch, seq) else "")
+        raise ConfigError(f"recipe.model.factory._target_={target!r} returns logits of shape {list(logits.shape)}, "
+                          f"expected [batch, seq, vocab] = [{batch}, {seq}, {vocab}]{hint}")
+
+
+def check_fault_and_trace(cfg: TaxbenchConfig, model: nn.Module) -> None:
+    """An injected fault or a trace filter that matches nothing would make a self-test that tests nothing."""
+    modules = [name for name, _ in model.named_modules() if name]
+    fault, trace = cfg.experiment.fault, cfg.experiment.trace
+    if fault.enabled and fault.kind == FaultKind.nondeterministic_op:
+        if fault.module not in modules:
+            raise ConfigError(f"experiment.fault.module={fault.module!r} is not a module of recipe "
+                              f"{cfg.recipe.name}; choose one of: {_sample(modules)}")
+        if not _matching_ops([fault.op or ""]):
+            raise ConfigError(f"experiment.fault.op={fault.op!r} matches no ATen op; give one such as "
+                              "aten.mm.default or a pattern such as 'aten.index_put_*'")
+    if trace.enabled:
+        for pattern in trace.modules:
+            if not any(fnmatch.fnmatchcase(name, pattern) for name in modules):
+                raise ConfigError(f"experiment.trace.modules: {pattern!r} matches no module of recipe "
+                                  f"{cfg.recipe.name}; modules are: {_sample(modules)}")
+        missing = [p for p in trace.ops if not _matching_ops([p])]
+        if missing:
+            raise ConfigError(f"experiment.trace.ops: {missing[0]!r} matches no ATen op; use names such as "
+                              "aten.mm.default or patterns such as 'aten.index_put_*'")
+
+
+def _matching_ops(patterns: Iterable[str]) -> list[str]:
+    """Fully qualified op overload names ("aten.mm.default") matching any of the fnmatch patterns."""
+    names = []
+    for qualified in torch._C._dispatch_get_all_op_names():
+        namespace, _, op = qualified.partition("::")
+        try:
+            overloads = getattr(getattr(torch.ops, namespace), op).overloads()
+        except (AttributeError, RuntimeError):
+            continue
+        names += [f"{namespace}.{op}.{overload}" for overload in overloads]
+    return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """experiment.out_dir must be a folder we can create and write in (it need not exist yet)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"experiment.out_dir={out_dir} is a file, not a folder; choose a folder")
+    existing = next(p for p in (out_dir.absolute(), *out_dir.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"experiment.out_dir={out_dir}: {existing} is a file, not a folder; choose another out_dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"experiment.out_dir={out_dir}: {existing} is not writable (permissions or a read-only "
+                          "file system); choose a writable folder")
+
+
+def _sample(names: list[str], limit: int = 12) -> str:
+    return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:300]}"
