@@ -68,7 +68,8 @@ def step_time_plot(series: dict[str, pd.DataFrame], tax: TaxEstimate, ratios: pd
 
 
 def sweep_tax_plot(points: pd.DataFrame) -> bytes:
-    """Tax vs GPU count (world size) with the confidence interval of each point; red markers fail a gate."""
+    """Tax vs GPU count (world size) with the confidence interval of each point; red markers fail a gate, orange
+    ones are incomplete (no verdict)."""
     figure, axis = plt.subplots(figsize=(8, 4.5), layout="constrained")
     ordered = points.sort_values("world_size")
     for recipe, frame in ordered.groupby("recipe", sort=False):
@@ -78,10 +79,12 @@ def sweep_tax_plot(points: pd.DataFrame) -> bytes:
         above = np.clip(frame["high"].to_numpy() * 100 - y, 0, None)
         axis.errorbar(x, y, yerr=np.nan_to_num(np.vstack([below, above])), fmt="o-", capsize=4, lw=1.3,
                       label=str(recipe))
-        failed = ~frame["deterministic_ok"].to_numpy(dtype=bool)
-        if failed.any():
-            axis.scatter(x[failed], y[failed], s=120, facecolors="none", edgecolors="red", lw=2, zorder=5,
-                         label=f"{recipe}: not bitwise deterministic")
+        outcome = frame["outcome"].to_numpy(dtype=object)
+        for marked, color, label in ((outcome == "failed", "red", "not bitwise deterministic"),
+                                     (outcome == "incomplete", "orange", "incomplete: no verdict")):
+            if marked.any():
+                axis.scatter(x[marked], y[marked], s=120, facecolors="none", edgecolors=color, lw=2, zorder=5,
+                             label=f"{recipe}: {label}")
     axis.axhline(0, color="black", lw=0.8)
     world_sizes = sorted(ordered["world_size"].unique())
     if len(world_sizes) > 1 and world_sizes[0] > 0 and world_sizes[-1] / world_sizes[0] >= 8:

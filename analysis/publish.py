@@ -21,9 +21,12 @@ from taxbench.config import ReportConfig
 
 @dataclass(frozen=True)
 class Published:
-    deterministic_ok: bool
+    deterministic_ok: bool  # both strict gates have positive evidence of agreement (every point, for a sweep)
     report: Path | None  # report.html, when written
     wandb_runs: tuple[Path, ...]  # local wandb run folders
+    # taxbench.exit_codes: OK, NOT_DETERMINISTIC (a strict gate failed) or INCOMPLETE (missing evidence); a sweep's
+    # is the worst of its points', an unanalysable point counting as incomplete
+    exit_code: int
 
 
 def _warn(message: str) -> None:
@@ -81,7 +84,7 @@ def _publish_experiment(root: Path, settings: ReportConfig, group: str | None, s
         runs.append(run)
     render(analysis.summary, console, html)
     _say_wandb(runs, console)
-    return Published(analysis.summary.deterministic_ok, html, tuple(runs))
+    return Published(analysis.summary.deterministic_ok, html, tuple(runs), analysis.summary.exit_code)
 
 
 def _publish_sweep(root: Path, settings: ReportConfig, group: str | None, strict_wandb: bool,
@@ -106,4 +109,4 @@ def _publish_sweep(root: Path, settings: ReportConfig, group: str | None, strict
         runs.append(run)
     render_sweep(sweep, console, html)
     _say_wandb(runs, console)
-    return Published(sweep.deterministic_ok, html, tuple(runs))
+    return Published(sweep.deterministic_ok, html, tuple(runs), sweep.exit_code)

@@ -18,12 +18,24 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from taxbench import exit_codes
 from taxbench.analysis.plots import step_time_plot, sweep_tax_plot
-from taxbench.analysis.records import step_times
-from taxbench.analysis.summary import GATES, ExperimentAnalysis, ExperimentSummary, pct
+from taxbench.analysis.records import ResultWriteError, step_times
+from taxbench.analysis.summary import (
+    FAILED,
+    GATES,
+    PASSED,
+    ExperimentAnalysis,
+    ExperimentSummary,
+    ms,
+    pct,
+    pct_plain,
+    write_result,
+)
 from taxbench.analysis.sweep import GATE_LABELS, SweepAnalysis
 from taxbench.analysis.tax import block_ratios
-from taxbench.analysis.verdicts import Verdict
+from taxbench.analysis.verdicts import INCOMPLETE, Verdict
+from taxbench.oserrors import describe_os_error
 from taxbench.redaction import redact
 
 REPORT_DIR = "report"
@@ -171,15 +183,23 @@ def to_markdown(report: Report) -> str:
 
 
 def write_report(report: Report, out_dir: Path) -> Path:
-    """Write report.html, report.md and the figures' PNGs into out_dir; returns the HTML path."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """Write report.html, report.md and the figures' PNGs into out_dir; returns the HTML path.
+
+    A folder that cannot be created or written is a ResultWriteError naming it (one line, no traceback).
+    """
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as exc:
+        raise ResultWriteError(f"cannot create the report folder {out_dir}: a file is in the way "
+                               f"({exc.strerror}); move it aside and report again") from exc
+    except OSError as exc:
+        raise ResultWriteError(f"cannot create the report folder: {describe_os_error(exc, out_dir)}; make "
+                               f"{out_dir.parent} writable (or copy the results to a writable folder)") from exc
     for figure in report.figures():
-        (out_dir / figure.filename).write_bytes(figure.png)
-    (out_dir / MARKDOWN_FILE).write_text(to_markdown(report), encoding="utf-8")
+        write_result(out_dir / figure.filename, figure.png)
+    write_result(out_dir / MARKDOWN_FILE, to_markdown(report))
     path = out_dir / HTML_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(to_html(report), encoding="utf-8")
-    os.replace(tmp, path)
+    write_result(path, to_html(report))
     return path
 
 
@@ -236,19 +256,48 @@ def gate_rows(summary: ExperimentSummary) -> tuple[list[list[str]], list[bool]]:
     rows, failing = [], []
     for verdict, (_, _, _, strict) in zip(summary.verdicts, GATES, strict=True):
         rows.append(_gate_row(verdict, strict))
-        failing.append(not verdict.agree and strict)
+        failing.append(not verdict.agree and (strict or verdict.outcome == INCOMPLETE))
     return rows, failing
 
 
 def _gate_row(verdict: Verdict, strict: bool) -> list[str]:
     scope = f"{verdict.compared_steps} steps" + (f" after step {verdict.from_step}" if verdict.from_step else "")
+    runs = f"{verdict.reference} vs {verdict.candidate}"
     if verdict.agree:
-        return [verdict.gate, f"{verdict.reference} vs {verdict.candidate}", "bitwise identical", scope, "—", "—", "—"]
+        return [verdict.gate, runs, "bitwise identical", scope, "—", "—", "—"]
+    if verdict.outcome == INCOMPLETE:
+        return [verdict.gate, runs, "**INCOMPLETE** (runs lack records: see below)", scope, "—", "—", "—"]
     m = verdict.first_mismatch
     assert m is not None
     outcome = "**DIFFERS**" if strict else "differs (allowed: baseline is nondeterministic)"
-    return [verdict.gate, f"{verdict.reference} vs {verdict.candidate}", outcome, scope,
-            f"step {m.step}, rank {m.rank}, {m.metric}", _value(m.expected), _value(m.actual)]
+    if verdict.problems:
+        outcome += " (among the records both runs hold; the runs are incomplete)"
+    return [verdict.gate, runs, outcome, scope, f"step {m.step}, rank {m.rank}, {m.metric}", _value(m.expected),
+            _value(m.actual)]
+
+
+def _verdict_paragraph(summary: ExperimentSummary) -> Paragraph:
+    if summary.outcome == PASSED:
+        return Paragraph("The deterministic recipe reproduced bit for bit (repeatability and restart replay).",
+                         tone="good")
+    if summary.outcome == FAILED:
+        return Paragraph("The deterministic recipe is **not** bitwise reproducible: see the first mismatch below, "
+                         "then localise its origin with the tracing ladder.", tone="bad")
+    return Paragraph("**Incomplete**: there is not enough evidence for a verdict (exit code 4). A gate over runs with "
+                     "missing, truncated or duplicated records is never reported identical; an enabled fault must "
+                     "fire for its self-test to count.", tone="bad")
+
+
+def _evidence_blocks(summary: ExperimentSummary) -> list[Block]:
+    """What makes the experiment incomplete, and what the injected fault did."""
+    blocks: list[Block] = []
+    if summary.problems:
+        blocks.append(Heading("Incomplete records", level=3))
+        rows = [[problem] for problem in summary.problems]
+        blocks.append(TableBlock(["run, ranks: steps"], rows, [True] * len(rows)))
+    for line in summary.faults:
+        blocks.append(Paragraph(line, tone="warn" if summary.fault_fired else "bad"))
+    return blocks
 
 
 GATE_HEADER = ["gate", "runs", "verdict", "compared", "first mismatch", "reference value", "candidate value"]
@@ -269,8 +318,8 @@ def experiment_report(analysis: ExperimentAnalysis) -> Report:
         ),
         TableBlock(
             ["arm", "median step (steady state)", "CV"],
-            [["baseline", f"{tax.baseline_median_s * 1e3:.3f} ms", f"{tax.baseline_cv * 100:.1f}%"],
-             ["deterministic", f"{tax.deterministic_median_s * 1e3:.3f} ms", f"{tax.deterministic_cv * 100:.1f}%"]],
+            [["baseline", ms(tax.baseline_median_s, 3), pct_plain(tax.baseline_cv)],
+             ["deterministic", ms(tax.deterministic_median_s, 3), pct_plain(tax.deterministic_cv)]],
         ),
     ]
     if tax.drifting:
@@ -285,13 +334,10 @@ def experiment_report(analysis: ExperimentAnalysis) -> Report:
                          "step time per arm with the warmup cut, and the per-block tax"))
 
     blocks.append(Heading("Bitwise gates"))
-    ok = summary.deterministic_ok
-    blocks.append(Paragraph(
-        "The deterministic recipe reproduced bit for bit (repeatability and restart replay)." if ok else
-        "The deterministic recipe is **not** bitwise reproducible: see the first mismatch below, then localise "
-        "its origin with the tracing ladder.", tone="good" if ok else "bad"))
+    blocks.append(_verdict_paragraph(summary))
     rows, failing = gate_rows(summary)
     blocks.append(TableBlock(GATE_HEADER, rows, failing))
+    blocks += _evidence_blocks(summary)
 
     blocks.append(Heading("Recipe and stack, side by side"))
     comparison = manifest_comparison(analysis.manifests["baseline-0"], analysis.manifests["deterministic-0"])
@@ -320,10 +366,7 @@ def sweep_report(sweep: SweepAnalysis, point_reports: dict[str, Path] | None = N
     if sweep.errors:
         blocks.append(Paragraph(f"{len(sweep.errors)} point(s) could not be analysed (listed in the table).",
                                 tone="warn"))
-    blocks.append(Paragraph(
-        "Every point reproduced bit for bit." if sweep.deterministic_ok and not analysed.empty else
-        "At least one point is **not** bitwise reproducible or was not analysed.",
-        tone="good" if sweep.deterministic_ok and not analysed.empty else "bad"))
+    blocks.append(_sweep_verdict(sweep, analysed.empty))
     if not analysed.empty:
         blocks.append(Figure(SWEEP_PNG, sweep_tax_plot(analysed), "determinism tax vs GPU count"))
     header = ["experiment", "recipe", "GPUs", "tax", "CI", "HL", "baseline step", "deterministic step",
@@ -337,14 +380,29 @@ def sweep_report(sweep: SweepAnalysis, point_reports: dict[str, Path] | None = N
             continue
         rows.append([str(row["experiment"]), str(row["recipe"]), str(row["world_size"]), pct(row["tax"]),
                      f"[{pct(row['low'])}, {pct(row['high'])}]", pct(row["hl_tax"]),
-                     f"{row['baseline_median_s'] * 1e3:.3f} ms", f"{row['deterministic_median_s'] * 1e3:.3f} ms",
+                     ms(row["baseline_median_s"], 3), ms(row["deterministic_median_s"], 3),
                      *(str(row[g]) for g, *_ in GATES)])
-        highlight.append(not row["deterministic_ok"])
+        highlight.append(row["outcome"] != PASSED)
         target = point_reports.get(str(sweep.root / str(row["path"])))
         if target is not None:
             links[index, 0] = os.path.relpath(target.parent, out_dir)
     blocks += [Heading("Sweep points"), TableBlock(header, rows, highlight, links)]
+    incomplete = sweep.points[sweep.points["outcome"] == INCOMPLETE]
+    if not incomplete.empty:
+        blocks += [Heading("Incomplete points", level=3),
+                   TableBlock(["experiment", "what is missing"],
+                              [[str(r["path"]), str(r["incomplete"])] for r in incomplete.to_dict("records")],
+                              [True] * len(incomplete))]
     return Report(f"taxbench sweep: {sweep.root.name}", blocks)
+
+
+def _sweep_verdict(sweep: SweepAnalysis, nothing_analysed: bool) -> Paragraph:
+    if sweep.exit_code == exit_codes.OK and not nothing_analysed:
+        return Paragraph("Every point reproduced bit for bit.", tone="good")
+    if sweep.exit_code == exit_codes.NOT_DETERMINISTIC:
+        return Paragraph("At least one point is **not** bitwise reproducible.", tone="bad")
+    return Paragraph("At least one point is **incomplete** or was not analysed: no verdict for it (exit code 4).",
+                     tone="bad")
 
 
 def write_sweep_report(sweep: SweepAnalysis, point_reports: dict[str, Path] | None = None) -> Path:

@@ -2,7 +2,8 @@
 
 An experiment directory is one holding `deterministic-0/manifest.json`. Each point's GPU count is its manifest's
 `layout.world_size`. A point that cannot be analysed (a crashed or unfinished job) stays in the table with its error
-instead of hiding the rest of the sweep.
+instead of hiding the rest of the sweep. The sweep's exit code is the worst of its points' (a proven gate failure, 3,
+before missing evidence, 4, before a pass); a point that could not be analysed counts as incomplete (4).
 """
 
 from __future__ import annotations
@@ -13,10 +14,20 @@ from pathlib import Path
 
 import pandas as pd
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
+from taxbench import exit_codes
 from taxbench.analysis.records import RecordError
-from taxbench.analysis.summary import GATES, ExperimentAnalysis, ExperimentSummary, analyse_experiment, pct
+from taxbench.analysis.summary import (
+    GATES,
+    ExperimentAnalysis,
+    ExperimentSummary,
+    analyse_experiment,
+    pct,
+    write_result,
+)
+from taxbench.analysis.verdicts import IDENTICAL, INCOMPLETE
 from taxbench.records import MANIFEST
 
 # Folders below the sweep root searched for experiments: <sweep>/<job>/<experiment>/ and one level more.
@@ -59,10 +70,15 @@ class SweepAnalysis:
     def deterministic_ok(self) -> bool:
         return not self.errors and all(s.deterministic_ok for s in self.summaries)
 
+    @property
+    def exit_code(self) -> int:
+        codes = [s.exit_code for s in self.summaries] + [exit_codes.INCOMPLETE] * len(self.errors)
+        return exit_codes.combined(codes) if codes else exit_codes.INCOMPLETE
+
 
 POINT_COLUMNS = ("experiment", "path", "recipe", "device", "world_size", "tax", "low", "high", "hl_tax", "pairs",
-                 "confidence", "baseline_median_s", "deterministic_median_s", "deterministic_ok",
-                 *(gate for gate, *_ in GATES), "error")
+                 "confidence", "baseline_median_s", "deterministic_median_s", "deterministic_ok", "outcome",
+                 *(gate for gate, *_ in GATES), "incomplete", "error")
 
 
 def point_row(summary: ExperimentSummary, root: Path) -> dict[str, object]:
@@ -82,10 +98,12 @@ def point_row(summary: ExperimentSummary, root: Path) -> dict[str, object]:
         "baseline_median_s": tax.baseline_median_s,
         "deterministic_median_s": tax.deterministic_median_s,
         "deterministic_ok": summary.deterministic_ok,
+        "outcome": summary.outcome,
+        "incomplete": "; ".join(summary.problems + [f for f in summary.faults if summary.fault_fired is False]),
         "error": "",
     }
     for verdict in summary.verdicts:
-        row[verdict.gate] = "identical" if verdict.agree else "differs"
+        row[verdict.gate] = verdict.outcome
     return row
 
 
@@ -106,7 +124,8 @@ def analyse_sweep(
             analysis = analyse_experiment(path)
         except (RecordError, ValueError, KeyError, OSError) as exc:
             errors[str(path)] = f"{type(exc).__name__}: {exc}"
-            rows.append({"experiment": path.name, "path": str(path.relative_to(root)), "error": errors[str(path)]})
+            rows.append({"experiment": path.name, "path": str(path.relative_to(root)), "outcome": "not analysed",
+                         "error": errors[str(path)]})
             continue
         if on_experiment is not None:
             on_experiment(analysis)
@@ -115,9 +134,16 @@ def analyse_sweep(
     points = pd.DataFrame(rows).reindex(columns=list(POINT_COLUMNS))
     points = points.sort_values(["recipe", "world_size", "path"], na_position="last", kind="stable")
     points = points.reset_index(drop=True)
-    points.to_csv(root / SWEEP_FILE, index=False)
+    write_result(root / SWEEP_FILE, points.to_csv(index=False))
     return SweepAnalysis(root, points, summaries, errors)
 
+
+def _gate_mark(outcome: str, strict: bool) -> str:
+    if outcome == IDENTICAL:
+        return "[green]✓[/green]"
+    if outcome == INCOMPLETE:
+        return "[red]?[/red]" if strict else "[yellow]?[/yellow]"
+    return "[red]✗[/red]" if strict else "[yellow]~[/yellow]"
 
 
 def render_sweep(sweep: SweepAnalysis, console: Console | None = None, report_path: Path | None = None) -> None:
@@ -129,15 +155,14 @@ def render_sweep(sweep: SweepAnalysis, console: Console | None = None, report_pa
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
     for row in sweep.points.to_dict("records"):
         if row["error"]:
-            table.add_row(str(row["experiment"]), "", "", "", f"[red]not analysed[/red]: {row['error'][:60]}")
+            table.add_row(str(row["experiment"]), "", "", "", f"[red]not analysed[/red]: {escape(row['error'][:60])}")
             continue
-        gates = " ".join(
-            ("[green]✓[/green]" if row[gate] == "identical" else "[red]✗[/red]" if strict else "[yellow]~[/yellow]")
-            + GATE_LABELS[gate]
-            for gate, _, _, strict in GATES
-        )
+        gates = " ".join(_gate_mark(str(row[gate]), strict) + GATE_LABELS[gate] for gate, _, _, strict in GATES)
         table.add_row(str(row["recipe"]), str(row["world_size"]), pct(row["tax"]),
-                      f"[{pct(row['low'])}, {pct(row['high'])}]", gates)
+                      escape(f"[{pct(row['low'])}, {pct(row['high'])}]"), gates)
     console.print(table)
+    incomplete = sweep.points[sweep.points["outcome"] == INCOMPLETE]
+    for row in incomplete.to_dict("records"):
+        console.print(f"[red]incomplete[/red] {escape(str(row['path']))}: {escape(str(row['incomplete'])[:300])}")
     if report_path is not None:
         console.print(f"report: {report_path}")

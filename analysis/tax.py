@@ -115,3 +115,11 @@ def estimate_tax(
         steady_steps=len(post["baseline"]),
         drifting=any(cut.drifting for cut in cuts.values()),
     )
+
+
+def no_estimate(confidence: float, warmup_steps: int) -> TaxEstimate:
+    """The estimate of an experiment whose timed runs hold too few records for one (every number NaN)."""
+    nan = math.nan
+    return TaxEstimate(tax=nan, low=nan, high=nan, hl_tax=nan, hl_low=nan, hl_high=nan, pairs=0,
+                       confidence=confidence, baseline_median_s=nan, deterministic_median_s=nan, baseline_cv=nan,
+                       deterministic_cv=nan, warmup_steps=warmup_steps, steady_steps=0, drifting=False)

@@ -1,8 +1,14 @@
-"""Bitwise gates: compare two runs' fingerprint streams and name the first mismatch."""
+"""Bitwise gates: compare two runs' fingerprint streams and name the first mismatch.
+
+A gate has three outcomes. "identical" needs positive evidence: both runs complete (see
+taxbench.analysis.records.check_run) and every record equal. "differs" needs a record both runs hold, once each,
+with a different fingerprint. Anything else, a gate over runs with missing, duplicated or stray records where what
+they share agrees, is "incomplete": never identical.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import pandas as pd
@@ -28,22 +34,36 @@ class Verdict:
     compared_steps: int
     first_mismatch: Mismatch | None
     from_step: int = 0
+    problems: tuple[str, ...] = ()  # why either run is incomplete (see records.check_run); agree is then False
+
+    @property
+    def outcome(self) -> str:
+        if self.agree:
+            return IDENTICAL
+        return DIFFERS if self.first_mismatch is not None else INCOMPLETE
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return asdict(self) | {"outcome": self.outcome, "problems": list(self.problems)}
+
+
+IDENTICAL, DIFFERS, INCOMPLETE = "identical", "differs", "incomplete"
 
 
 def compare_runs(
     gate: str, reference_name: str, reference: pd.DataFrame, candidate_name: str, candidate: pd.DataFrame,
-    from_step: int = 0,
+    from_step: int = 0, problems: tuple[str, ...] = (),
 ) -> Verdict:
     """Bitwise agreement on every step > from_step; the first mismatch by (step, rank, metric order).
 
-    Both frames are sorted by (step, rank), as analysis.records.load_run returns them.
+    Both frames are sorted by (step, rank), as analysis.records.load_run returns them. With `problems` (either run
+    is incomplete) the gate cannot agree: only records both runs hold exactly once are compared, and a fingerprint
+    that differs there is still a real mismatch; otherwise the outcome is "incomplete".
     """
     columns = ["step", "rank", *METRICS]
     ref = reference.loc[reference["step"] > from_step, columns]
     cand = candidate.loc[candidate["step"] > from_step, columns]
+    if problems:
+        return _compare_shared(gate, reference_name, ref, candidate_name, cand, from_step, problems)
     if _same_keys(ref, cand):
         return _compare_aligned(gate, reference_name, ref, candidate_name, cand, from_step)
     merged = ref.merge(cand, on=["step", "rank"], how="outer", suffixes=("_ref", "_cand"), indicator=True)
@@ -81,6 +101,9 @@ def _compare_aligned(
     gate: str, reference_name: str, ref: pd.DataFrame, candidate_name: str, cand: pd.DataFrame, from_step: int
 ) -> Verdict:
     """Fast path for the usual case (same steps and ranks in the same order): column-wise comparison, no merge."""
+    if ref.empty:  # agreement needs evidence: nothing compared is no pass
+        return Verdict(gate, reference_name, candidate_name, False, 0, None, from_step,
+                       (f"{reference_name} and {candidate_name} hold no records to compare after step {from_step}",))
     differs = np.column_stack([ref[m].to_numpy() != cand[m].to_numpy() for m in METRICS])
     compared = int(ref["step"].nunique())
     bad = np.flatnonzero(differs.any(axis=1))
@@ -92,3 +115,19 @@ def _compare_aligned(
     mismatch = Mismatch(int(ref["step"].iat[row]), int(ref["rank"].iat[row]), metric,
                         str(ref[metric].iat[row]), str(cand[metric].iat[row]))
     return Verdict(gate, reference_name, candidate_name, False, compared, mismatch, from_step)
+
+
+def _compare_shared(
+    gate: str, reference_name: str, ref: pd.DataFrame, candidate_name: str, cand: pd.DataFrame, from_step: int,
+    problems: tuple[str, ...],
+) -> Verdict:
+    """Incomplete runs: compare the (step, rank) records both hold exactly once; never agree."""
+    keys = ["step", "rank"]
+    # a record without step, rank or fingerprints, or held twice, is no evidence either way
+    ref = ref.dropna(subset=[*keys, *METRICS]).drop_duplicates(keys, keep=False)
+    cand = cand.dropna(subset=[*keys, *METRICS]).drop_duplicates(keys, keep=False)
+    shared = ref.merge(cand[keys], on=keys).sort_values(keys, kind="stable")
+    ref = shared.reset_index(drop=True)
+    cand = cand.merge(shared[keys], on=keys).sort_values(keys, kind="stable").reset_index(drop=True)
+    verdict = _compare_aligned(gate, reference_name, ref, candidate_name, cand, from_step)
+    return replace(verdict, agree=False, problems=problems)

@@ -110,9 +110,14 @@ def log_experiment(analysis: ExperimentAnalysis, settings: ReportConfig, report_
             run.log({"block": int(block), "block_tax/ratio": float(ratio)})
         values: dict[str, Any] = {f"tax/{key}": value for key, value in tax.to_dict().items()}
         values["deterministic_ok"] = summary.deterministic_ok
+        values["outcome"] = summary.outcome
+        values["exit_code"] = summary.exit_code
+        values["incomplete"] = "\n".join(summary.problems)
+        values["fault"] = "\n".join(summary.faults)
         values["steps_needed"] = summary.steps_needed
         for verdict in summary.verdicts:
             m = verdict.first_mismatch
+            values[f"gate/{verdict.gate}/outcome"] = verdict.outcome
             values[f"gate/{verdict.gate}/agree"] = verdict.agree
             values[f"gate/{verdict.gate}/compared_steps"] = verdict.compared_steps
             values[f"gate/{verdict.gate}/first_mismatch"] = (
@@ -148,8 +153,9 @@ def log_sweep(sweep: SweepAnalysis, settings: ReportConfig, report_dir: Path | N
         if report_dir is not None and (report_dir / SWEEP_PNG).is_file():
             media["plots/tax_vs_gpus"] = wandb.Image(str(report_dir / SWEEP_PNG))
         run.log(media)
-        run.summary.update({"deterministic_ok": sweep.deterministic_ok, "points": len(points),
-                            "errors": len(sweep.errors)})
+        run.summary.update({"deterministic_ok": sweep.deterministic_ok, "exit_code": sweep.exit_code,
+                            "points": len(points), "errors": len(sweep.errors),
+                            "incomplete": int((points["outcome"] == "incomplete").sum())})
         run_dir = Path(run.dir).parent
     finally:
         run.finish()

@@ -1,18 +1,20 @@
-"""Analysis: tax recovery from synthetic step times, warmup detection, first-mismatch reporting, record checks."""
+"""Analysis: tax recovery from synthetic step times, warmup detection, first-mismatch reporting, record checks,
+completeness against the manifest, fault events."""
 
 from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from taxbench.analysis.records import RecordError, load_run
+from taxbench.analysis.records import RecordError, check_run, load_fault_events, load_manifest, load_run
 from taxbench.analysis.tax import estimate_tax, steps_for_half_width
-from taxbench.analysis.verdicts import compare_runs
+from taxbench.analysis.verdicts import DIFFERS, INCOMPLETE, compare_runs
 from taxbench.analysis.warmup import mser5, warmup_cut
 from taxbench.records import METRICS, SCHEMA_VERSION, StepWriter, steps_file
 
@@ -112,7 +114,7 @@ def test_reader_rejects_other_schema_versions(tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()
     steps_file(run, 0).write_text(json.dumps({"schema_version": SCHEMA_VERSION + 1, "step": 1}) + "\n")
-    with pytest.raises(RecordError, match=r"steps.rank0.jsonl:1: schema_version=2"):
+    with pytest.raises(RecordError, match=rf"steps.rank0.jsonl:1: schema_version={SCHEMA_VERSION + 1}"):
         load_run(run)
 
 
@@ -143,3 +145,111 @@ def test_truncate_after_drops_records_past_the_checkpoint(tmp_path: Path) -> Non
 def test_missing_run_directory_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(RecordError, match="no steps.rank<R>.jsonl files"):
         load_run(tmp_path)
+
+
+# ---- completeness: every rank, every step, once -------------------------------------------------------------------
+
+def _grid_run(tmp_path: Path, steps: int, ranks: int) -> tuple[Path, pd.DataFrame]:
+    run = tmp_path / "run"
+    for rank in range(ranks):
+        _write_rank(run, rank, [{"step": s, "rank": rank, **{m: "00" for m in METRICS}} for s in range(1, steps + 1)])
+    return run, load_run(run, cache=False)
+
+
+def _write_rank(run: Path, rank: int, records: list[dict]) -> None:
+    writer = StepWriter(steps_file(run, rank))
+    for record in records:
+        writer.write(record)
+    writer.close()
+
+
+def test_check_run_names_missing_duplicated_and_stray_records_compactly(tmp_path: Path) -> None:
+    run, frame = _grid_run(tmp_path, steps=60, ranks=3)
+    assert check_run("det-1", run, frame, steps=60, world=3) == []
+    truncated = frame[~((frame["rank"] == 1) & (frame["step"] >= 30))]
+    assert check_run("det-1", run, truncated, 60, 3) == ["det-1 rank 1: steps 30-60 missing"]
+    holes = frame[~frame["step"].isin([3, 5, 6, 7])]
+    assert check_run("det-1", run, holes, 60, 3) == ["det-1 ranks 0-2: steps 3, 5-7 missing"]
+    twice = pd.concat([frame, frame[frame["step"].isin([8, 9]) & (frame["rank"] == 2)]])
+    assert check_run("det-1", run, twice, 60, 3) == ["det-1 rank 2: steps 8-9 recorded more than once"]
+    stray = frame.copy()
+    stray.loc[stray.index[-1], "step"] = 61
+    assert check_run("det-1", run, stray, 60, 3) == [
+        "det-1: 1 record outside steps 1-60 x ranks 0-2 (first: step 61, rank 2)", "det-1 rank 2: step 60 missing"]
+    unsigned = frame.copy()
+    unsigned.loc[unsigned.index[4], "params"] = None
+    assert check_run("det-1", run, unsigned, 60, 3) == ["det-1: 1 record without a fingerprint (first: step 2, rank 1)"]
+
+
+def test_check_run_compares_stream_files_with_the_world(tmp_path: Path) -> None:
+    run, frame = _grid_run(tmp_path, steps=12, ranks=2)
+    # the manifest says 3 ranks: rank 2's stream is missing
+    assert check_run("r", run, frame, 12, 3) == ["r rank 2: no steps.rank2.jsonl (all 12 steps missing)"]
+    # the manifest says 1 rank: rank 1's stream (and its records) should not exist
+    assert check_run("r", run, frame, 12, 1) == [
+        "r rank 1: steps.rank1.jsonl outside its world of 1 ranks (manifest layout.world_size)",
+        "r: 12 records outside steps 1-12 x ranks 0-0 (first: step 1, rank 1)"]
+
+
+def test_check_run_stays_fast_at_1000_ranks_by_1000_steps(tmp_path: Path) -> None:
+    steps, world = 1000, 1000
+    frame = pd.DataFrame({"step": np.repeat(np.arange(1, steps + 1), world), "rank": np.tile(np.arange(world), steps),
+                          **{m: "0123456789abcdef" for m in METRICS}})
+    run = tmp_path / "run"
+    run.mkdir()
+    for rank in range(world):
+        steps_file(run, rank).touch()
+    sparse = frame[(frame["step"] % 2 == 0) | (frame["rank"] % 3 == 0)]  # 333 patterns of 500 gaps each
+    start = time.perf_counter()
+    assert check_run("r", run, frame, steps, world) == []
+    problems = check_run("r", run, sparse, steps, world)
+    elapsed = time.perf_counter() - start
+    assert problems == ["r ranks 1-2, 4-5, 7-8, 10-11, 13-14, 16-17, ... (333 ranges): steps 1, 3, 5, 7, 9, 11, ... "
+                        "(500 ranges) missing"]
+    assert elapsed < 5, elapsed  # about 0.5 s here; a per-record Python loop would take minutes
+
+
+def test_gate_over_incomplete_runs_is_never_identical() -> None:
+    a = _stream(10, 2)
+    truncated = a[a["step"] <= 6]
+    verdict = compare_runs("repeatability", "a", truncated, "b", truncated.copy(), problems=("a: steps 7-10 missing",))
+    assert not verdict.agree and verdict.outcome == INCOMPLETE and verdict.first_mismatch is None
+    assert verdict.compared_steps == 6 and verdict.to_dict()["problems"] == ["a: steps 7-10 missing"]
+    # a fingerprint that differs in a record both runs hold once is still proof that the runs differ
+    b = truncated.copy()
+    b.loc[(b["step"] == 4) & (b["rank"] == 1), "optim"] = "dead"
+    verdict = compare_runs("repeatability", "a", pd.concat([truncated, truncated.iloc[:2]]), "b", b,
+                           problems=("a: step 1 recorded more than once",))
+    assert verdict.outcome == DIFFERS and (verdict.first_mismatch.step, verdict.first_mismatch.metric) == (4, "optim")
+    # nothing to compare is no evidence of agreement either
+    nothing = compare_runs("restart_replay", "a", a, "b", a.copy(), from_step=10)
+    assert not nothing.agree and nothing.outcome == INCOMPLETE and nothing.compared_steps == 0
+
+
+def test_fault_events_are_read_and_bad_lines_named(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    assert load_fault_events(run) == []
+    event = {"schema_version": SCHEMA_VERSION, "kind": "flip_param_bit", "step": 12, "rank": 1,
+             "where": "between steps"}
+    (run / "faults.rank1.jsonl").write_text(json.dumps(event) + "\n" + '{"schema_version": 1, "ki')  # torn tail
+    assert [e.describe() for e in load_fault_events(run)] == [
+        "fault flip_param_bit fired at step 12, rank 1 (between steps)"]
+    (run / "faults.rank1.jsonl").write_text(json.dumps({**event, "schema_version": 9}) + "\n")
+    with pytest.raises(RecordError, match=r"faults.rank1.jsonl:1: schema_version=9"):
+        load_fault_events(run)
+    (run / "faults.rank1.jsonl").write_text(json.dumps({**event, "step": "12"}) + "\n")
+    with pytest.raises(RecordError, match=r"faults.rank1.jsonl:1: fault event lacks or mistypes \['step'\]"):
+        load_fault_events(run)
+
+
+def test_manifest_that_is_not_a_json_object_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "manifest.json").write_text('{"schema_version": 1, "config": ')
+    with pytest.raises(RecordError, match=r"manifest.json: not valid JSON"):
+        load_manifest(tmp_path)
+    (tmp_path / "manifest.json").write_text("[1, 2]")
+    with pytest.raises(RecordError, match=r"manifest.json: not a JSON object"):
+        load_manifest(tmp_path)
+    (tmp_path / "manifest.json").write_bytes(b"\xff\xfe{")
+    with pytest.raises(RecordError, match=r"manifest.json: not valid JSON"):
+        load_manifest(tmp_path)

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
+import shutil
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from rich.console import Console
 
+from taxbench import exit_codes
 from taxbench.analysis.publish import publish
 from taxbench.analysis.records import CACHE_FILE, RecordError, load_run
 from taxbench.analysis.report import HTML_FILE, MARKDOWN_FILE, REPORT_DIR, STEP_TIME_PNG, SWEEP_PNG
@@ -16,7 +21,7 @@ from taxbench.analysis.summary import analyse_experiment, render
 from taxbench.analysis.sweep import SWEEP_FILE, analyse_sweep, find_experiments
 from taxbench.analysis.synthetic import Injection, SyntheticExperiment, write_experiment
 from taxbench.config import ReportConfig
-from taxbench.records import write_manifest
+from taxbench.records import SCHEMA_VERSION, write_manifest
 from taxbench.redaction import REDACTED, redact, redact_text
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -54,9 +59,47 @@ def test_loader_tolerates_a_torn_last_line_and_names_bad_lines(tmp_path: Path) -
     stream.write_text("\n".join(lines) + "\n")
     with pytest.raises(RecordError, match=rf"{re.escape(str(stream))}:5: not a JSON record"):
         load_run(root / "baseline-0")
-    stream.write_text(text.replace('"schema_version":1', '"schema_version":7', 1))
-    with pytest.raises(RecordError, match=r"steps.rank0.jsonl:1: schema_version=7, this taxbench reads 1"):
+    stream.write_text(text.replace(f'"schema_version":{SCHEMA_VERSION}', '"schema_version":7', 1))
+    expected = rf"steps.rank0.jsonl:1: schema_version=7, this taxbench reads {SCHEMA_VERSION}"
+    with pytest.raises(RecordError, match=expected):
         load_run(root / "baseline-0")
+
+
+def test_cache_is_tied_to_the_bytes_of_its_streams(tmp_path: Path) -> None:
+    root = write_experiment(tmp_path / "exp", SyntheticExperiment(ranks=2, steps=12, block_steps=3, resume_step=6))
+    run = root / "deterministic-0"
+    load_run(run)
+    stream = run / "steps.rank1.jsonl"
+    before = stream.stat()
+    text = stream.read_text()
+    digit = text.index('"params":"') + len('"params":"')
+    edited = text[:digit] + ("1" if text[digit] != "1" else "2") + text[digit + 1:]  # same size
+    stream.write_text(edited)
+    os.utime(stream, ns=(before.st_atime_ns, before.st_mtime_ns))  # and the same mtime: only the bytes tell
+    assert load_run(run).equals(load_run(run, cache=False))
+    assert (load_run(run)["params"] != load_run(run.parent / "deterministic-1")["params"]).sum() == 1
+
+
+def test_no_flipped_byte_in_the_cache_yields_a_different_frame(tmp_path: Path) -> None:
+    """Every single-byte flip of .steps.parquet is either detected (and the run re-read from its JSONL) or provably
+    harmless: the frame read back always equals the true one."""
+    root = write_experiment(tmp_path / "exp", SyntheticExperiment(ranks=2, steps=12, block_steps=3, resume_step=6))
+    run = root / "baseline-0"
+    truth = load_run(run, cache=False)
+    load_run(run)
+    cache = run / CACHE_FILE
+    good = cache.read_bytes()
+    with mock.patch("taxbench.analysis.records._parse", side_effect=AssertionError("re-parsed the JSONL")):
+        assert load_run(run).equals(truth)  # an intact cache is used, not rebuilt
+    offsets = sorted(set(range(0, len(good), max(1, len(good) // 300))) | set(range(len(good) - 64, len(good))))
+    rebuilt = 0
+    for offset in offsets:
+        flipped = bytearray(good)
+        flipped[offset] ^= 0xFF
+        cache.write_bytes(bytes(flipped))
+        assert load_run(run).equals(truth), f"a flip at byte {offset} of {len(good)} changed the frame"
+        rebuilt += cache.read_bytes() != bytes(flipped)
+    assert rebuilt > len(offsets) // 2  # most flips are caught; the rest touched bytes that do not matter
 
 
 # ----------------------------------------------------------------------------------------------- experiment report
@@ -88,6 +131,128 @@ def test_console_summary_is_compact(failing_experiment: Path) -> None:
     assert any(line.startswith("repeatability") and "DIFFERS" in line and "step 30, rank 2" in line for line in lines)
 
 
+# --------------------------------------------------------------------------------------- fail closed: incomplete runs
+DET_RUNS = ("deterministic-0", "deterministic-1", "deterministic-resumed")
+QUIET = Console(file=open(os.devnull, "w"))
+
+
+@pytest.fixture
+def last_step_failure(tmp_path: Path) -> Path:
+    """The issue's scenario: repeatability fails at the last step on rank 1 only."""
+    return write_experiment(tmp_path / "exp", SyntheticExperiment(ranks=2, steps=60, seed=3),
+                            Injection("deterministic-1", step=60, rank=1, metric="params"))
+
+
+def _console_text(root: Path) -> str:
+    console = Console(width=200, record=True, file=open(os.devnull, "w"))
+    render(analyse_experiment(root).summary, console)
+    return console.export_text()
+
+
+def _truncate(stream: Path, last_step: int) -> None:
+    lines = stream.read_text().splitlines(keepends=True)
+    stream.write_text("".join(line for line in lines if json.loads(line)["step"] <= last_step))
+
+
+def test_deleting_a_rank_stream_everywhere_is_incomplete_not_a_pass(last_step_failure: Path) -> None:
+    root = last_step_failure
+    assert publish(root, NO_WANDB, console=QUIET).exit_code == exit_codes.NOT_DETERMINISTIC
+    for stream in root.glob("*/steps.rank1.jsonl"):
+        stream.unlink()
+    published = publish(root, NO_WANDB, console=QUIET)
+    assert published.exit_code == exit_codes.INCOMPLETE and not published.deterministic_ok
+    summary = json.loads((root / "summary.json").read_text())
+    assert summary["outcome"] == "incomplete" and summary["exit_code"] == 4 and summary["world_size"] == 2
+    assert "deterministic-1 rank 1: no steps.rank1.jsonl (all 60 steps missing)" in summary["incomplete"]
+    assert [v["outcome"] for v in summary["verdicts"][:2]] == ["incomplete", "incomplete"]
+    text = _console_text(root)
+    assert re.search(r"repeatability\s+INCOMPLETE", text) and "deterministic-0 rank 1: no steps.rank1.jsonl" in text
+    markdown = (root / REPORT_DIR / MARKDOWN_FILE).read_text()
+    assert "**Incomplete**" in markdown and "deterministic-resumed rank 1: no steps.rank1.jsonl" in markdown
+    assert "bitwise identical" not in markdown.split("## Bitwise gates")[1].split("baseline_sanity")[0]
+
+
+def test_truncating_the_deterministic_runs_before_the_failure_is_incomplete(last_step_failure: Path) -> None:
+    root = last_step_failure
+    for name in DET_RUNS:
+        for stream in (root / name).glob("steps.rank*.jsonl"):
+            _truncate(stream, 29)
+    published = publish(root, NO_WANDB, console=QUIET)
+    assert published.exit_code == exit_codes.INCOMPLETE and not published.deterministic_ok
+    summary = json.loads((root / "summary.json").read_text())
+    assert summary["incomplete"] == [f"{name} ranks 0-1: steps 30-60 missing" for name in DET_RUNS]
+    assert "steps 30-60 missing" in _console_text(root)
+    assert "deterministic-1 ranks 0-1: steps 30-60 missing" in (root / REPORT_DIR / HTML_FILE).read_text()
+
+
+def test_duplicated_records_and_a_rank_outside_the_world_are_incomplete(tmp_path: Path) -> None:
+    root = write_experiment(tmp_path / "exp", SyntheticExperiment(ranks=2, steps=12, block_steps=3, resume_step=6))
+    stream = root / "deterministic-1" / "steps.rank0.jsonl"
+    stream.write_text(stream.read_text() * 2)  # a resumed run that did not drop its records past the checkpoint
+    summary = analyse_experiment(root).summary
+    assert summary.exit_code == exit_codes.INCOMPLETE and not summary.deterministic_ok
+    assert summary.problems == ["deterministic-1 rank 0: steps 1-12 recorded more than once"]
+    stream.write_text(stream.read_text()[: len(stream.read_text()) // 2])
+    assert analyse_experiment(root).summary.exit_code == exit_codes.OK
+    (root / "baseline-1" / "steps.rank2.jsonl").write_text((root / "baseline-1" / "steps.rank1.jsonl").read_text())
+    summary = analyse_experiment(root).summary
+    assert summary.exit_code == exit_codes.INCOMPLETE and summary.deterministic_ok  # the strict gates' runs are whole
+    assert summary.problems[0].startswith("baseline-1 rank 2: steps.rank2.jsonl outside its world of 2 ranks")
+
+
+def test_a_run_without_any_record_is_incomplete_and_still_reported(tmp_path: Path) -> None:
+    root = write_experiment(tmp_path / "exp", SyntheticExperiment(ranks=2, steps=12, block_steps=3, resume_step=6))
+    for stream in (root / "deterministic-0").glob("steps.rank*.jsonl"):
+        stream.unlink()  # crashed before its first step: no tax, no gate, but a report that says why
+    (root / "baseline-1" / "steps.rank0.jsonl").write_text("")
+    published = publish(root, NO_WANDB, console=QUIET)
+    assert published.exit_code == exit_codes.INCOMPLETE and published.report is not None
+    summary = json.loads((root / "summary.json").read_text())
+    assert summary["incomplete"] == ["baseline-1 rank 0: steps 1-12 missing",
+                                     "deterministic-0 ranks 0-1: no step record files (all 12 steps missing)"]
+    assert math.isnan(summary["tax"]["tax"]) and "tax              n/a  95% CI [n/a, n/a]" in _console_text(root)
+
+
+def test_a_proven_mismatch_outranks_missing_records(last_step_failure: Path) -> None:
+    root = last_step_failure
+    _truncate(root / "baseline-1" / "steps.rank0.jsonl", 40)
+    summary = analyse_experiment(root).summary
+    assert summary.problems == ["baseline-1 rank 0: steps 41-60 missing"]
+    assert summary.outcome == "failed" and summary.exit_code == exit_codes.NOT_DETERMINISTIC
+
+
+def _enable_fault(root: Path, **fault: object) -> None:
+    for manifest_path in root.glob("*/manifest.json"):
+        manifest = json.loads(manifest_path.read_text())
+        manifest["config"]["experiment"]["fault"] = {"enabled": True, "arm": "deterministic", "replica": 1,
+                                                     "step": 60, "rank": 1, "kind": "flip_param_bit", **fault}
+        manifest_path.write_text(json.dumps(manifest))
+
+
+def test_a_fault_that_never_fired_is_a_self_test_that_tested_nothing(tmp_path: Path) -> None:
+    root = write_experiment(tmp_path / "exp", SyntheticExperiment(ranks=2, steps=60, seed=3))
+    _enable_fault(root, kind="nondeterministic_op", op="aten.matmull.default")
+    published = publish(root, NO_WANDB, console=QUIET)
+    assert published.exit_code == exit_codes.INCOMPLETE and published.deterministic_ok
+    summary = json.loads((root / "summary.json").read_text())
+    line = "deterministic-1: fault nondeterministic_op configured but never fired: the self-test tested nothing"
+    assert summary["faults"] == [line] and summary["fault_fired"] is False
+    assert line in _console_text(root) and line in (root / REPORT_DIR / MARKDOWN_FILE).read_text()
+
+
+def test_a_fault_that_fired_is_named_with_step_rank_and_place(last_step_failure: Path) -> None:
+    root = last_step_failure
+    _enable_fault(root)
+    event = {"schema_version": SCHEMA_VERSION, "kind": "flip_param_bit", "step": 60, "rank": 1,
+             "where": "params after step 60"}
+    (root / "deterministic-1" / "faults.rank1.jsonl").write_text(json.dumps(event) + "\n")
+    published = publish(root, NO_WANDB, console=QUIET)
+    assert published.exit_code == exit_codes.NOT_DETERMINISTIC
+    line = "deterministic-1: fault flip_param_bit fired at step 60, rank 1 (params after step 60)"
+    assert json.loads((root / "summary.json").read_text())["faults"] == [line]
+    assert line in _console_text(root) and line in (root / REPORT_DIR / HTML_FILE).read_text()
+
+
 # ------------------------------------------------------------------------------------------------------------ sweeps
 def _sweep(tmp_path: Path) -> Path:
     sweep = tmp_path / "sweep"
@@ -104,6 +269,7 @@ def test_sweep_finds_points_and_reports_tax_vs_gpus(tmp_path: Path) -> None:
         "0/exp", "2/exp", "3/crashed", "point1"]
     published = publish(sweep_root, NO_WANDB, console=Console(file=open("/dev/null", "w")))
     assert not published.deterministic_ok  # one point could not be analysed
+    assert published.exit_code == exit_codes.INCOMPLETE
     table = analyse_sweep(sweep_root).points
     assert table["world_size"].iloc[:3].tolist() == [8, 16, 32]
     assert table["tax"].iloc[:3].is_monotonic_increasing
@@ -115,6 +281,45 @@ def test_sweep_finds_points_and_reports_tax_vs_gpus(tmp_path: Path) -> None:
     assert "href='../0/exp/report/report.html'" in page and "not analysed" in page
     assert (sweep_root / "0" / "exp" / REPORT_DIR / HTML_FILE).is_file()  # each point's own report
     assert "[point1](../point1/report/report.md)" in (out / MARKDOWN_FILE).read_text()
+
+
+def test_sweep_exit_code_is_its_worst_point(tmp_path: Path) -> None:
+    sweep_root = tmp_path / "sweep"
+    small = {"steps": 12, "block_steps": 3, "resume_step": 6}
+    write_experiment(sweep_root / "a", SyntheticExperiment(ranks=2, seed=1, **small))
+    assert publish(sweep_root, NO_WANDB, console=QUIET).exit_code == exit_codes.OK
+    incomplete = write_experiment(sweep_root / "b", SyntheticExperiment(ranks=2, seed=2, **small))
+    (incomplete / "deterministic-resumed" / "steps.rank1.jsonl").unlink()
+    published = publish(sweep_root, NO_WANDB, console=QUIET)
+    assert published.exit_code == exit_codes.INCOMPLETE
+    table = analyse_sweep(sweep_root).points.set_index("path")
+    assert table.loc["b", "outcome"] == "incomplete" and table.loc["b", "restart_replay"] == "incomplete"
+    assert "deterministic-resumed rank 1: no steps.rank1.jsonl" in table.loc["b", "incomplete"]
+    assert "deterministic-resumed rank 1" in (sweep_root / REPORT_DIR / MARKDOWN_FILE).read_text()
+    write_experiment(sweep_root / "c", SyntheticExperiment(ranks=2, seed=3, **small),
+                     Injection("deterministic-1", step=3, rank=0))
+    assert publish(sweep_root, NO_WANDB, console=QUIET).exit_code == exit_codes.NOT_DETERMINISTIC
+
+
+def test_damaged_manifest_or_unwritable_report_is_one_clear_line(tmp_path: Path, taxbench_cli) -> None:
+    root = write_experiment(tmp_path / "exp", SyntheticExperiment(ranks=2, steps=12, block_steps=3, resume_step=6))
+    (root / REPORT_DIR).write_text("a file where the report folder goes")
+    blocked = taxbench_cli("report", str(root), cwd=tmp_path)
+    assert blocked.returncode == 2 and "Traceback" not in blocked.stderr, blocked.stderr
+    assert f"cannot create the report folder {root / REPORT_DIR}" in blocked.stderr
+    (root / REPORT_DIR).unlink()
+    (root / REPORT_DIR / HTML_FILE).mkdir(parents=True)  # report.html cannot be replaced
+    blocked = taxbench_cli("report", str(root), cwd=tmp_path)
+    assert blocked.returncode == 2 and "Traceback" not in blocked.stderr, blocked.stderr
+    assert f"cannot write {root / REPORT_DIR / HTML_FILE}" in blocked.stderr
+    manifest = root / "baseline-1" / "manifest.json"
+    manifest.write_text(manifest.read_text()[:40])
+    damaged = taxbench_cli("analyse", str(root), cwd=tmp_path)
+    assert damaged.returncode == 2 and "Traceback" not in damaged.stderr
+    assert f"taxbench: error: {manifest}: not valid JSON" in damaged.stderr
+    manifest.write_text('"a string"')
+    damaged = taxbench_cli("analyse", str(root), cwd=tmp_path)
+    assert damaged.returncode == 2 and f"{manifest}: not a JSON object" in damaged.stderr
 
 
 @pytest.mark.slow
@@ -169,3 +374,37 @@ def test_experiment_run_writes_report_and_respects_report_wandb_false(tmp_path: 
     assert (root / REPORT_DIR / HTML_FILE).is_file() and (root / REPORT_DIR / STEP_TIME_PNG).is_file()
     assert not (root / "wandb").exists()
     assert "report.html" in result.stdout and "baseline_sanity" in result.stdout
+
+
+@pytest.mark.slow
+def test_real_gate_failure_cannot_be_turned_into_a_pass_by_removing_records(tmp_path: Path, taxbench_cli) -> None:
+    """The issue's reproduction on a real 2-rank run: a fault at the last step on rank 1 fails repeatability; deleting
+    rank 1's streams, or truncating the deterministic runs before the fault, must give exit 4, never 0."""
+    result = taxbench_cli(
+        f"experiment.out_dir={tmp_path}", "experiment.name=fault", "experiment.steps=12", "experiment.block_steps=6",
+        "experiment.warmup_steps=2", "experiment.resume_step=6", "experiment.fault.enabled=true",
+        "experiment.fault.step=12", "experiment.fault.rank=1", "report.wandb=false", cwd=tmp_path,
+    )
+    assert result.returncode == exit_codes.NOT_DETERMINISTIC, result.stderr[-2000:]
+    root = tmp_path / "fault"
+    verdicts = {v["gate"]: v for v in json.loads((root / "summary.json").read_text())["verdicts"]}
+    assert verdicts["repeatability"]["first_mismatch"]["step"] == 12
+    truncated = tmp_path / "truncated"
+    shutil.copytree(root, truncated)
+
+    for stream in root.glob("*/steps.rank1.jsonl"):
+        stream.unlink()
+    deleted = taxbench_cli("analyse", str(root), cwd=tmp_path)
+    assert deleted.returncode == exit_codes.INCOMPLETE, deleted.stdout + deleted.stderr
+    summary = json.loads((root / "summary.json").read_text())
+    assert not summary["deterministic_ok"] and summary["world_size"] == 2
+    assert "deterministic-1 rank 1: no steps.rank1.jsonl (all 12 steps missing)" in summary["incomplete"]
+    assert "INCOMPLETE" in deleted.stdout
+
+    for name in DET_RUNS:
+        for stream in (truncated / name).glob("steps.rank*.jsonl"):
+            _truncate(stream, 11)
+    cut = taxbench_cli("analyse", str(truncated), cwd=tmp_path)
+    assert cut.returncode == exit_codes.INCOMPLETE, cut.stdout + cut.stderr
+    assert "deterministic-1 ranks 0-1: step 12 missing" in json.loads(
+        (truncated / "summary.json").read_text())["incomplete"]

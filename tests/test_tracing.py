@@ -14,7 +14,18 @@ from taxbench.cli import prepare
 from taxbench.config import TaxbenchConfig
 from taxbench.distributed import DistContext
 from taxbench.tracing.capture import CaptureScope
-from taxbench.tracing.diff import CONTROL_FLOW, IDENTICAL, ORIGIN, OUTSIDE, VIA_VIEW, diff_runs, diff_traces
+from taxbench.tracing.diff import (
+    CONTROL_FLOW,
+    IDENTICAL,
+    INCOMPLETE,
+    NOTHING_COMPARED,
+    ORIGIN,
+    OUTSIDE,
+    VIA_VIEW,
+    diff_runs,
+    diff_traces,
+    render,
+)
 from taxbench.tracing.localize import NAMED, localize
 from taxbench.tracing.trace_io import TRACE_SCHEMA_VERSION, TraceError, TraceWriter, read_trace, trace_file
 from taxbench.trainer import Trainer
@@ -165,6 +176,51 @@ def test_rules_origin_downstream_view_and_collective_peer() -> None:
     assert report.primary is not None and (report.primary.kind, report.primary.rank) == ("collective", 1)
 
 
+def _at(record: dict, step: int) -> dict:
+    return {**record, "step": step}
+
+
+def test_diff_without_positive_evidence_is_never_identical() -> None:
+    both = {rank: [_at(_rec(rank, 0, "op", "aten.mm.default", "m", ["01"], ["02"]), step) for step in (5, 6)]
+            for rank in (0, 1)}
+    assert diff_traces(both, both).verdict == IDENTICAL
+    # a requested step that neither run traced: nothing compared, no evidence
+    report = diff_traces(both, both, steps=[9])
+    assert report.verdict == NOTHING_COMPARED and report.compared == 0
+    assert "nothing compared" in render(report) and "step 9 is traced in neither run" in render(report)
+    # rank 1's trace is missing in B: what was compared agrees, but that is not "identical"
+    report = diff_traces(both, {0: both[0]}, "A", "B")
+    assert report.verdict == INCOMPLETE and "rank 1 is traced in A only" in render(report)
+    assert render(report).splitlines()[1].startswith("verdict: incomplete")
+    # rank 0's trace in B is shorter (stops before step 6)
+    report = diff_traces(both, {0: both[0][:1], 1: both[1]}, "A", "B")
+    assert report.verdict == INCOMPLETE
+    assert report.notes == ["rank 0: step 6 traced in A only (B's trace is shorter or lacks them); not compared"]
+    # a difference found in what both hold keeps its verdict, and the headline says the traces were incomplete
+    changed = {0: [_at(_rec(0, 0, "op", "aten.mm.default", "m", ["01"], ["f2"]), 5)]}
+    report = diff_traces(both, changed, "A", "B")
+    assert report.verdict == ORIGIN
+    assert "(traces incomplete: rank 1 is traced in A only; not compared, and 1 more)" in render(report).splitlines()[1]
+
+
+def test_cli_diff_exit_codes_identical_nothing_compared_and_missing_rank(tmp_path: Path) -> None:
+    records = [_at(_rec(0, i, "op", "aten.add.Tensor", "", ["01"], ["02"], n=i), 2) for i in range(3)]
+    run_a, run_b = tmp_path / "a", tmp_path / "b"
+    _write(run_a, records)
+    _write(run_b, records)
+    same = run_taxbench("diff", str(run_a), str(run_b), cwd=tmp_path, timeout=120)
+    assert same.returncode == 0 and "verdict: identical" in same.stdout, same.stderr
+    untraced = run_taxbench("diff", str(run_a), str(run_b), "--step", "7", cwd=tmp_path, timeout=120)
+    assert untraced.returncode == 4 and "verdict: nothing compared" in untraced.stdout, untraced.stderr
+    writer = TraceWriter(trace_file(run_a, 1))  # rank 1 traced in A only
+    writer.write_batch([{k: v for k, v in {**r, "rank": 1}.items() if k != "schema_version"} for r in records])
+    writer.close()
+    missing = run_taxbench("diff", str(run_a), str(run_b), "--json", cwd=tmp_path, timeout=120)
+    assert missing.returncode == 4, missing.stderr
+    report = json.loads(missing.stdout)
+    assert report["verdict"] == "incomplete" and any("rank 1 is traced in" in n for n in report["notes"])
+
+
 # ---- trace files --------------------------------------------------------------------------------------------------
 
 def _write(run_dir: Path, records: list[dict]) -> Path:
@@ -191,8 +247,8 @@ def test_trace_files_round_trip_and_bad_files_give_clear_errors(tmp_path: Path) 
     with pytest.raises(TraceError, match=r":2: not a JSON record"):
         read_trace(tmp_path / "corrupt")
     other = _write(tmp_path / "other", records)
-    other.write_text(other.read_text().replace('"schema_version":1', '"schema_version":99'))
-    with pytest.raises(TraceError, match="schema_version=99, this taxbench reads 1"):
+    other.write_text(other.read_text().replace(f'"schema_version":{TRACE_SCHEMA_VERSION}', '"schema_version":99'))
+    with pytest.raises(TraceError, match=f"schema_version=99, this taxbench reads {TRACE_SCHEMA_VERSION}"):
         read_trace(tmp_path / "other")
     lacking = _write(tmp_path / "lacking", [{k: v for k, v in records[0].items() if k != "scope"}])
     assert lacking.exists()

@@ -70,6 +70,24 @@ def test_experiment_run_logs_step_times_tax_and_verdicts(tmp_path: Path, no_wand
     assert [row[0] for row in gates["data"]] == ["repeatability", "restart_replay", "baseline_sanity"]
 
 
+def test_incomplete_experiment_and_fault_reach_the_wandb_summary(tmp_path: Path, no_wandb_mode: None) -> None:
+    root = write_experiment(tmp_path / "exp", SyntheticExperiment(ranks=2, steps=12, block_steps=3, resume_step=6))
+    stream = root / "deterministic-1" / "steps.rank1.jsonl"
+    stream.write_text("".join(stream.read_text().splitlines(keepends=True)[:8]))
+    for manifest_path in root.glob("*/manifest.json"):
+        manifest = json.loads(manifest_path.read_text())
+        manifest["config"]["experiment"]["fault"] = {"enabled": True, "arm": "deterministic", "replica": 1,
+                                                     "kind": "flip_param_bit", "step": 12, "rank": 1}
+        manifest_path.write_text(json.dumps(manifest))
+    run_dir = log_experiment(analyse_experiment(root), SETTINGS)
+    summary = inspect(run_dir, "--summary")[0]["summary"]
+    assert summary["outcome"] == "incomplete" and summary["exit_code"] == 4 and summary["deterministic_ok"] is False
+    assert summary["incomplete"] == "deterministic-1 rank 1: steps 9-12 missing"
+    assert summary["gate/repeatability/outcome"] == "incomplete" and summary["gate/repeatability/agree"] is False
+    assert summary["fault"] == ("deterministic-1: fault flip_param_bit configured but never fired: the self-test "
+                                "tested nothing")
+
+
 def test_sweep_logs_a_table_of_all_points_in_one_group(tmp_path: Path, no_wandb_mode: None) -> None:
     sweep_root = tmp_path / "sweep-7"
     for world in (4, 8):

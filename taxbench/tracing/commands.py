@@ -6,12 +6,13 @@ import argparse
 import json
 from pathlib import Path
 
-from taxbench.tracing.diff import IDENTICAL, diff_runs, render
+from taxbench import exit_codes
+from taxbench.tracing.diff import IDENTICAL, NO_EVIDENCE, diff_runs, render
 from taxbench.tracing.localize import NO_DIVERGENCE, LocalizeError, localize
 from taxbench.tracing.localize import render as render_localization
 from taxbench.tracing.trace_io import TraceError
 
-EXIT_DIVERGED = 3  # same code as a failed determinism gate
+EXIT_DIVERGED = exit_codes.NOT_DETERMINISTIC  # same code as a failed determinism gate
 
 
 def input_errors() -> tuple[type[Exception], ...]:
@@ -41,10 +42,14 @@ def run_tracing_command(args: argparse.Namespace) -> int:
     if args.command == "diff":
         report = diff_runs(args.run_a, args.run_b, args.step)
         print(json.dumps(report.to_dict(), indent=2) if args.json else render(report))
-        return 0 if report.verdict == IDENTICAL else EXIT_DIVERGED
+        if report.verdict == IDENTICAL:
+            return exit_codes.OK
+        return exit_codes.INCOMPLETE if report.verdict in NO_EVIDENCE else EXIT_DIVERGED
     work = args.work_dir or args.run_b.parent / "localize" / f"{args.run_a.name}-vs-{args.run_b.name}"
     if work.exists() and any(work.iterdir()):
         raise LocalizeError(f"--work-dir {work} is not empty; pass another --work-dir or remove it")
     result = localize(args.run_a, args.run_b, work, args.max_numel)
     print(json.dumps(result.to_dict(), indent=2) if args.json else render_localization(result))
-    return 0 if result.verdict == NO_DIVERGENCE else EXIT_DIVERGED
+    if result.verdict == NO_DIVERGENCE:
+        return exit_codes.OK
+    return exit_codes.INCOMPLETE if result.verdict in NO_EVIDENCE else EXIT_DIVERGED

@@ -10,6 +10,12 @@ pair:
 - a record present in one run only -> control-flow divergence.
 No origin on any traced rank while records differ -> the origin is outside the capture (widen it).
 Digests recorded as null (tensor above max_numel) are not compared. Only steps and ranks traced in both runs count.
+
+"identical" needs positive evidence: at least one record compared, and nothing left out. A rank traced in one run
+only, a step one run's trace lacks (a shorter trace), or a requested step traced in neither run is listed in
+`notes`; with no difference found that is "incomplete", and with nothing compared at all "nothing_compared". A
+difference found in what both traces hold keeps its verdict (origin, control flow, outside), and the headline says
+the traces were incomplete.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from taxbench.analysis.records import compact_ranges
 from taxbench.tracing.trace_io import read_trace
 
 TRIVIAL_OPS = frozenset({
@@ -37,6 +44,9 @@ DOWNSTREAM = "downstream"
 IDENTICAL = "identical"
 CONTROL_FLOW = "control_flow"
 OUTSIDE = "outside_capture"
+INCOMPLETE = "incomplete"  # no difference in what was compared, but a rank or step was traced in one run only
+NOTHING_COMPARED = "nothing_compared"  # not a single record aligned: no evidence either way
+NO_EVIDENCE = (INCOMPLETE, NOTHING_COMPARED)
 
 
 def op_base_name(name: str) -> str:
@@ -95,7 +105,11 @@ class DiffReport:
     primary: Finding | None
     ranks: list[RankDiff]
     steps: list[int]
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what could not be compared (a missing rank, a shorter trace)
+
+    @property
+    def compared(self) -> int:
+        return sum(rank.compared for rank in self.ranks)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"ranks": [asdict(r) | {"first_event": _dict(r.first_event)} for r in self.ranks]}
@@ -138,6 +152,9 @@ def diff_traces(
     for rank in sorted(set(trace_a) ^ set(trace_b)):
         notes.append(f"rank {rank} is traced in {run_a if rank in trace_a else run_b} only; not compared")
     wanted = set(steps) if steps is not None else None
+    if wanted is not None:
+        traced = {r["step"] for trace in (trace_a, trace_b) for records in trace.values() for r in records}
+        notes += [f"step {step} is traced in neither run" for step in sorted(wanted - traced)]
 
     aligned: dict[int, list[tuple[dict[str, Any], dict[str, Any]]]] = {}
     only: dict[int, list[tuple[str, dict[str, Any]]]] = {}
@@ -147,9 +164,11 @@ def diff_traces(
         steps_b = {r["step"] for r in trace_b[rank]}
         common = steps_a & steps_b if wanted is None else steps_a & steps_b & wanted
         only_one = steps_a ^ steps_b if wanted is None else (steps_a ^ steps_b) & wanted
-        for step in sorted(only_one):
-            traced_in = run_a if step in steps_a else run_b
-            notes.append(f"rank {rank}: step {step} is traced in {traced_in} only; not compared")
+        for traced_in, short, alone in ((run_a, run_b, only_one & steps_a), (run_b, run_a, only_one & steps_b)):
+            if alone:
+                what = f"step {min(alone)}" if len(alone) == 1 else f"steps {compact_ranges(sorted(alone))}"
+                notes.append(f"rank {rank}: {what} traced in {traced_in} only ({short}'s trace is shorter or lacks "
+                             "them); not compared")
         all_steps |= common
         by_key_a = {_key(r): r for r in trace_a[rank] if r["step"] in common}
         by_key_b = {_key(r): r for r in trace_b[rank] if r["step"] in common}
@@ -201,8 +220,10 @@ def diff_traces(
         verdict = CONTROL_FLOW if primary.is_missing else ORIGIN
     elif any(r.differing for r in results):
         verdict = OUTSIDE
+    elif not any(r.compared for r in results):
+        verdict = NOTHING_COMPARED
     else:
-        verdict = IDENTICAL
+        verdict = INCOMPLETE if notes else IDENTICAL
     return DiffReport(run_a, run_b, verdict, primary, results, sorted(all_steps), notes)
 
 
@@ -224,7 +245,14 @@ def render(report: DiffReport) -> str:
         CONTROL_FLOW: "control-flow divergence: a record exists in one run only",
         OUTSIDE: "records differ but no origin on any traced rank: the origin is outside the capture; widen it "
                  "(earlier step, deeper rung, more modules/ranks)",
+        INCOMPLETE: "incomplete: every record compared agrees, but the traces do not cover the same ranks and steps "
+                    "(notes below); not evidence of identical runs",
+        NOTHING_COMPARED: "nothing compared: no traced record exists in both runs for these ranks and steps; capture "
+                          "the step in both runs (experiment.trace.steps, or `taxbench localize`)",
     }[report.verdict]
+    if report.notes and report.verdict not in NO_EVIDENCE:
+        headline += f" (traces incomplete: {report.notes[0]}" + (
+            f", and {len(report.notes) - 1} more" if len(report.notes) > 1 else "") + ")"
     lines.append(f"verdict: {headline}")
     if report.primary is not None:
         lines.append(f"first: {describe(report.primary)}")

@@ -16,6 +16,7 @@ process per rank of the original run (gloo on CPU, NCCL on CUDA).
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ from typing import Any
 from taxbench.tracing.diff import (
     CONTROL_FLOW,
     IDENTICAL,
+    INCOMPLETE,
+    NOTHING_COMPARED,
     ORIGIN,
     OUTSIDE,
     DiffReport,
@@ -148,7 +151,7 @@ def run_replay_rank(rank: int, world: int, jobs: list[ReplayJob], addr: str, por
             if job.checkpoint_step:
                 assert job.checkpoint_dir is not None
                 original = RunCheckpoints(Path(job.checkpoint_dir).parent, rank)
-                current.load_checkpoint(original.path(job.checkpoint_step))
+                current.load_checkpoint(original.require_intact(job.checkpoint_step))
             if job.restart_at:
                 current.run_block(job.restart_at - current.step, 0)
                 checkpoint = RunCheckpoints(out, rank).path(job.restart_at)
@@ -160,7 +163,10 @@ def run_replay_rank(rank: int, world: int, jobs: list[ReplayJob], addr: str, por
             current.close()
 
 
-def _spawned(rank: int, world: int, jobs: list[ReplayJob], addr: str, port: int) -> None:
+def _spawned(rank: int, launcher_pid: int, world: int, jobs: list[ReplayJob], addr: str, port: int) -> None:
+    from taxbench.launchers.local import die_with_parent
+
+    die_with_parent(launcher_pid)
     run_replay_rank(rank, world, jobs, addr, port)
 
 
@@ -170,7 +176,7 @@ def replay(jobs: list[ReplayJob], world: int) -> None:
     from taxbench.distributed import free_port
 
     addr = "127.0.0.1"
-    mp.start_processes(_spawned, args=(world, jobs, addr, free_port(addr)), nprocs=world, join=True,
+    mp.start_processes(_spawned, args=(os.getpid(), world, jobs, addr, free_port(addr)), nprocs=world, join=True,
                        start_method="spawn")
 
 
@@ -274,6 +280,8 @@ def render(result: Localization) -> str:
         CONTROL_FLOW: "control-flow divergence (a record exists in one run only)",
         NOT_REPRODUCED: "not reproduced by the replay",
         NO_DIVERGENCE: "no divergence",
+        INCOMPLETE: "no evidence: the replays' traces do not cover the same ranks and steps",
+        NOTHING_COMPARED: "no evidence: no traced record exists in both replays",
     }.get(result.verdict, "origin outside the capture: no traced record produced the difference")
     lines.append(f"verdict: {headline}")
     if result.origin is not None:
