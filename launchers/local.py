@@ -1,18 +1,58 @@
-"""Local launchers: ranks as processes on this machine (gloo on CPU, NCCL on GPU), or one rank in-process."""
+"""Local launchers: ranks as processes on this machine (gloo on CPU, NCCL on GPU), or one rank in-process.
+
+Spawned ranks die with their launcher (a SIGKILLed launcher must not leave ranks writing into the experiment), and a
+rank that dies or raises ends the launch with `RankFailed`: one line naming the rank and how to continue.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import os
+import re
+import shlex
+import shutil
+import signal
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
 
+from taxbench.checkpoints import CheckpointError
 from taxbench.config import TaxbenchConfig, world_size
 from taxbench.distributed import free_port
 from taxbench.launchers.worker import run_rank
+from taxbench.records import RunWriteError
+
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+# Overrides that the continue command sets itself (with or without Hydra's + / ++ prefixes).
+_CONTINUE_KEYS = ("experiment.name", "experiment.continue_existing")
+_PLAIN_HYDRA_VALUE = re.compile(r"[\w.\-]+")
 
 
-def _spawned(local_rank: int, world: int, cfg_container: dict[str, Any], root: str, addr: str, port: int) -> None:
+class RankFailed(RuntimeError):
+    """A rank process died or raised; the message names the rank and the command that continues the experiment."""
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Have the kernel SIGKILL this process when its parent dies (Linux; elsewhere nothing is done).
+
+    torch's spawn asks for SIGINT instead, which a rank ignores when the launcher was started with SIGINT ignored (a
+    script's background job) and which a rank blocked in a collective does not act on."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        return  # not fatal: the rank still runs, it only loses this safety net
+    if os.getppid() != parent_pid:  # the parent died before the request took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _spawned(local_rank: int, launcher_pid: int, world: int, cfg_container: dict[str, Any], root: str, addr: str,
+             port: int) -> None:
+    die_with_parent(launcher_pid)
     run_rank(local_rank, world, local_rank, cfg_container, root, addr, port)
 
 
@@ -20,10 +60,63 @@ def launch_local(cfg: TaxbenchConfig, cfg_container: dict[str, Any], root: Path)
     world = world_size(cfg.cluster)
     addr = cfg.cluster.master_addr
     port = cfg.cluster.master_port or free_port(addr)
-    mp.start_processes(_spawned, args=(world, cfg_container, str(root), addr, port), nprocs=world,
-                       join=True, start_method="spawn")
+    # torch logs a warning per surviving rank it terminates after a failure; RankFailed already says what happened.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    try:
+        mp.start_processes(_spawned, args=(os.getpid(), world, cfg_container, str(root), addr, port), nprocs=world,
+                           join=True, start_method="spawn")
+    except (mp.ProcessExitedException, mp.ProcessRaisedException) as exc:
+        raise rank_failed(rank_failure(exc), cfg.experiment.name) from None
+
+
+def rank_failed(what: str, name: str) -> RankFailed:
+    """RankFailed saying `what` happened and how to continue experiment `name` started by this process."""
+    return RankFailed(f"{what}; continue the experiment with: {shlex.join(continue_command(sys.argv, name))}")
+
+
+def rank_failure(exc: mp.ProcessExitedException | mp.ProcessRaisedException) -> str:
+    """"rank R died (SIGKILL)", "rank R exited with code C" or "rank R failed: <the exception's last line>"."""
+    if isinstance(exc, mp.ProcessExitedException):
+        if exc.signal_name:
+            return f"rank {exc.error_index} died ({exc.signal_name})"
+        return f"rank {exc.error_index} exited with code {exc.exit_code}"
+    lines = [line for line in exc.msg.splitlines() if line.strip()]
+    return f"rank {exc.error_index} failed: {_without_own_type(lines[-1].strip()) if lines else 'unknown error'}"
+
+
+def _without_own_type(line: str) -> str:
+    """taxbench's own errors are written as one readable line; drop the "taxbench.x.SomeError: " prefix of those."""
+    head, sep, rest = line.partition(": ")
+    return rest if sep and head.startswith("taxbench.") else line
+
+
+def continue_command(argv: Sequence[str], name: str) -> list[str]:
+    """The command line (as argv words) that continues experiment `name` started by `argv` (sys.argv of the start):
+    the same program and overrides, with experiment.name=<name> and experiment.continue_existing=true."""
+    program = [_python(), "-m", "taxbench"] if Path(argv[0]).name == "__main__.py" else [argv[0]]
+    overrides = [arg for arg in argv[1:] if arg.lstrip("+").split("=", 1)[0] not in _CONTINUE_KEYS]
+    return [*program, *overrides, f"experiment.name={_hydra_value(name)}", "experiment.continue_existing=true"]
+
+
+def _python() -> str:
+    """"python" when that is this interpreter on PATH (same folder: a venv's python is a link out of it), else this
+    interpreter's path."""
+    found = shutil.which("python")
+    if found and os.path.dirname(os.path.abspath(found)) == os.path.dirname(sys.executable) \
+            and os.path.realpath(found) == os.path.realpath(sys.executable):
+        return "python"
+    return sys.executable
+
+
+def _hydra_value(value: str) -> str:
+    if _PLAIN_HYDRA_VALUE.fullmatch(value):
+        return value
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def launch_inprocess(cfg: TaxbenchConfig, cfg_container: dict[str, Any], root: Path) -> None:
     addr = cfg.cluster.master_addr
-    run_rank(0, 1, 0, cfg_container, str(root), addr, cfg.cluster.master_port or free_port(addr))
+    try:
+        run_rank(0, 1, 0, cfg_container, str(root), addr, cfg.cluster.master_port or free_port(addr))
+    except (RunWriteError, CheckpointError) as exc:  # one-line errors of the run itself, as from a spawned rank
+        raise rank_failed(f"rank 0 failed: {exc}", cfg.experiment.name) from None

@@ -1,28 +1,49 @@
 """Preemption-safe progress of the runs in an experiment: block-boundary checkpoints and which of them are complete.
 
-Every rank saves `<run>/checkpoints/step<S>.rank<R>.pt`; once all ranks have saved (a barrier), rank 0 records S in
-`<run>/checkpoints/progress.json`. Only recorded steps are resumed from, so a crash halfway through saving never
-leaves a run resuming from a checkpoint that some rank lacks. The last two complete checkpoints are kept: the two
-arms of the timed pair are committed together but recorded one after the other, so after a crash between the two
-records the pair resumes both arms from the older, common step. A finished run's checkpoints are deleted.
+Every rank saves `<run>/checkpoints/step<S>.rank<R>.pt` and, beside it, `step<S>.rank<R>.sha256` (size and sha256 of
+the file as written); once all ranks have saved (a barrier), rank 0 records S in `<run>/checkpoints/progress.json`.
+Only recorded steps are resumed from, so a crash halfway through saving never leaves a run resuming from a checkpoint
+that some rank lacks. The last two complete checkpoints are kept: the two arms of the timed pair are committed
+together but recorded one after the other, so after a crash between the two records the pair resumes both arms from
+the older, common step. A finished run's checkpoints are deleted.
+
+Resuming is a collective decision (`resume_step`): every rank checks its own files against their checksums, and all
+ranks take the newest step whose files are intact on every rank, or start from scratch; a checkpoint passed over is
+named on stderr. Checkpoints newer than the chosen step are forgotten, since the run rewrites those steps.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import os
+import sys
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from taxbench.records import write_text_atomically
+
 PROGRESS_FILE = "progress.json"
+CHECKSUM_SUFFIX = ".sha256"
 KEEP = 2
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be trusted: the message names the file and what is wrong with it."""
 
 
 class Checkpointed(Protocol):
     def save_checkpoint(self, path: Path) -> None: ...
+
+
+@dataclass
+class Progress:
+    complete: list[int] = field(default_factory=list)
+    finished: bool = False
+    problem: str | None = None  # progress.json exists but cannot be read: why
 
 
 class RunCheckpoints:
@@ -30,23 +51,40 @@ class RunCheckpoints:
         self.dir = run_dir / "checkpoints"
         self.rank = rank
 
+    @property
+    def run(self) -> str:
+        return self.dir.parent.name
+
     def path(self, step: int) -> Path:
         return self.dir / f"step{step}.rank{self.rank}.pt"
 
-    def _progress(self) -> dict[str, Any]:
-        file = self.dir / PROGRESS_FILE
-        if not file.exists():
-            return {"complete": [], "finished": False}
-        return json.loads(file.read_text(encoding="utf-8"))
+    def checksum_path(self, step: int) -> Path:
+        return self.dir / f"step{step}.rank{self.rank}{CHECKSUM_SUFFIX}"
 
-    def _write_progress(self, progress: dict[str, Any]) -> None:
+    def _progress(self) -> Progress:
+        file = self.dir / PROGRESS_FILE
+        try:
+            text = file.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return Progress()
+        except OSError as exc:
+            return Progress(problem=f"{file}: unreadable ({exc.strerror or exc})")
+        try:
+            stored = json.loads(text)
+            return Progress(sorted(int(s) for s in stored["complete"]), bool(stored["finished"]))
+        except json.JSONDecodeError as exc:
+            return Progress(problem=f"{file}: not valid JSON ({exc.msg}, line {exc.lineno})")
+        except (KeyError, TypeError, ValueError):
+            return Progress(problem=f"{file}: not a checkpoint progress record")
+
+    def _write_progress(self, complete: Sequence[int], finished: bool) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.dir / (PROGRESS_FILE + ".tmp")
-        tmp.write_text(json.dumps(progress), encoding="utf-8")
-        os.replace(tmp, self.dir / PROGRESS_FILE)
+        write_text_atomically(self.dir / PROGRESS_FILE, json.dumps({"complete": sorted(complete),
+                                                                    "finished": finished}))
 
     def complete(self) -> list[int]:
-        return sorted(int(s) for s in self._progress()["complete"])
+        """Steps every rank has committed (empty when progress.json is unreadable)."""
+        return self._progress().complete
 
     def latest(self) -> int | None:
         steps = self.complete()
@@ -54,32 +92,87 @@ class RunCheckpoints:
 
     @property
     def finished(self) -> bool:
-        return bool(self._progress()["finished"])
+        return self._progress().finished
+
+    def record_checksum(self, step: int) -> None:
+        """Record the size and sha256 of this rank's checkpoint file of `step`, as it lies on disk."""
+        path = self.path(step)
+        record = {"file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path)}
+        write_text_atomically(self.checksum_path(step), json.dumps(record) + "\n")
+
+    def problem(self, step: int) -> str | None:
+        """What is wrong with this rank's checkpoint of `step` (None: present and matching its checksum)."""
+        path, sidecar = self.path(step), self.checksum_path(step)
+        if not path.exists():
+            return f"{path}: missing"
+        try:
+            recorded = json.loads(sidecar.read_text(encoding="utf-8"))
+            size, digest = int(recorded["bytes"]), str(recorded["sha256"])
+        except FileNotFoundError:
+            return f"{path}: no checksum recorded ({sidecar.name} missing)"
+        except (OSError, ValueError, KeyError, TypeError):
+            return f"{sidecar}: unreadable checksum record"
+        try:
+            actual_size = path.stat().st_size
+            if actual_size < size:
+                return f"{path}: truncated ({actual_size} of {size} bytes)"
+            if actual_size != size:
+                return f"{path}: checksum mismatch ({actual_size} bytes, {size} recorded)"
+            if _sha256(path) != digest:
+                return f"{path}: checksum mismatch (sha256 differs from {sidecar.name})"
+        except OSError as exc:
+            return f"{path}: unreadable ({exc.strerror or exc})"
+        return None
+
+    def require_intact(self, step: int) -> Path:
+        """This rank's checkpoint file of `step`, verified against its checksum (CheckpointError otherwise)."""
+        problem = self.problem(step)
+        if problem is not None:
+            raise CheckpointError(problem)
+        return self.path(step)
+
+    def _steps_on_disk(self) -> list[int]:
+        """Steps of which this rank holds a checkpoint file and its checksum record."""
+        steps = []
+        for file in self.dir.glob(f"step*.rank{self.rank}.pt"):
+            step = _step_of(file)
+            if step is not None and self.checksum_path(step).exists():
+                steps.append(step)
+        return sorted(steps)
+
+    def _candidates(self) -> list[int]:
+        """Steps to consider resuming from: those recorded complete or, when progress.json is unreadable, the
+        checkpoints this rank holds (the collective check then keeps only steps every rank holds intact)."""
+        progress = self._progress()
+        return self._steps_on_disk() if progress.problem else progress.complete
+
+    def _files(self) -> list[Path]:
+        return [*self.dir.glob(f"step*.rank{self.rank}.pt"), *self.dir.glob(f"step*.rank{self.rank}{CHECKSUM_SUFFIX}")]
 
     def _record(self, step: int) -> None:
         progress = self._progress()
-        progress["complete"] = sorted(set(progress["complete"]) | {step})[-KEEP:]
-        self._write_progress(progress)
+        self._write_progress(sorted(set(progress.complete) | {step})[-KEEP:], False)
 
-    def _prune(self) -> None:
-        kept = set(self.complete())
-        for file in self.dir.glob(f"step*.rank{self.rank}.pt"):
-            step = int(file.name.split(".")[0].removeprefix("step"))
-            if step not in kept:
+    def _prune(self, keep: set[int]) -> None:
+        for file in self._files():
+            if _step_of(file) not in keep:
                 file.unlink(missing_ok=True)
+        for file in self.dir.glob(f"step*.rank{self.rank}.*.tmp"):  # left by a process killed while writing
+            file.unlink(missing_ok=True)
 
 
 def commit(step: int, runs: Sequence[tuple[RunCheckpoints, Checkpointed]]) -> None:
     """Save every run's state at `step` on this rank, then record the step once every rank has saved."""
     for checkpoints, trainer in runs:
         trainer.save_checkpoint(checkpoints.path(step))
+        checkpoints.record_checksum(step)
     _barrier()
     if runs and runs[0][0].rank == 0:
         for checkpoints, _ in runs:
             checkpoints._record(step)
     _barrier()
     for checkpoints, _ in runs:
-        checkpoints._prune()
+        checkpoints._prune(set(checkpoints.complete()))
 
 
 def finish(runs: Sequence[RunCheckpoints]) -> None:
@@ -88,17 +181,75 @@ def finish(runs: Sequence[RunCheckpoints]) -> None:
     if runs and runs[0].rank == 0:
         for checkpoints in runs:
             # The checkpoint files go next, so none is listed as complete any more.
-            checkpoints._write_progress({"complete": [], "finished": True})
+            checkpoints._write_progress([], True)
     _barrier()
     for checkpoints in runs:
-        for file in checkpoints.dir.glob(f"step*.rank{checkpoints.rank}.pt"):
-            file.unlink(missing_ok=True)
+        checkpoints._prune(set())
 
 
-def common_resume_step(runs: Sequence[RunCheckpoints]) -> int | None:
-    """The newest step that every one of `runs` holds a complete checkpoint of (None: start from scratch)."""
-    common = set.intersection(*(set(r.complete()) for r in runs)) if runs else set()
-    return max(common) if common else None
+def resume_step(runs: Sequence[RunCheckpoints]) -> int | None:
+    """The newest step at which every rank holds an intact checkpoint of every one of `runs` (None: from scratch).
+
+    A collective: every rank calls it with the same runs, and all get the same answer. Rank 0 names on stderr each
+    checkpoint passed over. Checkpoints newer than the answer are forgotten: the runs rewrite those steps.
+    """
+    if not runs:
+        return None
+    candidates = set.intersection(*(set(r._candidates()) for r in runs))
+    mine = {step: next((p for r in runs if (p := r.problem(step)) is not None), None) for step in candidates}
+    views: list[dict[int, str | None]] = _all_gather(mine)
+    common = set.intersection(*(set(view) for view in views))
+    chosen = max((s for s in common if all(view[s] is None for view in views)), default=None)
+    if runs[0].rank == 0:
+        _warn_fallback(runs, views, chosen)
+    _forget_after(runs, chosen)
+    return chosen
+
+
+def _warn_fallback(runs: Sequence[RunCheckpoints], views: list[dict[int, str | None]], chosen: int | None) -> None:
+    for checkpoints in runs:
+        problem = checkpoints._progress().problem
+        if problem is not None:
+            print(f"taxbench: warning: {problem}; using the checkpoints present instead", file=sys.stderr, flush=True)
+    passed_over = sorted(((step, problem) for view in views for step, problem in view.items()
+                          if problem is not None and (chosen is None or step > chosen)), reverse=True)
+    if not passed_over:
+        return
+    names = " and ".join(sorted({r.run for r in runs}))
+    target = f"step {chosen}" if chosen is not None else "scratch (no intact checkpoint left)"
+    more = f" (and {len(passed_over) - 1} more)" if len(passed_over) > 1 else ""
+    print(f"taxbench: warning: {passed_over[0][1]}{more}; {names} resume from {target}", file=sys.stderr, flush=True)
+
+
+def _forget_after(runs: Sequence[RunCheckpoints], step: int | None) -> None:
+    keep = {s for r in runs for s in r._candidates() if step is not None and s <= step}
+    if runs[0].rank == 0:
+        for checkpoints in runs:
+            progress = checkpoints._progress()
+            complete = [s for s in progress.complete if s in keep] if not progress.problem else sorted(keep)
+            if complete != progress.complete or progress.problem:
+                checkpoints._write_progress(complete, False)
+    _barrier()
+    for checkpoints in runs:
+        checkpoints._prune(keep)
+
+
+def _step_of(file: Path) -> int | None:
+    head = file.name.split(".")[0].removeprefix("step")
+    return int(head) if head.isdigit() else None
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def _all_gather(value: Any) -> list[Any]:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, value)
+        return gathered
+    return [value]
 
 
 def _barrier() -> None:

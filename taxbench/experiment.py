@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import uuid
@@ -21,7 +20,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from taxbench import manifest, policy
-from taxbench.checkpoints import RunCheckpoints, commit, common_resume_step, finish
+from taxbench.checkpoints import RunCheckpoints, commit, finish, resume_step
 from taxbench.config import ARM_NAMES, TaxbenchConfig
 from taxbench.distributed import DistContext
 from taxbench.records import ALL_RUNS, BASELINE_REPEAT, MANIFEST, REPEAT, RESUMED, TIMED, RunRef, write_manifest
@@ -58,8 +57,11 @@ class Experiment:
 
     def _attempts(self, ref: RunRef, stack: dict) -> list[dict]:
         """Every start of this run's processes (a requeue or continue adds one), with where it ran."""
-        path = self.root / ref.name / MANIFEST
-        attempts = json.loads(path.read_text(encoding="utf-8")).get("attempts", []) if path.exists() else []
+        attempts = []
+        if (self.root / ref.name / MANIFEST).exists():
+            from taxbench.analysis.records import load_manifest  # names a damaged manifest in one line
+
+            attempts = load_manifest(self.root / ref.name).get("attempts", [])
         if not attempts or attempts[-1]["id"] != self.attempt_id:
             attempts.append({
                 "id": self.attempt_id,
@@ -100,7 +102,8 @@ class Experiment:
 
     def run(self) -> None:
         """Run the schedule. Restarted after a preemption, it skips finished runs and resumes unfinished ones from
-        their last complete checkpoint (records written past it are dropped, so nothing is duplicated)."""
+        their newest complete checkpoint that is intact on every rank (records written past it are dropped, so
+        nothing is duplicated)."""
         self._run_timed_pair()
         self._run_whole(REPEAT)
         self._run_resumed()
@@ -135,7 +138,7 @@ class Experiment:
             self._skip(2 * exp.steps)
             return
         # Both arms resume from the same block boundary, so every round still holds one block of each arm.
-        start = common_resume_step(list(progress.values()))
+        start = resume_step(list(progress.values()))
         timed = {arm: self._start(ref, start) for arm, ref in TIMED.items()}
         self._skip(2 * (start or 0))
         first_block = (start or 0) // exp.block_steps
@@ -166,7 +169,7 @@ class Experiment:
         if checkpoints.finished:
             self._skip(exp.steps)
             return
-        start = checkpoints.latest()
+        start = resume_step([checkpoints])
         trainer = self._start(ref, start)
         self._skip(start or 0)
         self._advance(ref, trainer, exp.steps)
@@ -179,12 +182,12 @@ class Experiment:
         if checkpoints.finished:
             self._skip(exp.steps)
             return
-        start = checkpoints.latest()
+        start = resume_step([checkpoints])
         self._skip(start or 0)
         if start is None or start < exp.resume_step:
             first = self._start(RESUMED, start)
             self._advance(RESUMED, first, exp.resume_step)
-            if exp.resume_step not in checkpoints.complete():
+            if not self._checkpoint_due(exp.resume_step):  # else _advance has just committed it
                 commit(exp.resume_step, [(checkpoints, first)])
             first.close()
             del first

@@ -21,11 +21,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from taxbench import fingerprint, policy
+from taxbench.checkpoints import CheckpointError
 from taxbench.config import FaultConfig, PolicyConfig, Precision, TaxbenchConfig
 from taxbench.data import build_source
 from taxbench.distributed import DistContext
 from taxbench.parallel import layout_for, parallelize
-from taxbench.records import StepWriter, run_name, steps_file
+from taxbench.records import FaultLog, StepWriter, run_name, step_record, steps_file, write_atomically
 from taxbench.tracing.capture import tracer_for_run
 from taxbench.tracing.faults import STEP_FAULT_KINDS, flip_lowest_bit, step_fault
 from taxbench.workloads import build_model
@@ -139,9 +140,12 @@ class Trainer:
         self.rng = RngSnapshot(rng.python, rng.numpy, rng.torch_cpu, rng.torch_cuda)
         self.timer = StepTimer(ctx.device)
         self.writer = StepWriter(steps_file(run_dir, ctx.rank))
-        self._pending: list[tuple[dict[str, Any], Any, torch.Tensor]] = []
-        # Faults acting inside a step and the tracing-ladder capture; both None in ordinary runs (no per-step cost).
-        self._step_fault = step_fault(self.fault, self)
+        self._pending: list[tuple[dict[str, Any], Any, Any, torch.Tensor]] = []
+        # Where an injected fault fired (faults.rank<R>.jsonl, on every rank of a run with a fault: an empty file says
+        # that it never fired there). Faults acting inside a step and the tracing-ladder capture are None in ordinary
+        # runs (no per-step cost).
+        self.fault_log = FaultLog(run_dir, ctx.rank) if self.fault is not None else None
+        self._step_fault = step_fault(self.fault, ctx.rank, self.model, self.raw_model, self._fault_fired)
         self.tracer = tracer_for_run(cfg.experiment.trace, run_name(arm, replica), run_dir, ctx.rank)
         if self.tracer is not None:
             self.tracer.attach(self)
@@ -210,6 +214,7 @@ class Trainer:
 
         self._inject_fault()
         loss_mean = loss_sum / self.grad_accum
+        fingerprint_started = self.timer.start()  # the gates' own cost, outside the timed step, shown beside it
         digests = torch.stack(
             [
                 fingerprint.float_bits(loss_mean.float()),
@@ -219,6 +224,7 @@ class Trainer:
                 self._digest(self._optimizer_tensors()),
             ]
         )
+        fingerprint_measured = self.timer.stop(fingerprint_started)
         record = {
             "arm": self.arm,
             "replica": self.replica,
@@ -228,7 +234,7 @@ class Trainer:
             "data_s": data_s,
             "tokens": self.tokens_per_step,
         }
-        self._pending.append((record, measured, digests))
+        self._pending.append((record, measured, fingerprint_measured, digests))
         if self.ctx.device.type == "cpu":
             self._flush(None)
 
@@ -263,17 +269,22 @@ class Trainer:
         fault = self.fault
         if fault is None or fault.kind in STEP_FAULT_KINDS or fault.step != self.step or fault.rank != self.ctx.rank:
             return
-        first = next(self.raw_model.parameters())
+        name, first = next(self.raw_model.named_parameters())
         to_local = getattr(first, "to_local", None)  # a sharded parameter: flip this rank's shard
         with torch.no_grad():
             flip_lowest_bit(to_local() if callable(to_local) else first)
+        self._fault_fired(str(fault.kind), self.step, name)
+
+    def _fault_fired(self, kind: str, step: int, where: str) -> None:
+        if self.fault_log is not None:
+            self.fault_log.fired(kind, step, where)
 
     def _flush(self, window_per_step: float | None) -> None:
         """Turn pending steps into records: one host copy of all digests, then one line per step."""
         if not self._pending:
             return
-        digests = torch.stack([d for _, _, d in self._pending]).cpu().tolist()
-        for (record, measured, _), values in zip(self._pending, digests, strict=True):
+        digests = torch.stack([d for *_, d in self._pending]).cpu().tolist()
+        for (record, measured, fingerprint_measured, _), values in zip(self._pending, digests, strict=True):
             seconds = self.timer.seconds(measured)
             loss_bits, grads, norm_bits, params, optim = values
             record.update(
@@ -282,6 +293,7 @@ class Trainer:
                 # GPU: the block's synchronized wall-clock window per step (data loading and the harness's own work
                 # included), a cross-check on the event times. On CPU time_s is already wall-clock.
                 window_s=window_per_step,
+                fingerprint_s=self.timer.seconds(fingerprint_measured),
                 loss=_bits_to_float(loss_bits),
                 loss_bits=fingerprint.bits_hex(loss_bits, torch.float32),
                 grad_norm=_bits_to_float(norm_bits),
@@ -304,30 +316,59 @@ class Trainer:
             "data": self.data.state_dict(),
             "rng": self.rng.state_dict(),
         }
-        tmp = path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        tmp.replace(path)
+        # Through a Python file, so that a failed write surfaces as the OSError behind it (a full disk).
+        write_atomically(path, lambda handle: torch.save(state, handle))
 
     def load_checkpoint(self, path: Path) -> None:
-        state = torch.load(path, map_location=self.ctx.device, weights_only=False)
-        self.raw_model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.data.load_state_dict(state["data"])
-        self.rng = RngSnapshot.from_state_dict(state["rng"])
-        self.step = int(state["step"])
+        """Restore the state saved at `path`, then check it reproduces the step record written at that step."""
+        try:
+            state = torch.load(path, map_location=self.ctx.device, weights_only=False)
+            self.raw_model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.data.load_state_dict(state["data"])
+            self.rng = RngSnapshot.from_state_dict(state["rng"])
+            self.step = int(state["step"])
+        except torch.OutOfMemoryError:
+            raise
+        except (OSError, RuntimeError, KeyError, TypeError, ValueError, EOFError) as exc:
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise CheckpointError(f"{path}: unreadable checkpoint ({reason})") from exc
+        self._check_restored(path)
         self.drop_records_after(self.step)
         if self.tracer is not None:
             self.tracer.checkpoint_loaded(self)
 
+    def _check_restored(self, path: Path) -> None:
+        """A restore that does not reproduce the recorded parameters and optimizer state is an error, never a
+        divergence for the gates to find later. Runs without a record of that step (a replay elsewhere) pass."""
+        record = step_record(self.writer.path, self.step)
+        if record is None:
+            return
+        restored = {
+            "params": fingerprint.to_hex(int(self._digest(self.raw_model.parameters()).item())),
+            "optim": fingerprint.to_hex(int(self._digest(self._optimizer_tensors()).item())),
+        }
+        differing = [f"{metric} {value} vs recorded {record.get(metric)}" for metric, value in restored.items()
+                     if record.get(metric) != value]
+        if differing:
+            raise CheckpointError(
+                f"{path}: restored state does not reproduce the record of step {self.step} in {self.writer.path} "
+                f"({'; '.join(differing)})"
+            )
+
     def drop_records_after(self, step: int) -> None:
-        """Forget step and trace records past `step`: a resumed or restarted run writes them again."""
+        """Forget step, fault and trace records past `step`: a resumed or restarted run writes them again."""
         self.writer.truncate_after(step)
+        if self.fault_log is not None:
+            self.fault_log.truncate_after(step)
         if self.tracer is not None:
             self.tracer.truncate_after(step)
 
     def close(self) -> None:
         self._flush(None)
         self.writer.close()
+        if self.fault_log is not None:
+            self.fault_log.close()
         if self.tracer is not None:
             self.tracer.close()
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -65,6 +68,11 @@ def test_flipped_parameter_bit_is_caught_at_its_step_rank_and_metric(taxbench_cl
     assert gates["restart_replay"]["agree"]
     assert "step 3, rank 1, params" in result.stdout
     assert summary["deterministic_ok"] is False
+    # The fault says where it fired, on its rank only; the other rank's file is there and empty.
+    events = [json.loads(line) for line in (root / "deterministic-1" / "faults.rank1.jsonl").read_text().splitlines()]
+    assert [(e["kind"], e["step"], e["rank"]) for e in events] == [("flip_param_bit", 3, 1)]
+    assert (root / "deterministic-1" / "faults.rank0.jsonl").read_text() == ""
+    assert not (root / "deterministic-0" / "faults.rank1.jsonl").exists()
 
 
 def test_inprocess_launcher_runs_one_rank(taxbench_cli, tmp_path: Path) -> None:
@@ -114,3 +122,129 @@ def test_crashed_experiment_continues_without_losing_or_duplicating_records(taxb
     attempts = {run: len(json.loads((root / run / "manifest.json").read_text())["attempts"])
                 for run in ("deterministic-0", "deterministic-1", "deterministic-resumed")}
     assert attempts == {"deterministic-0": 1, "deterministic-1": 2, "deterministic-resumed": 1}
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Live processes (not zombies) whose environment holds `marker`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if marker.encode() in (entry / "environ").read_bytes() and " Z" not in _state(entry):
+                found.append(int(entry.name))
+        except OSError:
+            continue  # gone, or not ours to read
+    return found
+
+
+def _state(proc: Path) -> str:
+    return next((line for line in (proc / "status").read_text().splitlines() if line.startswith("State:")), "")
+
+
+def _wait_for_records(victim: subprocess.Popen, records: Path, lines: int) -> None:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and victim.poll() is None:
+        if records.exists() and len(records.read_text().splitlines()) >= lines:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{records} never reached {lines} records (exit {victim.poll()})")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG and /proc are Linux's")
+def test_ranks_die_with_a_killed_launcher(tmp_path: Path) -> None:
+    """Started as a background job of a script (`python -m taxbench ... &`), whose SIGINT is ignored: torch's own
+    parent-death signal for spawned processes (SIGINT) then does nothing."""
+    marker = f"TAXBENCH_TEST_MARKER={uuid.uuid4().hex}"
+    key, value = marker.split("=")
+    long_enough = [*SMALL, "experiment.steps=240"]  # ranks left running would still be at work after the deadline
+    victim = subprocess.Popen([sys.executable, "-m", "taxbench", *long_enough, f"experiment.out_dir={tmp_path}",
+                               "experiment.name=orphans", "report.wandb=false", "report.html=false"], cwd=tmp_path,
+                              env={**os.environ, key: value}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        _wait_for_records(victim, tmp_path / "orphans" / "baseline-0" / "steps.rank1.jsonl", 2)
+        ranks = [pid for pid in _processes_with(marker) if pid != victim.pid]
+        assert len(ranks) >= 2, ranks
+        victim.kill()  # the launcher only, as `kill -9 <pid>` would
+        victim.wait()
+        deadline = time.monotonic() + 10
+        while _processes_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _processes_with(marker) == [], "rank processes outlived their launcher"
+    finally:
+        victim.kill()
+        for pid in _processes_with(marker):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _rank_pids(launcher: int) -> list[int]:
+    ranks = []
+    for entry in Path("/proc").iterdir():
+        try:
+            status = (entry / "status").read_text() if entry.name.isdigit() else ""
+            cmdline = (entry / "cmdline").read_bytes() if status else b""
+        except OSError:
+            continue
+        if f"\nPPid:\t{launcher}\n" in status and b"spawn_main" in cmdline:
+            ranks.append(int(entry.name))
+    return sorted(ranks)
+
+
+def test_a_killed_rank_ends_in_one_line_with_the_command_that_continues(tmp_path: Path) -> None:
+    """SIGKILL one rank: the launch ends with exit 1 and one line naming the rank and the continue command; a damaged
+    checkpoint on top is passed over with a warning, and the printed command finishes the experiment bitwise."""
+    args = ["experiment.steps=36", "experiment.block_steps=6", "experiment.warmup_steps=2", "experiment.resume_step=12",
+            f"experiment.out_dir={tmp_path}", "experiment.name=killed", "report.wandb=false", "report.html=false"]
+    root = tmp_path / "killed"
+    victim = subprocess.Popen([sys.executable, "-m", "taxbench", *args], cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    _wait_for_records(victim, root / "deterministic-1" / "steps.rank0.jsonl", 14)
+    ranks = _rank_pids(victim.pid)
+    assert len(ranks) == 2, ranks
+    os.kill(ranks[1], signal.SIGKILL)
+    _, stderr = victim.communicate(timeout=120)
+    assert victim.returncode == 1, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    error = [line for line in stderr.splitlines() if line.startswith("taxbench: error:")]
+    assert len(error) == 1 and re.match(r"taxbench: error: rank 1 died \(SIGKILL\); continue the experiment with: ",
+                                        error[0]), stderr[-3000:]
+    command = shlex.split(error[0].split("continue the experiment with: ", 1)[1])
+    assert command[-2:] == ["experiment.name=killed", "experiment.continue_existing=true"]
+
+    # Damage the newest checkpoint of the interrupted run: the continue falls back to the one before it.
+    from taxbench.checkpoints import RunCheckpoints
+
+    checkpoints = RunCheckpoints(root / "deterministic-1", rank=0)
+    newest = checkpoints.latest()
+    assert newest is not None and len(checkpoints.complete()) == 2
+    data = checkpoints.path(newest).read_bytes()
+    checkpoints.path(newest).write_bytes(data[: len(data) // 3])
+
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"{checkpoints.path(newest)}: truncated (" in result.stderr
+    summary = json.loads((root / "summary.json").read_text())
+    assert summary["deterministic_ok"] and all(v["agree"] for v in summary["verdicts"])
+    for run_name in ("baseline-0", "deterministic-0", "deterministic-1", "deterministic-resumed", "baseline-1"):
+        frame = load_run(root / run_name)
+        for rank in (0, 1):
+            assert list(frame.loc[frame["rank"] == rank, "step"]) == list(range(1, 37)), (run_name, rank)
+
+
+def test_a_full_disk_ends_in_one_line_and_leaves_no_tmp_files(taxbench_cli, tmp_path: Path) -> None:
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        result, root = run(taxbench_cli, mount, "full")
+        assert result.returncode == 1, result.stderr[-3000:]
+        assert "Traceback" not in result.stderr and "iostream error" not in result.stderr, result.stderr[-3000:]
+        error = [line for line in result.stderr.splitlines() if line.startswith("taxbench: error:")]
+        assert len(error) == 1 and f"no space left on {root}/" in error[0], result.stderr[-3000:]
+        assert not list(mount.rglob("*.tmp"))
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)

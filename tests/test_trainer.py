@@ -1,20 +1,24 @@
-"""Trainer in one process (world size 1): seeded init, RNG isolation between interleaved runs, bitwise resume."""
+"""Trainer in one process (world size 1): seeded init, RNG isolation between interleaved runs, bitwise resume,
+verified restores and fault events."""
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from conftest import compose_config
 from torch import nn
 
 from taxbench.analysis.records import load_run
-from taxbench.config import TaxbenchConfig
+from taxbench.checkpoints import CheckpointError
+from taxbench.config import FaultKind, TaxbenchConfig
 from taxbench.distributed import DistContext
-from taxbench.records import METRICS
+from taxbench.records import METRICS, SCHEMA_VERSION, faults_file
 from taxbench.trainer import Trainer
 
 
@@ -124,9 +128,119 @@ def test_records_carry_exact_bits_and_timing(tmp_path: Path) -> None:
     trainer.close()
     frame = load_run(tmp_path / "run")
     row = frame.iloc[-1]
-    assert row["schema_version"] == 1 and row["arm"] == "deterministic" and row["replica"] == "0"
+    assert row["schema_version"] == SCHEMA_VERSION and row["arm"] == "deterministic" and row["replica"] == "0"
     assert len(row["loss_bits"]) == 8 and len(row["params"]) == 16
     loss = torch.tensor([int(row["loss_bits"], 16)], dtype=torch.int64).to(torch.int32).view(torch.float32)
     assert float(loss) == row["loss"]
     assert row["time_s"] > 0 and row["data_s"] >= 0 and row["tokens"] == 4 * 16
     assert frame["params"].nunique() == 3  # parameters change every step
+
+
+def test_a_restore_that_does_not_reproduce_the_recorded_step_is_an_error_naming_the_file(tmp_path: Path) -> None:
+    cfg = tiny_config()
+    first = make(cfg, tmp_path / "run")
+    first.run_block(3, 0)
+    first.save_checkpoint(tmp_path / "ckpt.pt")
+    first.close()
+    # A checkpoint file that loads fine but holds other parameters than the run had at that step.
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    name = next(iter(state["model"]))
+    state["model"][name] = state["model"][name].clone()
+    state["model"][name].view(-1)[0] += 1
+    torch.save(state, tmp_path / "ckpt.pt")
+    before = (tmp_path / "run" / "steps.rank0.jsonl").read_text()
+    with pytest.raises(CheckpointError, match=r"ckpt.pt: restored state does not reproduce the record of step 3 in "
+                                              r".*steps.rank0.jsonl \(params "):
+        make(cfg, tmp_path / "run").load_checkpoint(tmp_path / "ckpt.pt")
+    assert (tmp_path / "run" / "steps.rank0.jsonl").read_text() == before  # nothing was dropped
+
+
+def test_an_unreadable_checkpoint_is_named(tmp_path: Path) -> None:
+    cfg = tiny_config()
+    first = make(cfg, tmp_path / "run")
+    first.run_block(1, 0)
+    first.save_checkpoint(tmp_path / "ckpt.pt")
+    first.close()
+    data = (tmp_path / "ckpt.pt").read_bytes()
+    (tmp_path / "ckpt.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"ckpt.pt: unreadable checkpoint \("):
+        make(cfg, tmp_path / "run").load_checkpoint(tmp_path / "ckpt.pt")
+
+
+def faulty(cfg: TaxbenchConfig, run_dir: Path, **fault: object) -> Trainer:
+    settings = replace(cfg.experiment.fault, enabled=True, **fault)
+    return Trainer(cfg, "deterministic", "1", cfg.arms["deterministic"], CTX, run_dir, settings)
+
+
+def fault_events(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in faults_file(run_dir, 0).read_text().splitlines()]
+
+
+def test_a_fired_fault_is_recorded_once_with_where_it_acted(tmp_path: Path) -> None:
+    cfg = tiny_config()
+    trainer = faulty(cfg, tmp_path / "flip", step=2)
+    trainer.run_block(3, 0)
+    trainer.close()
+    first_param = next(trainer.raw_model.named_parameters())[0]
+    assert fault_events(tmp_path / "flip") == [
+        {"schema_version": SCHEMA_VERSION, "kind": "flip_param_bit", "step": 2, "rank": 0, "where": first_param}]
+
+    trainer = faulty(cfg, tmp_path / "op", step=2, kind=FaultKind.nondeterministic_op, module="blocks.1.ffn",
+                     op="aten.mm.default")
+    trainer.run_block(3, 0)
+    trainer.close()
+    assert fault_events(tmp_path / "op") == [{"schema_version": SCHEMA_VERSION, "kind": "nondeterministic_op",
+                                              "step": 2, "rank": 0, "where": "aten.mm.default in blocks.1.ffn"}]
+
+
+def test_a_fault_that_never_matches_leaves_an_empty_event_file(tmp_path: Path) -> None:
+    cfg = tiny_config()
+    trainer = faulty(cfg, tmp_path / "run", step=2, kind=FaultKind.nondeterministic_op, module="blocks.1.ffn",
+                     op="aten.matmull.default")
+    trainer.run_block(3, 0)
+    trainer.close()
+    assert faults_file(tmp_path / "run", 0).exists() and fault_events(tmp_path / "run") == []
+
+
+def test_a_resumed_run_drops_fault_events_past_its_checkpoint(tmp_path: Path) -> None:
+    cfg = tiny_config()
+    first = faulty(cfg, tmp_path / "run", step=3)
+    first.run_block(2, 0)
+    first.save_checkpoint(tmp_path / "ckpt.pt")
+    first.run_block(2, 0)  # the fault fires at step 3, after the checkpoint
+    first.close()
+    assert [e["step"] for e in fault_events(tmp_path / "run")] == [3]
+    resumed = faulty(cfg, tmp_path / "run", step=3)
+    resumed.load_checkpoint(tmp_path / "ckpt.pt")
+    assert fault_events(tmp_path / "run") == []
+    resumed.run_block(2, 0)  # fires again
+    resumed.close()
+    assert [e["step"] for e in fault_events(tmp_path / "run")] == [3]
+
+
+def _perturbing_rank(rank: int, world: int, cfg: TaxbenchConfig, run_dir: str, port: int) -> None:
+    from taxbench.launchers.worker import rank_process
+
+    with rank_process([cfg], rank, world, rank, "127.0.0.1", port) as ctx:
+        trainer = Trainer(cfg, "deterministic", "1", cfg.arms["deterministic"], ctx, Path(run_dir),
+                          replace(cfg.experiment.fault, enabled=True, kind=FaultKind.perturb_collective, step=2,
+                                  rank=1))
+        trainer.run_block(3, 0)
+        trainer.close()
+
+
+@pytest.mark.slow
+def test_a_perturbed_collective_is_recorded_on_its_rank_with_its_bucket(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    from taxbench.distributed import free_port
+
+    cfg, _ = compose_config("cluster.cpu_ranks=2", "recipe.global_batch_size=4", "recipe.model.d_model=32",
+                            "recipe.model.n_heads=2", "recipe.model.seq_len=16", "recipe.micro_batch_size=2",
+                            "experiment.name=t")
+    mp.start_processes(_perturbing_rank, args=(2, cfg, str(tmp_path), free_port()), nprocs=2, join=True,
+                       start_method="spawn")
+    assert fault_events(tmp_path) == []  # rank 0: the fault was armed elsewhere
+    events = [json.loads(line) for line in faults_file(tmp_path, 1).read_text().splitlines()]
+    assert events == [{"schema_version": SCHEMA_VERSION, "kind": "perturb_collective", "step": 2, "rank": 1,
+                       "where": "gradient all-reduce bucket 0"}]

@@ -6,6 +6,8 @@
   fnmatch pattern such as "aten.mm.default") run inside module `fault.module` during the forward pass, like a kernel
   with a nondeterministic reduction order would.
 (flip_param_bit, which corrupts a parameter between steps, lives in the trainer.)
+A fault that acts reports where through its `fired(kind, step, where)` callback (the run's faults.rank<R>.jsonl), so
+a fault that never matched is visible as one that never fired.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from taxbench.tracing.collectives import probe_for
 
 if TYPE_CHECKING:
     from taxbench.config import FaultConfig
-    from taxbench.trainer import Trainer
+
+Fired = Callable[[str, int, str], None]  # (kind, step, where)
 
 STEP_FAULT_KINDS = ("perturb_collective", "nondeterministic_op")
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -41,27 +44,30 @@ def flip_lowest_bit(tensor: torch.Tensor) -> None:
 class _PerturbFirstOp(TorchDispatchMode):
     def __init__(self, op_pattern: str, inside: Callable[[], bool]) -> None:
         super().__init__()
-        self.op_pattern, self.inside, self.done = op_pattern, inside, False
+        self.op_pattern, self.inside = op_pattern, inside
+        self.fired_op: str | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         result = func(*args, **(kwargs or {}))
-        if not self.done and self.inside() and fnmatch.fnmatchcase(str(func), self.op_pattern):
+        if self.fired_op is None and self.inside() and fnmatch.fnmatchcase(str(func), self.op_pattern):
             outputs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
             if outputs:
                 flip_lowest_bit(outputs[0])
-                self.done = True
+                self.fired_op = str(func)
         return result
 
 
 class StepFault:
     """A fault that acts inside one step on one rank; the trainer enters `around(step)` for every step."""
 
-    def __init__(self, fault: FaultConfig, trainer: Trainer) -> None:
-        self.fault, self.rank = fault, trainer.ctx.rank
+    def __init__(self, fault: FaultConfig, rank: int, model: nn.Module, raw_model: nn.Module, fired: Fired) -> None:
+        """`model` is the wrapped model (DDP carries the collective), `raw_model` the plain module tree."""
+        self.fault, self.rank, self.fired = fault, rank, fired
         self._armed = False
+        self._perturbed_bucket: int | None = None
         self._depth = 0
         if fault.kind == "perturb_collective":
-            probe = probe_for(trainer.model)
+            probe = probe_for(model)
             if probe is None:
                 raise ValueError(
                     "experiment.fault.kind=perturb_collective needs data-parallel ranks (world size >= 2, DDP); "
@@ -69,7 +75,7 @@ class StepFault:
                 )
             probe.perturbers.append(self._perturb_collective)
         elif fault.kind == "nondeterministic_op":
-            modules = dict(trainer.raw_model.named_modules())
+            modules = dict(raw_model.named_modules())
             if not fault.module or fault.module not in modules:
                 known = ", ".join(sorted(name for name in modules if name)[:12])
                 raise ValueError(
@@ -95,6 +101,7 @@ class StepFault:
         if self._armed:
             self._armed = False
             flip_lowest_bit(result)
+            self._perturbed_bucket = bucket
 
     @contextmanager
     def around(self, step: int) -> Iterator[None]:
@@ -102,18 +109,23 @@ class StepFault:
             yield
             return
         if self.fault.kind == "perturb_collective":
-            self._armed = True
+            self._armed, self._perturbed_bucket = True, None
             try:
                 yield
             finally:
                 self._armed = False
+            if self._perturbed_bucket is not None:
+                self.fired(str(self.fault.kind), step, f"gradient all-reduce bucket {self._perturbed_bucket}")
             return
         assert self.fault.op is not None
-        with _PerturbFirstOp(self.fault.op, lambda: self._depth > 0):
+        with _PerturbFirstOp(self.fault.op, lambda: self._depth > 0) as mode:
             yield
+        if mode.fired_op is not None:
+            self.fired(str(self.fault.kind), step, f"{mode.fired_op} in {self.fault.module}")
 
 
-def step_fault(fault: FaultConfig | None, trainer: Trainer) -> StepFault | None:
+def step_fault(fault: FaultConfig | None, rank: int, model: nn.Module, raw_model: nn.Module,
+               fired: Fired) -> StepFault | None:
     if fault is None or fault.kind not in STEP_FAULT_KINDS:
         return None
-    return StepFault(fault, trainer)
+    return StepFault(fault, rank, model, raw_model, fired)

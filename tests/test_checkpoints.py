@@ -1,0 +1,275 @@
+"""Checkpoints are verified, not trusted: checksums, fallback to the newest intact one, and writes that fail cleanly."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import compose_config
+
+from taxbench.checkpoints import PROGRESS_FILE, CheckpointError, RunCheckpoints, commit, resume_step
+from taxbench.config import TaxbenchConfig
+from taxbench.distributed import DistContext, free_port
+from taxbench.experiment import Experiment
+from taxbench.launchers.worker import rank_process
+from taxbench.records import ALL_RUNS, METRICS, RunWriteError, steps_file, write_atomically, write_manifest
+from taxbench.trainer import Trainer
+
+
+class Saver:
+    def __init__(self, size: int = 4096) -> None:
+        self.size = size
+
+    def save_checkpoint(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(os.urandom(self.size))
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def flip_64_bytes(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 64] = bytes(b ^ 0xFF for b in data[middle:middle + 64])
+    path.write_bytes(bytes(data))
+
+
+def committed(tmp_path: Path, steps: tuple[int, ...] = (6, 12)) -> RunCheckpoints:
+    checkpoints = RunCheckpoints(tmp_path / "deterministic-1", rank=0)
+    for step in steps:
+        commit(step, [(checkpoints, Saver())])
+    return checkpoints
+
+
+def test_a_committed_checkpoint_carries_its_checksum_and_damage_is_named(tmp_path: Path) -> None:
+    checkpoints = committed(tmp_path)
+    assert checkpoints.complete() == [6, 12]
+    record = json.loads(checkpoints.checksum_path(12).read_text())
+    assert record["file"] == "step12.rank0.pt" and record["bytes"] == 4096 and len(record["sha256"]) == 64
+    assert checkpoints.problem(6) is None and checkpoints.problem(12) is None
+
+    truncate(checkpoints.path(12))
+    assert checkpoints.problem(12) == f"{checkpoints.path(12)}: truncated (2048 of 4096 bytes)"
+    flip_64_bytes(checkpoints.path(6))
+    expected = f"{checkpoints.path(6)}: checksum mismatch (sha256 differs from step6.rank0.sha256)"
+    assert checkpoints.problem(6) == expected
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        checkpoints.require_intact(6)
+    checkpoints.checksum_path(6).unlink()
+    assert "no checksum recorded" in str(checkpoints.problem(6))
+
+
+def test_a_damaged_checkpoint_falls_back_to_the_previous_intact_one_and_says_so(tmp_path: Path, capsys) -> None:
+    checkpoints = committed(tmp_path)
+    truncate(checkpoints.path(12))
+    assert resume_step([checkpoints]) == 6
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"taxbench: warning: {checkpoints.path(12)}: truncated (2048 of 4096 bytes); deterministic-1 resume "
+                   "from step 6"]
+    # The damaged, newer checkpoint is forgotten: the run rewrites that step.
+    assert checkpoints.complete() == [6]
+    assert sorted(p.name for p in checkpoints.dir.iterdir()) == [PROGRESS_FILE, "step6.rank0.pt", "step6.rank0.sha256"]
+
+
+def test_no_intact_checkpoint_left_means_starting_from_scratch(tmp_path: Path, capsys) -> None:
+    checkpoints = committed(tmp_path)
+    truncate(checkpoints.path(12))
+    flip_64_bytes(checkpoints.path(6))
+    assert resume_step([checkpoints]) is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "truncated" in err[0] and "(and 1 more)" in err[0] and "from scratch" in err[0]
+    assert checkpoints.complete() == [] and not list(checkpoints.dir.glob("step*"))
+
+
+@pytest.mark.parametrize("content", ["{\"complete\": [6, 1", "[]", "{\"complete\": \"x\", \"finished\": false}"])
+def test_a_corrupt_progress_record_is_rebuilt_from_the_intact_files(tmp_path: Path, capsys, content: str) -> None:
+    checkpoints = committed(tmp_path)
+    (checkpoints.dir / PROGRESS_FILE).write_text(content)
+    assert checkpoints.complete() == [] and not checkpoints.finished
+    assert resume_step([checkpoints]) == 12
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"taxbench: warning: {checkpoints.dir / PROGRESS_FILE}: not ")
+    assert err[0].endswith("; using the checkpoints present instead")
+    assert checkpoints.complete() == [6, 12]  # rewritten
+
+
+def test_the_timed_pair_resumes_both_arms_from_a_step_intact_in_both(tmp_path: Path) -> None:
+    baseline, deterministic = (RunCheckpoints(tmp_path / name, rank=0) for name in ("baseline-0", "deterministic-0"))
+    for step in (6, 12):
+        commit(step, [(baseline, Saver()), (deterministic, Saver())])
+    flip_64_bytes(deterministic.path(12))
+    assert resume_step([baseline, deterministic]) == 6
+    assert baseline.complete() == deterministic.complete() == [6]
+
+
+# ---- writes that fail: one line naming the file, no .tmp left behind ----------------------------------------------
+
+def test_a_failed_atomic_write_removes_its_tmp_and_names_the_file(tmp_path: Path) -> None:
+    target = tmp_path / "manifest.json"
+
+    def disk_full(handle) -> None:
+        handle.write(b"partial")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.raises(RunWriteError) as caught:
+        write_atomically(target, disk_full)
+    assert caught.value.errno == errno.ENOSPC and str(caught.value).startswith(f"no space left on {target}")
+    assert list(tmp_path.iterdir()) == []
+
+    def torch_style(handle) -> None:  # torch.save wraps the OSError of the file it writes in a RuntimeError
+        try:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534") from None
+
+    with pytest.raises(RunWriteError, match=rf"^{target}: Input/output error$"):
+        write_atomically(target, torch_style)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real, tiny file system (tmpfs; needs root) that fills up."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_checkpoint_and_a_manifest_on_a_full_disk_fail_in_one_line_and_leave_no_tmp(full_disk: Path) -> None:
+    cfg = tiny_config()
+    ctx = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    trainer = Trainer(cfg, "deterministic", "1", cfg.arms["deterministic"], ctx, full_disk / "run")
+    trainer.run_block(1, 0)
+    checkpoints = RunCheckpoints(full_disk / "run", rank=0)
+    with pytest.raises(RunWriteError) as caught:
+        commit(1, [(checkpoints, trainer)])
+    assert caught.value.errno == errno.ENOSPC
+    assert str(caught.value).startswith(f"no space left on {checkpoints.path(1)}")
+    filler = full_disk / "filler"
+    with pytest.raises(OSError):  # fill what is left
+        filler.write_bytes(b"\0" * (1 << 20))
+    with pytest.raises(RunWriteError, match=f"^no space left on {full_disk / 'run' / 'manifest.json'}"):
+        write_manifest(full_disk / "run", {"config": {"x": "y"}})
+    assert not list(full_disk.rglob("*.tmp"))
+    assert checkpoints.complete() == []  # nothing was recorded as complete
+
+
+# ---- the schedule: crash, damage a checkpoint, continue ------------------------------------------------------------
+
+def tiny_config(*extra: str) -> TaxbenchConfig:
+    cfg, _ = compose_config("cluster=inprocess", "recipe.global_batch_size=4", "recipe.model.d_model=32",
+                            "recipe.model.n_heads=2", "recipe.model.seq_len=16", "recipe.model.d_ff=64",
+                            "experiment.name=ckpt", "experiment.steps=12", "experiment.block_steps=3",
+                            "experiment.warmup_steps=2", "experiment.resume_step=6", *extra)
+    return cfg
+
+
+class Crash(Exception):
+    pass
+
+
+def crash_after(steps: int) -> Callable[[], None]:
+    done = [0]
+
+    def on_step() -> None:
+        done[0] += 1
+        if done[0] == steps:
+            raise Crash
+
+    return on_step
+
+
+def run_schedule(cfg: TaxbenchConfig, root: Path, on_step: Callable[[], None] | None = None) -> None:
+    saved = dict(os.environ)
+    try:
+        with rank_process([cfg], 0, 1, 0, "127.0.0.1", free_port()) as ctx:
+            Experiment(cfg, ctx, root, on_step).run()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def fingerprints(run_dir: Path) -> list[tuple]:
+    lines = steps_file(run_dir, 0).read_text().splitlines()
+    return [(r["step"], *(r[m] for m in METRICS)) for r in map(json.loads, lines)]
+
+
+DAMAGE = {"truncated": truncate, "flipped": flip_64_bytes}
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "progress"])
+def test_a_damaged_checkpoint_is_named_and_the_continued_experiment_still_agrees_bitwise(
+        tmp_path: Path, capfd, damage: str) -> None:
+    cfg = tiny_config()
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    # The timed pair (24 steps) finishes; deterministic-1 crashes at step 8, after committing steps 3 and 6.
+    with pytest.raises(Crash):
+        run_schedule(cfg, root, crash_after(24 + 8))
+    checkpoints = RunCheckpoints(root / "deterministic-1", rank=0)
+    assert checkpoints.complete() == [3, 6]
+    if damage == "progress":
+        (checkpoints.dir / PROGRESS_FILE).write_text("{\"complete\": [3,")
+    else:
+        DAMAGE[damage](checkpoints.path(6))
+    capfd.readouterr()
+
+    run_schedule(cfg, root)
+    err = capfd.readouterr().err
+    expected = {"truncated": f"{checkpoints.path(6)}: truncated (",
+                "flipped": f"{checkpoints.path(6)}: checksum mismatch",
+                "progress": f"{checkpoints.dir / PROGRESS_FILE}: not valid JSON"}[damage]
+    warnings = [line for line in err.splitlines() if line.startswith("taxbench: warning:")]
+    assert len(warnings) == 1 and expected in warnings[0], err
+    assert "Traceback" not in err
+    reference = fingerprints(root / "deterministic-0")
+    assert [r[0] for r in reference] == list(range(1, 13))
+    for ref in ALL_RUNS:
+        if ref.arm == "deterministic":
+            assert fingerprints(root / ref.name) == reference, ref.name  # each step once, bitwise the same
+    assert checkpoints.finished and not list(checkpoints.dir.glob("step*"))
+
+
+def _rank_resumes(rank: int, root: str, port: int) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        checkpoints = RunCheckpoints(Path(root) / "deterministic-1", rank)
+        for step in (6, 12):
+            commit(step, [(checkpoints, Saver())])
+        dist.barrier()
+        if rank == 1:
+            flip_64_bytes(checkpoints.path(12))
+        dist.barrier()
+        (Path(root) / f"chosen.rank{rank}").write_text(str(resume_step([checkpoints])))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_every_rank_falls_back_to_the_same_step_when_one_rank_holds_a_damaged_file(tmp_path: Path, capfd) -> None:
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_rank_resumes, args=(str(tmp_path), free_port()), nprocs=2, join=True, start_method="spawn")
+    assert [(tmp_path / f"chosen.rank{r}").read_text() for r in (0, 1)] == ["6", "6"]
+    warnings = [line for line in capfd.readouterr().err.splitlines() if line.startswith("taxbench: warning:")]
+    damaged = RunCheckpoints(tmp_path / "deterministic-1", 1).path(12)
+    assert warnings == [f"taxbench: warning: {damaged}: checksum mismatch (sha256 differs from step12.rank1.sha256); "
+                        "deterministic-1 resume from step 6"]
+    assert sorted(p.name for p in (tmp_path / "deterministic-1" / "checkpoints").iterdir()) == [
+        PROGRESS_FILE, "step6.rank0.pt", "step6.rank0.sha256", "step6.rank1.pt", "step6.rank1.sha256"]
