@@ -2,22 +2,48 @@
 
 Registered in conf/config.yaml under `hydra.callbacks`, so it runs for every multirun, local or Slurm. Each point
 lands in `<out_dir>/<experiment.name>/point<N>/` (taxbench.cli.experiment_root); the sweep folder is their parent.
+It also keeps Hydra's copy of the sweep config (`<sweep folder>/multirun.yaml`) free of secrets.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+
+from taxbench.redaction import redact
+
+MULTIRUN_YAML = "multirun.yaml"
 
 
 class MultirunReport(Callback):
     def __init__(self) -> None:
         self.sweep_roots: list[Path] = []
+        self.sweep_config: tuple[Path, dict[str, Any]] | None = None  # Hydra's copy, written at the first job
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # Right after this hook Hydra's sweeper saves the whole config, command-line overrides (cluster.setup lines)
+        # included, to <sweep folder>/multirun.yaml; there is no hook in between. The name points at /dev/null while
+        # it does, so the clear copy never reaches the disk; the first job start puts a redacted copy in its place.
+        path = Path(config.hydra.sweep.dir) / MULTIRUN_YAML
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)
+        path.symlink_to(os.devnull)
+        self.sweep_config = path, redact(OmegaConf.to_container(config, resolve=False))
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if self.sweep_config is None:
+            return
+        path, redacted = self.sweep_config
+        self.sweep_config = None
+        partial = path.with_name(f".{path.name}.tmp")
+        OmegaConf.save(OmegaConf.create(redacted), partial)
+        partial.replace(path)
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         # job_return.cfg is the config the point ran with (experiment.name already resolved there).

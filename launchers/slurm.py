@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,7 @@ from submitit.core.utils import FailedJobError, UncompletedJobError
 
 from taxbench.config import ClusterConfig, ConfigError, Device, TaxbenchConfig, world_size
 from taxbench.launchers.worker import run_rank
+from taxbench.redaction import redact, redact_text
 
 # cluster.master_addr value meaning "the first node of the allocation" (submitit's TorchDistributedEnvironment).
 ALLOCATION_MASTER = "slurm"
@@ -81,16 +84,55 @@ def check_master(cluster: ClusterConfig, shape: JobShape) -> None:
         )
 
 
+def require_slurm() -> None:
+    """Refuse before anything is written when there is no Slurm to submit to."""
+    if shutil.which("sbatch") is None:
+        raise ConfigError(
+            "cluster=slurm needs a reachable Slurm (sbatch not found on PATH); run from a Slurm login node, or use "
+            "cluster=local / cluster=inprocess on this machine"
+        )
+
+
+def preflight(cfg: TaxbenchConfig) -> None:
+    """Everything refusable before the experiment folder exists: a Slurm to submit to, the job shape, the rendezvous."""
+    require_slurm()
+    check_master(cfg.cluster, job_shape(cfg.cluster))
+
+
 def submitit_folder(cfg: TaxbenchConfig, root: Path) -> Path:
     # A fresh folder per experiment: job ids restart at 1 when a cluster's state is wiped.
     return Path(cfg.cluster.submitit_dir) if cfg.cluster.submitit_dir else root / ".submitit"
+
+
+def make_private_folder(cfg: TaxbenchConfig, root: Path) -> None:
+    """The job script holds the setup lines verbatim: only the owner may enter the submitit folder (mode 0700)."""
+    folder = submitit_folder(cfg, root)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        folder.chmod(0o700)
+    except OSError as exc:
+        key = f"cluster.submitit_dir={folder}" if cfg.cluster.submitit_dir else f"the submitit folder {folder}"
+        raise ConfigError(f"{key}: cannot make it private (mode 0700): {exc}") from exc
+
+
+def secret_warnings(cluster: ClusterConfig, script: Path) -> list[str]:
+    """One warning per setup line / sbatch argument that the redactor would change: those are copied verbatim."""
+    where = f"it is copied into the job script {script} (in a folder only you can read, mode 0700)"
+    advice = "pass secrets through the job's environment instead"
+    lines = [f"cluster.setup line {i}" for i, line in enumerate(cluster.setup, 1) if redact_text(line) != line]
+    lines += [f"cluster.sbatch_args.{key}" for key, value in cluster.sbatch_args.items()
+              if redact({key: str(value)}) != {key: str(value)}]
+    return [f"{what} looks like it holds a secret; {where}; {advice}" for what in lines]
 
 
 def make_executor(cfg: TaxbenchConfig, root: Path) -> submitit.SlurmExecutor:
     cluster = cfg.cluster
     shape = job_shape(cluster)
     check_master(cluster, shape)
-    executor = submitit.SlurmExecutor(folder=submitit_folder(cfg, root) / "%j")
+    try:
+        executor = submitit.SlurmExecutor(folder=submitit_folder(cfg, root) / "%j")
+    except RuntimeError as exc:  # submitit: 'Could not detect "srun", are you indeed on a slurm cluster?'
+        raise ConfigError(f"cluster=slurm needs a reachable Slurm ({exc}); use cluster=local on this machine") from exc
     params: dict[str, Any] = {
         "job_name": f"taxbench-{cfg.experiment.name}",
         "time": cluster.time_min,
@@ -142,9 +184,41 @@ class SlurmExperiment(submitit.helpers.Checkpointable):
         }
 
 
+def job_container(cfg_container: dict[str, Any]) -> dict[str, Any]:
+    """The config the job's tasks get, pickled into the submitit folder: setup lines and sbatch arguments are used by
+    the job script only, so the pickle holds them redacted (the manifests record them redacted anyway)."""
+    cluster = dict(cfg_container.get("cluster", {}))
+    for key in ("setup", "sbatch_args"):
+        if key in cluster:
+            cluster[key] = redact(cluster[key])
+    return {**cfg_container, "cluster": cluster}
+
+
+def make_job_files_private(job: submitit.Job[Any]) -> None:
+    """Mode 0600 for the job script and pickle too: they stay private if the folder is copied or opened up later.
+    Not by umask: sbatch hands the submitting umask to the job (SLURM_UMASK), and the job's records should not be
+    private."""
+    job.paths.folder.chmod(0o700)
+    for path in (job.paths.submission_file, job.paths.submitted_pickle):
+        try:
+            path.chmod(0o600)
+        except FileNotFoundError:  # a requeued job may be rewriting its pickle already
+            pass
+
+
 def submit(cfg: TaxbenchConfig, cfg_container: dict[str, Any], root: Path) -> submitit.Job[Any]:
+    preflight(cfg)
     executor = make_executor(cfg, root)
-    job = executor.submit(SlurmExperiment(cfg_container, str(root), cfg.cluster.master_addr, cfg.cluster.master_port))
+    make_private_folder(cfg, root)
+    task = SlurmExperiment(job_container(cfg_container), str(root), cfg.cluster.master_addr, cfg.cluster.master_port)
+    try:
+        job = executor.submit(task)
+    except FailedJobError as exc:  # sbatch refused the job (controller down, bad partition, ...); it printed why
+        last = next((line for line in reversed(str(exc).splitlines()) if line.strip()), "no message")
+        raise ConfigError(f"cluster=slurm: sbatch refused the job: {last.strip()}") from exc
+    make_job_files_private(job)
+    for warning in secret_warnings(cfg.cluster, job.paths.submission_file):
+        print(f"taxbench: warning: {warning}", file=sys.stderr, flush=True)
     root.mkdir(parents=True, exist_ok=True)
     (root / JOB_FILE).write_text(
         json.dumps({"job_id": job.job_id, "submitit_folder": str(submitit_folder(cfg, root))}, indent=2),

@@ -4,6 +4,10 @@
 #   scripts/slurm_localhost.sh up   [DIR]   install if missing, start munged + slurmctld + slurmd, wait for an idle node
 #   scripts/slurm_localhost.sh down [DIR]   stop the daemons this script started (by their pid files) and remove DIR
 #   scripts/slurm_localhost.sh env  [DIR]   print the export lines for a cluster that is up
+#   scripts/slurm_localhost.sh without CMD [ARGS...]
+#                                           run CMD as on a machine without Slurm: in a private mount namespace where
+#                                           every Slurm command on PATH is hidden, with SLURM_CONF unset (CI runs the
+#                                           fast test tier so, to prove it needs no Slurm, even where Slurm is installed)
 #
 # DIR defaults to /tmp/taxbench-slurm. `up` prints `export SLURM_CONF=... PATH=...` lines: eval them (or source
 # DIR/env.sh) so that sbatch/squeue/submitit use this cluster.
@@ -190,9 +194,29 @@ down() {
     case "$DIR" in /tmp/*) rm -rf "$DIR" ;; *) echo "slurm_localhost: left $DIR in place (not under /tmp)" >&2 ;; esac
 }
 
+# Slurm client commands that submitit, the tests and users call.
+SLURM_COMMANDS="srun sbatch salloc squeue scancel scontrol sinfo sacct"
+
+without() {
+    [ $# -gt 0 ] || die "usage: $0 without CMD [ARGS...]"
+    local ns=(--mount --propagation private)
+    [ "$(id -u)" = 0 ] || ns+=(--map-root-user)
+    # /dev/null bound over each command: it stays listed but is not executable, so `which` and shutil.which
+    # no longer find it. The mounts live and die with the namespace; the host is untouched.
+    exec env -u SLURM_CONF unshare "${ns[@]}" -- bash -c '
+        set -euo pipefail
+        for tool in $0; do
+            while read -r path; do
+                [ -n "$path" ] && mount --bind /dev/null "$path"
+            done < <(type -ap "$tool" || true)
+        done
+        exec "$@"' "$SLURM_COMMANDS" "$@"
+}
+
 case "$ACTION" in
+    without) shift; without "$@" ;;
     up) up ;;
     down) down ;;
     env) [ -f "$DIR/env.sh" ] || die "no cluster in $DIR; run '$0 up $DIR' first"; cat "$DIR/env.sh" ;;
-    *) die "usage: $0 up|down|env [DIR]" ;;
+    *) die "usage: $0 up|down|env [DIR] | without CMD [ARGS...]" ;;
 esac

@@ -3,6 +3,9 @@
 Two layers:
 - process environment (CUBLAS_WORKSPACE_CONFIG, NVTE_ALLOW_NONDETERMINISTIC_ALGO): must be in place before the first
   CUDA op; `prepare_process_env` validates and sets it and refuses when CUDA is already initialized with other values.
+  As in Megatron (megatron/training/determinism.py), the deterministic arm refuses a value already in the environment
+  that it cannot vouch for (`validate_policy_env`, on every device: the same environment goes to the cluster job),
+  keeps a valid one, and fills its policy's value only where the variable is unset; manifests record what was used.
 - torch flags (deterministic algorithms, cuDNN, TF32, fill_uninitialized_memory): switched per arm by `apply_flags`,
   so both arms can be interleaved in one process.
 NCCL_ALGO is read when a communicator is created, so each arm gets its own process group created under its value
@@ -12,7 +15,7 @@ NCCL_ALGO is read when a communicator is created, so each arm gets its own proce
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -40,14 +43,61 @@ RECORDED_ENV_VARS = (
 )
 
 
+# What the deterministic arm accepts in the environment (NCCL_ALGO: a comma-separated list, every token accepted).
+DETERMINISTIC_ENV_ACCEPTED: dict[str, tuple[str, ...]] = {
+    "CUBLAS_WORKSPACE_CONFIG": VALID_CUBLAS_WORKSPACE_CONFIGS,
+    "NCCL_ALGO": VALID_DETERMINISTIC_NCCL_ALGOS,
+    "NVTE_ALLOW_NONDETERMINISTIC_ALGO": ("0",),
+}
+
+
 class PolicyError(ConfigError):
     """The requested policy cannot be applied or vouched for."""
 
 
-def validate_policy(policy: PolicyConfig, device: Device) -> None:
-    """Refuse deterministic policies whose settings are known not to give bitwise determinism."""
+def _env_value_accepted(name: str, value: str) -> bool:
+    accepted = DETERMINISTIC_ENV_ACCEPTED[name]
+    tokens = [t.strip() for t in value.split(",")] if name == "NCCL_ALGO" else [value]
+    return all(token in accepted for token in tokens)
+
+
+def policy_env(policy: PolicyConfig) -> dict[str, str | None]:
+    """The values this policy puts in the environment (None: unset), before any value the user already set."""
+    return {
+        "CUBLAS_WORKSPACE_CONFIG": policy.cublas_workspace_config,
+        "NCCL_ALGO": policy.nccl_algo,
+        "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "1" if policy.nvte_allow_nondeterministic_algo else "0",
+    }
+
+
+def validate_policy_env(policy: PolicyConfig, device: Device, env: Mapping[str, str] | None = None) -> None:
+    """Refuse a value in the environment (default os.environ) that would break the deterministic arm.
+
+    An empty value counts as unset (taxbench fills it). Refused on CPU too, where these variables are inactive: the
+    same environment is what a cluster job inherits, and the fix (unset it) costs nothing.
+    """
     if not policy.deterministic:
         return
+    env = os.environ if env is None else env
+    defaults = policy_env(policy)
+    for name, accepted in DETERMINISTIC_ENV_ACCEPTED.items():
+        value = env.get(name)
+        if not value or _env_value_accepted(name, value):
+            continue
+        fill = f"unset it (taxbench then sets {defaults[name]})" if defaults[name] else "unset it"
+        inactive = " (inactive on CPU, but nondeterministic on CUDA)" if device is Device.cpu else ""
+        raise PolicyError(
+            f"{name}={value!r} is set in the environment{inactive} and mode {policy.name!r} cannot vouch for it; "
+            f"accepted: {list(accepted)}; {fill} or export an accepted value"
+        )
+
+
+def validate_policy(policy: PolicyConfig, device: Device, env: Mapping[str, str] | None = None) -> None:
+    """Refuse deterministic policies whose settings, or the environment (default os.environ) they would run in, are
+    known not to give bitwise determinism."""
+    if not policy.deterministic:
+        return
+    validate_policy_env(policy, device, env)
     if device is Device.cuda:
         if torch.version.hip is not None:
             raise PolicyError(
@@ -97,7 +147,7 @@ def prepare_process_env(policies: Iterable[PolicyConfig], device: Device) -> dic
             f"the arms ask for different cublas_workspace_config values {sorted(workspaces)}; it is process-wide, "
             "so both arms must use the same one"
         )
-    if workspaces:
+    if workspaces and not os.environ.get("CUBLAS_WORKSPACE_CONFIG"):  # a value already set was validated: kept
         wanted["CUBLAS_WORKSPACE_CONFIG"] = workspaces.pop()
     if device is Device.cuda and _cuda_initialized():
         stale = {k: v for k, v in wanted.items() if os.environ.get(k) != v}
@@ -110,14 +160,28 @@ def prepare_process_env(policies: Iterable[PolicyConfig], device: Device) -> dic
     return wanted
 
 
+PER_ARM_ENV_VARS = ("NCCL_ALGO", "NVTE_ALLOW_NONDETERMINISTIC_ALGO")
+# The per-arm variables as they were before the outermost arm_environment: the user's values, which nested or
+# interleaved arm blocks must not mistake for their own.
+_outer_env: list[dict[str, str | None]] = []
+
+
+def arm_env_values(policy: PolicyConfig, user_env: Mapping[str, str | None]) -> dict[str, str | None]:
+    """The baseline arm sets its policy's values (None: unset); the deterministic arm keeps a value the user set
+    (validated by validate_policy_env) and fills its own only where the variable is unset."""
+    wanted = policy_env(policy)
+    return {
+        name: (user_env.get(name) or wanted[name]) if policy.deterministic else wanted[name]
+        for name in PER_ARM_ENV_VARS
+    }
+
+
 @contextmanager
 def arm_environment(policy: PolicyConfig) -> Iterator[None]:
     """Per-arm variables read at use (NCCL_ALGO at communicator creation, NVTE_* at kernel selection)."""
-    values = {
-        "NCCL_ALGO": policy.nccl_algo,
-        "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "1" if policy.nvte_allow_nondeterministic_algo else "0",
-    }
-    saved = {k: os.environ.get(k) for k in values}
+    saved = {k: os.environ.get(k) for k in PER_ARM_ENV_VARS}
+    _outer_env.append(_outer_env[0] if _outer_env else saved)
+    values = arm_env_values(policy, _outer_env[0])
     try:
         for key, value in values.items():
             if value is None:
@@ -126,6 +190,7 @@ def arm_environment(policy: PolicyConfig) -> Iterator[None]:
                 os.environ[key] = value
         yield
     finally:
+        _outer_env.pop()
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)

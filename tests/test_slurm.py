@@ -1,6 +1,7 @@
 """Slurm through submitit, against a real Slurm on localhost (scripts/slurm_localhost.sh up; .ci/run starts it).
 
-The sbatch-script tests need no Slurm. The others submit real 2-task gloo jobs through the code users run, preempt
+The sbatch-script and submission tests need no Slurm: they run under submitit's mocked Slurm (no srun or sbatch is
+called). The others submit real 2-task gloo jobs through the code users run, preempt
 (requeue) one and cancel one, and check results, records and verdicts. Without a reachable Slurm they are skipped.
 """
 
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 import submitit
 from conftest import compose_config, run_taxbench
+from submitit.slurm.test_slurm import mocked_slurm
 
 from taxbench.analysis.summary import analyse
 from taxbench.checkpoints import RunCheckpoints
@@ -40,8 +42,9 @@ SLOWER_MODEL = ["recipe.model.d_model=128", "recipe.model.d_ff=512", "recipe.mod
 def slurm_unreachable_reason() -> str | None:
     if not os.environ.get("SLURM_CONF"):
         return "no Slurm: SLURM_CONF is unset (start one with `eval \"$(scripts/slurm_localhost.sh up)\"`)"
-    if shutil.which("sinfo") is None:
-        return "no Slurm: sinfo is not on PATH"
+    missing = [tool for tool in ("sinfo", "sbatch", "srun", "squeue") if shutil.which(tool) is None]
+    if missing:
+        return f"no Slurm: {', '.join(missing)} not on PATH"
     try:
         probe = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=10)
     except subprocess.TimeoutExpired:
@@ -57,7 +60,8 @@ needs_slurm = pytest.mark.skipif(UNREACHABLE is not None, reason=UNREACHABLE or 
 
 def sbatch_script(overrides: list[str], root: Path) -> str:
     cfg, _ = compose_config(*["experiment.name=x", *overrides])
-    executor = slurm.make_executor(cfg, root)
+    with mocked_slurm():  # submitit's executor refuses to exist where srun is missing
+        executor = slurm.make_executor(cfg, root)
     return executor._make_submission_file_text("python -c pass", "uid")
 
 
@@ -120,6 +124,59 @@ def test_loopback_master_on_several_nodes_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cluster.master_addr=slurm"):
         sbatch_script(["cluster=slurm", "cluster.gpus=16", "cluster.master_addr=127.0.0.1",
                        "recipe.global_batch_size=64"], tmp_path)
+
+
+SETUP_SECRETS = {
+    "export MYPASS=hunter2-setup": "hunter2-setup",
+    'curl -H "Authorization: Bearer bearer-tok-42" https://example.com': "bearer-tok-42",
+}
+
+
+def test_submission_is_private_and_warns_about_secrets_in_setup(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    setup = ",".join(f"'{line}'" for line in SETUP_SECRETS)
+    cfg, container = compose_config("cluster=slurm_cpu", f"experiment.out_dir={tmp_path}", "experiment.name=s",
+                                    f"cluster.setup=[module load cuda,{setup}]")
+    root = tmp_path / "s"
+    with mocked_slurm() as mock:
+        mock.known_cmds.append("sbatch")
+        job = slurm.submit(cfg, container, root)
+    folder = root / ".submitit"
+    assert folder.stat().st_mode & 0o777 == 0o700
+    assert job.paths.folder.stat().st_mode & 0o777 == 0o700
+    script = job.paths.submission_file
+    assert script.stat().st_mode & 0o777 == 0o600 and job.paths.submitted_pickle.stat().st_mode & 0o777 == 0o600
+    text = script.read_text()
+    assert all(line in text for line in SETUP_SECRETS)  # the job needs its real setup lines
+    pickled = job.paths.submitted_pickle.read_bytes()
+    assert not any(secret.encode() in pickled for secret in SETUP_SECRETS.values())  # the tasks do not
+    err = capsys.readouterr().err
+    for number in (2, 3):
+        assert (f"cluster.setup line {number} looks like it holds a secret; it is copied into the job script "
+                f"{script}") in err
+    assert "cluster.setup line 1 " not in err and "pass secrets through the job's environment instead" in err
+
+
+def test_submitit_dir_is_made_private_too(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    cfg, container = compose_config("cluster=slurm_cpu", f"experiment.out_dir={tmp_path}", "experiment.name=d",
+                                    f"cluster.submitit_dir={shared}")
+    with mocked_slurm() as mock:
+        mock.known_cmds.append("sbatch")
+        job = slurm.submit(cfg, container, tmp_path / "d")
+    assert shared.stat().st_mode & 0o777 == 0o700 and job.paths.folder.parent == shared
+
+
+def test_cli_without_slurm_is_refused_in_one_line(tmp_path: Path) -> None:
+    # Only the interpreter's folder on PATH: no sbatch, whether or not this machine has Slurm.
+    done = run_taxbench("cluster=slurm_cpu", f"experiment.out_dir={tmp_path}", "experiment.name=n", cwd=tmp_path,
+                        timeout=120, env={"PATH": str(Path(sys.executable).parent)})
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == [
+        "taxbench: error: cluster=slurm needs a reachable Slurm (sbatch not found on PATH); run from a Slurm login "
+        "node, or use cluster=local / cluster=inprocess on this machine"
+    ]
 
 
 def test_missing_submitit_gives_install_hint(tmp_path: Path) -> None:
