@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_fingerprint import _layouts, _sample, reference_digest
 
 from taxbench import fingerprint, policy
 from taxbench.config import Device, ModelConfig, PolicyConfig
@@ -26,11 +27,39 @@ DETERMINISTIC = PolicyConfig(
 )
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
-@pytest.mark.parametrize("numel", [1, 1000, 1 << 20])
-def test_digest_is_identical_on_cpu_and_cuda(dtype: torch.dtype, numel: int) -> None:
-    tensor = (torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 1000).to(dtype)
-    assert int(fingerprint.tensor_digest(tensor)) == int(fingerprint.tensor_digest(tensor.cuda()))
+GPU_KERNELS = ["triton", "torch"] if fingerprint.triton is not None else ["torch"]
+
+
+@pytest.mark.parametrize("kernel", GPU_KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn,
+                                   torch.float8_e5m2, torch.int8, torch.int32, torch.int64, torch.bool], ids=str)
+@pytest.mark.parametrize("numel", [0, 1, 1000, 1027, (1 << 20) + 3])
+def test_digest_is_identical_on_cpu_and_cuda(kernel: fingerprint.Kernel, dtype: torch.dtype, numel: int) -> None:
+    tensor = _sample(dtype, numel)
+    assert int(fingerprint.tensor_digest(tensor.cuda(), kernel)) == int(fingerprint.tensor_digest(tensor))
+
+
+@pytest.mark.parametrize("kernel", GPU_KERNELS)
+def test_cuda_views_and_batches_digest_like_the_host_reference(kernel: fingerprint.Kernel) -> None:
+    host, device = _layouts("cpu"), _layouts("cuda")
+    for name, (view, _) in device.items():
+        assert int(fingerprint.tensor_digest(view, kernel)) & ((1 << 64) - 1) == reference_digest(host[name][1]), name
+    views = [view for view, _ in device.values()]
+    batch = fingerprint.tensors_digest(views, kernel)
+    assert batch is not None and int(batch) == int(fingerprint.tensors_digest([v for v, _ in host.values()]))
+
+
+def test_cuda_digests_stay_on_the_device_without_a_host_sync() -> None:
+    tensors = [torch.randn(n, device="cuda") for n in (5, 4099, 1 << 20)] + [torch.ones(7, device="cuda").half()]
+    fingerprint.tensors_digest(tensors)  # warm up: kernel compilation
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        single, batch = fingerprint.tensor_digest(tensors[1]), fingerprint.tensors_digest(tensors)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert single.device.type == "cuda" and batch is not None and batch.device.type == "cuda"
+    assert int(batch) == int(fingerprint.tensors_digest([t.cpu() for t in tensors]))
 
 
 def test_deterministic_policy_makes_torch_refuse_a_nondeterministic_cuda_kernel() -> None:

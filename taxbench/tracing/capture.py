@@ -8,14 +8,16 @@
   are seen correctly) and outputs. aten.empty* and c10d internals are skipped.
 
 Every record gets id "<name>:<occurrence>" (occurrence counted per step, kind, scope and name), so two runs align by
-key, not arrival order. Digests stay on the device; a traced step ends with one host copy of all its digests and one
-batched write. Nothing here adds a collective. Backward ops are scoped "<module>/backward": the module is inferred
-from the autograd node whose output the module produced, and inherited by the nodes after it (approximate).
+key, not arrival order. Digests of device tensors stay on the device (host tensors are digested in place, as ints); a
+traced step ends with one host copy of its device digests and one batched write. Nothing here adds a collective.
+Backward ops are scoped "<module>/backward": the module is inferred from the autograd node whose output the module
+produced, and inherited by the nodes after it (approximate).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import functools
 import threading
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
@@ -85,6 +87,23 @@ class CaptureScope:
         return not self.ops or any(fnmatch.fnmatchcase(name, pattern) for pattern in self.ops)
 
 
+@functools.cache
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _tensor_leaves(value: Any) -> list[torch.Tensor]:
+    """The tensors inside an op's arguments or result (nested tuples, lists and dicts): rung 3's hot path, where
+    pytree's generic flattening cost more than the ops."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [tensor for item in value for tensor in _tensor_leaves(item)]
+    if isinstance(value, dict):
+        return [tensor for item in value.values() for tensor in _tensor_leaves(item)]
+    return []
+
+
 def skipped_op(name: str, namespace: str) -> bool:
     """Ops whose outputs are uninitialized memory or in-flight communication buffers (false alarms)."""
     return namespace in SKIPPED_NAMESPACES or name.startswith(SKIPPED_OP_PREFIXES)
@@ -107,7 +126,7 @@ class Tracer:
         self.step = 0
         self._writer: TraceWriter | None = None
         self._pending: list[_Pending] = []
-        self._digests: list[torch.Tensor] = []
+        self._digests: list[fingerprint.Digest] = []
         self._occurrences: Counter[tuple[str, str, str]] = Counter()
         self._seq = 0
         self._lock = threading.Lock()
@@ -260,29 +279,25 @@ class Tracer:
 
     # -- records ------------------------------------------------------------------------------------------------
     def summaries(self, values: Iterable[Any]) -> list[tuple[dict[str, Any], int | None]]:
-        """(summary, index of its pending digest) for each tensor among `values`; digests stay on the device."""
-        out = []
-        for value in values:
-            if not isinstance(value, torch.Tensor):
-                continue
-            summary: dict[str, Any] = {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
-            index = None
-            limit = self.scope.max_numel
-            if not limit or value.numel() <= limit:
-                index = self._keep(fingerprint.tensor_digest(value))
-            out.append((summary, index))
-        return out
+        """(summary, index of its pending digest) for each tensor among `values`; device digests stay there."""
+        tensors = [value for value in values if isinstance(value, torch.Tensor)]
+        limit = self.scope.max_numel
+        wanted = [not limit or t.numel() <= limit for t in tensors]
+        indices = iter(self._keep(fingerprint.digests([t for t, w in zip(tensors, wanted, strict=True) if w])))
+        return [({"shape": list(t.shape), "dtype": _dtype_name(t.dtype)}, next(indices) if w else None)
+                for t, w in zip(tensors, wanted, strict=True)]
 
     def labelled(self, label: str, tensors: Sequence[torch.Tensor]) -> tuple[dict[str, Any], int | None]:
         """One summary for an ordered group of tensors (e.g. all parameters)."""
-        digest = fingerprint.tensors_digest(tensors)
         summary = {"label": label, "tensors": len(tensors), "numel": sum(t.numel() for t in tensors)}
-        return summary, (self._keep(digest) if digest is not None else None)
+        values = fingerprint.digests(tensors)
+        return summary, (self._keep([fingerprint.combined(values)])[0] if values else None)
 
-    def _keep(self, digest: torch.Tensor) -> int:
+    def _keep(self, digests: list[fingerprint.Digest]) -> range:
         with self._lock:
-            self._digests.append(digest)
-            return len(self._digests) - 1
+            start = len(self._digests)
+            self._digests.extend(digests)
+            return range(start, len(self._digests))
 
     def record(self, kind: str, name: str, scope: str, inputs: list[tuple[dict[str, Any], int | None]],
                outputs: list[tuple[dict[str, Any], int | None]]) -> None:
@@ -296,20 +311,21 @@ class Tracer:
             self._pending.append(_Pending(record, inputs, outputs))
 
     def flush(self) -> None:
-        """One host copy of every pending digest (per device), then one batched write."""
+        """One host copy of the pending device digests (per device), then one batched write."""
         with self._lock:
             pending, digests = self._pending, self._digests
             self._pending, self._digests = [], []
         if not pending:
             return
-        values: list[int] = [0] * len(digests)
-        by_device: dict[torch.device, list[int]] = {}
+        values = [d if isinstance(d, int) else 0 for d in digests]  # host digests are ints already
+        by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         for index, digest in enumerate(digests):
-            by_device.setdefault(digest.device, []).append(index)
-        for indices in by_device.values():
-            host = torch.stack([digests[i] for i in indices]).cpu().tolist()
-            for i, value in zip(indices, host, strict=True):
-                values[i] = value
+            if isinstance(digest, torch.Tensor):
+                by_device.setdefault(digest.device, []).append((index, digest))
+        for pairs in by_device.values():
+            host = torch.stack([digest for _, digest in pairs]).cpu().tolist()
+            for (index, _), value in zip(pairs, host, strict=True):
+                values[index] = value
 
         def side(items: list[tuple[dict[str, Any], int | None]]) -> list[dict[str, Any]]:
             return [{**summary, "digest": None if index is None else fingerprint.to_hex(values[index])}
@@ -339,19 +355,27 @@ class OpCapture(TorchDispatchMode):
     def __init__(self, tracer: Tracer) -> None:
         super().__init__()
         self.tracer = tracer
+        self._names: dict[Any, str | None] = {}  # op -> its name if the capture selects it, else None
+
+    def _selected(self, func: Any) -> str | None:
+        if func not in self._names:
+            name = str(func)
+            wanted = not skipped_op(name, func.namespace) and self.tracer.scope.wants_op(name)
+            self._names[func] = name if wanted else None
+        return self._names[func]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         tracer = self.tracer
-        name = str(func)
-        if tracer.quiet or tracer.past_optimizer or skipped_op(name, func.namespace) or not tracer.scope.wants_op(name):
+        name = None if tracer.quiet or tracer.past_optimizer else self._selected(func)
+        if name is None:
             return func(*args, **kwargs)
         scope = tracer.current_scope()
         if not tracer.scope.wants_module(scope):
             return func(*args, **kwargs)
-        inputs = tracer.summaries(tree_leaves((args, kwargs)))  # before the op: in-place ops mutate them
+        inputs = tracer.summaries(_tensor_leaves((args, kwargs)))  # before the op: in-place ops mutate them
         result = func(*args, **kwargs)
-        tracer.record("op", name, scope, inputs, tracer.summaries(tree_leaves(result)))
+        tracer.record("op", name, scope, inputs, tracer.summaries(_tensor_leaves(result)))
         return result
 
 

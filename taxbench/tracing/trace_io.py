@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-TRACE_SCHEMA_VERSION = 1
+TRACE_SCHEMA_VERSION = 2  # 2: digests of fingerprint format 2 (shape in the header, any dtype), not comparable to 1
 TRACE_DIR = "trace"
 RECORD_KEYS = ("schema_version", "seq", "rank", "step", "kind", "name", "id", "scope", "in", "out")
 KINDS = ("collective", "optimizer", "checkpoint", "module", "op")
@@ -31,6 +31,9 @@ def trace_file(run_dir: Path, rank: int) -> Path:
     return trace_dir(run_dir) / f"trace.rank{rank}.jsonl"
 
 
+_ENCODER = json.JSONEncoder(separators=(",", ":"))  # one encoder for every record: json.dumps builds one per call
+
+
 class TraceWriter:
     """Appends batches of records to one rank's stream; one flush per batch."""
 
@@ -40,11 +43,9 @@ class TraceWriter:
         self._file = path.open("a", encoding="utf-8")
 
     def write_batch(self, records: Iterable[dict[str, Any]]) -> None:
-        lines = [
-            json.dumps({"schema_version": TRACE_SCHEMA_VERSION, **record}, separators=(",", ":")) + "\n"
-            for record in records
-        ]
-        self._file.write("".join(lines))
+        encode = _ENCODER.encode
+        self._file.write("".join([encode({"schema_version": TRACE_SCHEMA_VERSION, **record}) + "\n"
+                                  for record in records]))
         self._file.flush()
 
     def close(self) -> None:
