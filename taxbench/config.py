@@ -44,6 +44,12 @@ class DataParallel(StrEnum):
     fsdp = "fsdp"
 
 
+class ActivationCheckpointing(StrEnum):
+    none = "none"
+    full = "full"  # recompute each block's forward in its backward
+    selective = "selective"  # keep matmul outputs, recompute the cheap ops between them
+
+
 class ModelKind(StrEnum):
     dense = "dense"
     moe = "moe"
@@ -101,6 +107,9 @@ class ParallelConfig:
     pp: int = 1
     ep: int = 1
     data_parallel: DataParallel = DataParallel.ddp
+    # pp>1: a torch.distributed.pipelining schedule (PIPELINE_SCHEDULES: 1F1B, GPipe, Interleaved1F1B, ...)
+    pp_schedule: str = "1F1B"
+    virtual_stages: int = 1  # pipeline stages per rank (Interleaved1F1B, InterleavedZeroBubble: >= 2; ZBV: 2)
 
 
 @dataclass
@@ -124,6 +133,9 @@ class RecipeConfig:
     global_batch_size: int = 8
     precision: Precision = Precision.fp32
     seed: int = 0
+    # Recompute activations in the backward (per block, non-reentrant torch.utils.checkpoint, RNG replayed); the
+    # plan's memory estimate reads the same setting.
+    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
 
 
 @dataclass
@@ -163,6 +175,8 @@ class ClusterConfig:
     setup: list[str] = field(default_factory=list)
     sbatch_args: dict[str, Any] = field(default_factory=dict)
     submitit_dir: str | None = None
+    # cluster=slurm: validate everything, print the plan and the job, write the sbatch script, submit nothing.
+    dry_run: bool = False
 
 
 @dataclass
@@ -246,6 +260,15 @@ class TaxbenchConfig:
 
 
 ARM_NAMES = ("baseline", "deterministic")
+# torch.distributed.pipelining schedules -> stages per rank: one ("single"), virtual_stages >= 2 in a loop ("looped"),
+# or two in a V ("v")
+PIPELINE_SCHEDULES = {
+    "1F1B": "single",
+    "GPipe": "single",
+    "Interleaved1F1B": "looped",
+    "InterleavedZeroBubble": "looped",
+    "ZBVZeroBubble": "v",
+}
 
 
 @functools.cache
@@ -328,15 +351,54 @@ def layout_problems(recipe: RecipeConfig, world: int) -> list[str]:
                 problems.append(f"recipe.model.{key}={value} is not divisible by recipe.parallel.tp={par.tp}")
         if model.n_shared_experts and (model.moe_d_ff or model.d_ff) * model.n_shared_experts % par.tp:
             problems.append(f"the shared-expert width is not divisible by recipe.parallel.tp={par.tp}")
-    if model.n_layers % par.pp:
-        problems.append(
-            f"recipe.model.n_layers={model.n_layers} is not divisible by recipe.parallel.pp={par.pp} (layers per stage)"
-        )
-    if dp and not world % model_parallel and recipe.global_batch_size % (recipe.micro_batch_size * dp):
+    batch_fits = dp and not world % model_parallel and not recipe.global_batch_size % (recipe.micro_batch_size * dp)
+    if dp and not world % model_parallel and not batch_fits:
         problems.append(
             f"recipe.global_batch_size={recipe.global_batch_size} is not divisible by micro_batch_size*dp = "
             f"{recipe.micro_batch_size}*{dp}; pick a global batch that is a multiple of {recipe.micro_batch_size * dp}"
         )
+    micro_batches = recipe.global_batch_size // (recipe.micro_batch_size * dp) if batch_fits else None
+    return problems + pipeline_problems(recipe, micro_batches)
+
+
+def schedule_kind(name: str) -> str | None:
+    """How many stages per rank a pipeline schedule runs (see PIPELINE_SCHEDULES); None for an unknown name."""
+    return next((kind for known, kind in PIPELINE_SCHEDULES.items() if known.lower() == name.lower()), None)
+
+
+def pipeline_problems(recipe: RecipeConfig, micro_batches: int | None) -> list[str]:
+    """Every reason the recipe's pipeline cannot run (none when pp == 1); `micro_batches` per step and data-parallel
+    rank, when known."""
+    par, model = recipe.parallel, recipe.model
+    if par.pp == 1:
+        return []
+    kind = schedule_kind(par.pp_schedule)
+    if kind is None:
+        return [f"recipe.parallel.pp_schedule={par.pp_schedule!r} is unknown; choose one of "
+                f"{list(PIPELINE_SCHEDULES)}"]
+    problems = []
+    if model.kind == ModelKind.custom:
+        problems.append("recipe.parallel.pp>1 splits taxbench's GPT blocks into stages; a custom model "
+                        "(recipe.model.kind=custom) runs with recipe.parallel.pp=1")
+    virtual = par.virtual_stages
+    if kind == "single" and virtual != 1:
+        problems.append(f"recipe.parallel.pp_schedule={par.pp_schedule} runs one stage per rank; set "
+                        "recipe.parallel.virtual_stages=1 or pick Interleaved1F1B / ZBVZeroBubble")
+    if kind == "looped" and virtual < 2:
+        problems.append(f"recipe.parallel.pp_schedule={par.pp_schedule} needs recipe.parallel.virtual_stages>=2")
+    if kind == "v" and virtual != 2:
+        problems.append(f"recipe.parallel.pp_schedule={par.pp_schedule} needs recipe.parallel.virtual_stages=2")
+    stages = par.pp * max(virtual, 1)
+    if model.n_layers % stages:
+        problems.append(f"recipe.model.n_layers={model.n_layers} is not divisible by pp * virtual_stages = "
+                        f"{par.pp}*{virtual} = {stages} (blocks per stage)")
+    if micro_batches is not None:
+        if micro_batches < par.pp:
+            problems.append(f"{micro_batches} micro-batches per step cannot fill {par.pp} pipeline stages; raise "
+                            "recipe.global_batch_size or lower recipe.micro_batch_size")
+        elif kind != "single" and micro_batches % par.pp:
+            problems.append(f"{par.pp_schedule} needs the micro-batches per step ({micro_batches}) to be a multiple "
+                            f"of recipe.parallel.pp={par.pp}")
     return problems
 
 
@@ -402,11 +464,6 @@ def validate(cfg: TaxbenchConfig) -> None:
     ws = world_size(cluster)
     problems = layout_problems(recipe, ws)
     _require(not problems, "; ".join(problems))
-    _require(
-        recipe.parallel.pp == 1,
-        f"recipe.parallel.pp={recipe.parallel.pp}: pipeline parallelism is planned (plan=true) but not executed by "
-        "this version; run with recipe.parallel.pp=1",
-    )
     _require(recipe.data.num_workers >= 0, f"recipe.data.num_workers={recipe.data.num_workers} must be >= 0")
     fault = exp.fault
     if fault.enabled:

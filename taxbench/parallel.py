@@ -1,9 +1,11 @@
 """Parallel layout of one run: a DeviceMesh from the recipe's ParallelConfig and the world size, and the model wrapped
 for it (DDP or FSDP2 fully_shard over data parallel, DTensor tensor parallel, expert parallel over all_to_all).
 
-Rank order is (edp, ep, tp) with tp innermost: tp ranks are neighbours (NVLink on one node), the expert-parallel group
-is carved out of data parallel (dp = edp * ep, as in Megatron), and dp_rank = rank // tp. Pipeline parallelism is
-planned (`plan=true`) but not executed by the trainer.
+Rank order is (pp, edp, ep, tp) with pp outermost (stages across nodes, as torchtitan and Megatron place them) and tp
+innermost: tp ranks are neighbours (NVLink on one node), and the expert-parallel group is carved out of data parallel
+(dp = edp * ep, as in Megatron). Under pipeline parallelism a rank holds one part of the model per pipeline stage
+(taxbench.pipeline); each part is wrapped for the stage's data/tensor/expert-parallel group the same way a whole
+model is.
 
 Communicators are created under the arm's NCCL_ALGO (see taxbench.distributed), one mesh per arm and layout.
 """
@@ -38,6 +40,7 @@ class Layout:
     dp_rank: int
     tp_rank: int
     ep_rank: int
+    pp_rank: int
     mesh_shape: tuple[int, ...]
     mesh_dims: tuple[str, ...]
 
@@ -49,29 +52,33 @@ class Layout:
 
 def layout_for(par: ParallelConfig, world_size: int, rank: int) -> Layout:
     """The trainer's layout for this rank (the recipe was checked by config.validate)."""
-    if par.pp != 1:
+    if world_size % (par.tp * par.pp) or (world_size // (par.tp * par.pp)) % par.ep:
         raise ConfigError(
-            f"recipe.parallel.pp={par.pp}: pipeline parallelism is planned (plan=true) but not executed by the "
-            "trainer; set recipe.parallel.pp=1 to run"
+            f"world size {world_size} does not factor as pp*dp*tp with ep | dp for pp={par.pp}, tp={par.tp}, "
+            f"ep={par.ep}; change cluster.cpu_ranks / cluster.gpus or recipe.parallel"
         )
-    if world_size % par.tp or (world_size // par.tp) % par.ep:
-        raise ConfigError(
-            f"world size {world_size} does not factor as dp*tp with ep | dp for tp={par.tp}, ep={par.ep}; change "
-            "cluster.cpu_ranks / cluster.gpus or recipe.parallel"
-        )
-    dp = world_size // par.tp
+    stage_world = world_size // par.pp
+    dp = stage_world // par.tp
+    dp_rank = (rank % stage_world) // par.tp
     data_parallel = par.data_parallel.value if world_size > 1 else "none"
+    shape, dims = (dp // par.ep, par.ep, par.tp), ("edp", "ep", "tp")
+    if par.pp > 1:
+        shape, dims = (par.pp, *shape), ("pp", *dims)
     return Layout(
         world_size=world_size, dp=dp, tp=par.tp, pp=par.pp, ep=par.ep, data_parallel=data_parallel, rank=rank,
-        dp_rank=rank // par.tp, tp_rank=rank % par.tp, ep_rank=(rank // par.tp) % par.ep,
-        mesh_shape=(dp // par.ep, par.ep, par.tp), mesh_dims=("edp", "ep", "tp"),
+        dp_rank=dp_rank, tp_rank=rank % par.tp, ep_rank=dp_rank % par.ep, pp_rank=rank // stage_world,
+        mesh_shape=shape, mesh_dims=dims,
     )
 
 
 @dataclass(frozen=True)
 class Meshes:
-    full: DeviceMesh  # (edp, ep, tp)
-    dp: DeviceMesh  # edp and ep flattened: the data-parallel dimension
+    full: DeviceMesh  # ([pp,] edp, ep, tp)
+    dp: DeviceMesh  # edp and ep flattened: the data-parallel dimension (within a pipeline stage)
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        return self.full["pp"].get_group() if "pp" in (self.full.mesh_dim_names or ()) else None
 
 
 _MESHES: dict[tuple[str, str, tuple[int, ...]], Meshes] = {}
@@ -109,15 +116,58 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, Any]:
     return plan
 
 
-class ParallelModel:
-    """The model as the trainer drives it: forward module, gradient-sync control, gradient finishing and clipping."""
+class ModelParts:
+    """This rank's parts of the model (one, or one per pipeline stage it holds), seen as one model: parameters,
+    modules (by their names in the unsplit model) and state, in part order."""
 
-    def __init__(self, raw: nn.Module, module: nn.Module, layout: Layout, mesh: DeviceMesh | None,
+    def __init__(self, parts: list[nn.Module]) -> None:
+        self.parts = parts
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for part in self.parts:
+            yield from part.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        for part in self.parts:
+            yield from part.named_parameters()
+
+    def named_modules(self) -> Iterator[tuple[str, nn.Module]]:
+        from taxbench.pipeline import StagePlaceholder
+
+        for part in self.parts:
+            for name, module in part.named_modules():
+                if not isinstance(module, StagePlaceholder):
+                    yield name, module
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        return [part.state_dict() for part in self.parts]
+
+    def load_state_dict(self, state: list[dict[str, Any]]) -> None:
+        if not isinstance(state, list) or len(state) != len(self.parts):
+            raise ValueError(f"the checkpoint holds {len(state) if isinstance(state, list) else 'no'} model parts, "
+                             f"this rank has {len(self.parts)}")
+        for part, part_state in zip(self.parts, state, strict=True):
+            part.load_state_dict(part_state)
+
+
+class ParallelModel:
+    """The model parts of this rank as the trainer drives them: the wrapped modules, gradient-sync control, gradient
+    finishing and clipping. One part without pipeline parallelism, one per pipeline stage of this rank with it."""
+
+    def __init__(self, parts: list[nn.Module], modules: list[nn.Module], layout: Layout, meshes: Meshes | None,
                  group: dist.ProcessGroup | None, expert_params: list[nn.Parameter]) -> None:
-        self.raw, self.module, self.layout, self.mesh, self.group = raw, module, layout, mesh, group
+        self.parts, self.modules, self.layout, self.group = ModelParts(parts), modules, layout, group
+        self.mesh = meshes.full if meshes is not None else None
+        self.pp_group = meshes.pp_group if meshes is not None else None
         self.expert_params = expert_params
         self._expert_ids = {id(p) for p in expert_params}
-        self._generic_clip = layout.ep > 1 or any(isinstance(p, DTensor) for p in raw.parameters())
+        self._generic_clip = (layout.ep > 1 or layout.pp > 1
+                              or any(isinstance(p, DTensor) for part in parts for p in part.parameters()))
+
+    @property
+    def module(self) -> nn.Module:
+        """The (first) wrapped module: the whole model without pipeline parallelism."""
+        return self.modules[0]
 
     @contextmanager
     def gradient_sync(self, enabled: bool) -> Iterator[None]:
@@ -146,12 +196,12 @@ class ParallelModel:
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm of the whole model's gradient (all shards), identical on every rank; returns the norm."""
-        params = [p for p in self.raw.parameters() if p.grad is not None]
+        params = [p for p in self.parts.parameters() if p.grad is not None]
         if not self._generic_clip:
             return torch.nn.utils.clip_grad_norm_(params, max_norm)
-        # Sum of squares of the local shards, each divided by how many ranks hold that same shard, summed over the
-        # world: every element of every parameter counts exactly once.
-        world = self.layout.world_size
+        # Sum of squares of the local shards, each divided by how many ranks of its pipeline stage hold that same
+        # shard, summed over the world: every element of every parameter counts exactly once.
+        world = self.layout.world_size // self.layout.pp
         device = params[0].grad.device if params else torch.device("cpu")
         total = torch.zeros((), dtype=torch.float32, device=device)
         for param in params:
@@ -167,7 +217,7 @@ class ParallelModel:
                 holders = world // self.layout.ep if id(param) in self._expert_ids else world
                 local = grad
             total = total + local.detach().float().pow(2).sum() / holders
-        if world > 1:
+        if self.layout.world_size > 1:
             dist.all_reduce(total, group=self.group)
         norm = total.sqrt()
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
@@ -177,24 +227,37 @@ class ParallelModel:
         return norm
 
 
-def parallelize(model: nn.Module, recipe: RecipeConfig, ctx: DistContext, arm_policy: PolicyConfig) -> ParallelModel:
-    """Wrap `model` (already on ctx.device) for the recipe's layout; gradients of plain DDP runs stay as before."""
+def parallelize(parts: list[nn.Module], recipe: RecipeConfig, ctx: DistContext,
+                arm_policy: PolicyConfig) -> ParallelModel:
+    """Wrap each part (already on ctx.device) for the recipe's layout; gradients of plain DDP runs stay as before."""
     layout = layout_for(recipe.parallel, ctx.world_size, ctx.rank)
     if ctx.world_size == 1:
-        return ParallelModel(model, model, layout, None, None, [])
+        return ParallelModel(parts, parts, layout, None, None, [])
     group = ctx.group_for(arm_policy)
     fsdp = recipe.parallel.data_parallel is DataParallel.fsdp
-    if layout.tp == 1 and layout.ep == 1:
+    if layout.tp == 1 and layout.ep == 1 and layout.pp == 1:
+        (model,) = parts
         if fsdp:
             from torch.distributed.fsdp import fully_shard
 
             mesh = DeviceMesh.from_group(group, ctx.device.type)
             _fully_shard_blocks(model, mesh, fully_shard)
-            return ParallelModel(model, model, layout, None, group, [])
+            return ParallelModel(parts, parts, layout, None, group, [])
         ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
-        return ParallelModel(model, ddp, layout, None, group, [])
+        return ParallelModel(parts, [ddp], layout, None, group, [])
 
     meshes = _meshes(layout, ctx.device.type, arm_policy)
+    wrapped, expert_params = [], []
+    for part in parts:
+        module, experts = _parallelize_part(part, layout, meshes, fsdp)
+        wrapped.append(module)
+        expert_params += experts
+    return ParallelModel(parts, wrapped, layout, meshes, group, expert_params)
+
+
+def _parallelize_part(model: nn.Module, layout: Layout, meshes: Meshes,
+                      fsdp: bool) -> tuple[nn.Module, list[nn.Parameter]]:
+    """EP, then TP, then FSDP2 or DDP over the stage's data-parallel ranks; the module to run and its expert params."""
     mesh = meshes.full
     expert_params: list[nn.Parameter] = []
     if layout.ep > 1:
@@ -218,18 +281,18 @@ def parallelize(model: nn.Module, recipe: RecipeConfig, ctx: DistContext, arm_po
         from torch.distributed.fsdp import fully_shard
 
         _fully_shard_blocks(model, dp_mesh, fully_shard)
-        return ParallelModel(model, model, layout, mesh, group, [])
+        return model, []
     if dp_mesh.size() == 1 and not expert_params:
-        return ParallelModel(model, model, layout, mesh, group, [])
+        return model, []
     if expert_params:
         ignored = {id(p) for p in expert_params}
         names = [name for name, p in model.named_parameters() if id(p) in ignored]
         nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
-    ddp = nn.parallel.DistributedDataParallel(model, process_group=dp_mesh.get_group())
-    return ParallelModel(model, ddp, layout, mesh, group, expert_params)
+    return nn.parallel.DistributedDataParallel(model, process_group=dp_mesh.get_group()), expert_params
 
 
 def _fully_shard_blocks(model: nn.Module, mesh: DeviceMesh, fully_shard: Any) -> None:
     for block in getattr(model, "blocks", []):
-        fully_shard(block, mesh=mesh)
+        if any(True for _ in block.parameters()):  # a pipeline stage's placeholders for blocks it does not own
+            fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)

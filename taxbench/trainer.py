@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from taxbench import fingerprint, policy
 from taxbench.checkpoints import CheckpointError
@@ -26,7 +25,9 @@ from taxbench.config import FaultConfig, PolicyConfig, Precision, TaxbenchConfig
 from taxbench.data import build_source
 from taxbench.distributed import DistContext
 from taxbench.parallel import layout_for, parallelize
+from taxbench.pipeline import split_model, stage_split
 from taxbench.records import FaultLog, StepWriter, run_name, step_record, steps_file, write_atomically
+from taxbench.step import PipelineStep, PlainStep, StepExecutor
 from taxbench.tracing.capture import tracer_for_run
 from taxbench.tracing.faults import STEP_FAULT_KINDS, flip_lowest_bit, step_fault
 from taxbench.workloads import build_model
@@ -126,13 +127,24 @@ class Trainer:
 
         rng = RngSnapshot.seeded(recipe.seed)
         with policy.active(arm_policy):
-            model = build_model(recipe.model, arm_policy.deterministic_kernels).to(ctx.device)
-        self.raw_model = model
-        self.parallel = parallelize(model, recipe, ctx, arm_policy)  # DDP / FSDP2 / TP / EP; see manifest "layout"
+            model = build_model(recipe.model, arm_policy.deterministic_kernels)
+        # Pipeline parallelism: this rank's stages, each a copy of the model without what other stages own.
+        self.split = stage_split(recipe, layout.pp_rank) if layout.pp > 1 else None
+        parts = [model] if self.split is None else [split_model(model, self.split, s) for s in self.split.stages]
+        del model
+        # DDP / FSDP2 / TP / EP per part; see the manifest's "layout"
+        self.parallel = parallelize([part.to(ctx.device) for part in parts], recipe, ctx, arm_policy)
+        self.raw_model = self.parallel.parts
         self.model: torch.nn.Module = self.parallel.module
+        if self.split is None:
+            self.executor: StepExecutor = PlainStep(self.parallel, ctx.device, self.autocast_dtype)
+        else:
+            self.executor = PipelineStep(self.parallel, self.split, recipe, self.grad_accum, ctx.device,
+                                         self.autocast_dtype)
         opt = recipe.optimizer
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, weight_decay=opt.weight_decay
+            self.raw_model.parameters(), lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
+            weight_decay=opt.weight_decay,
         )
         self.data = build_source(
             recipe.data, recipe.model.vocab_size, recipe.model.seq_len, recipe.micro_batch_size, dp_rank, dp_size
@@ -198,13 +210,7 @@ class Trainer:
 
         started = self.timer.start()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), device=self.ctx.device)
-        for i, (inputs, targets) in enumerate(batches):
-            last = i == len(batches) - 1
-            with self.parallel.gradient_sync(last):
-                loss = self._loss(inputs, targets)
-                (loss / self.grad_accum).backward()
-            loss_sum += loss.detach()
+        loss_mean = self.executor.run(batches)
         self.parallel.finish_gradients()
         params = [p for p in self.raw_model.parameters() if p.grad is not None]
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
@@ -213,7 +219,6 @@ class Trainer:
         measured = self.timer.stop(started)
 
         self._inject_fault()
-        loss_mean = loss_sum / self.grad_accum
         fingerprint_started = self.timer.start()  # the gates' own cost, outside the timed step, shown beside it
         digests = torch.stack(
             [
@@ -234,25 +239,11 @@ class Trainer:
             "data_s": data_s,
             "tokens": self.tokens_per_step,
         }
+        if self.split is not None:  # which pipeline stages this rank's fingerprints cover
+            record["stages"] = list(self.split.stages)
         self._pending.append((record, measured, fingerprint_measured, digests))
         if self.ctx.device.type == "cpu":
             self._flush(None)
-
-    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        autocast = (
-            torch.autocast(self.ctx.device.type, dtype=self.autocast_dtype)
-            if self.autocast_dtype is not None
-            else nullcontext()
-        )
-        with autocast:
-            logits = self.model(inputs)
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        aux = getattr(self.raw_model, "aux_loss", None)
-        if callable(aux):
-            extra = aux()
-            if extra is not None:
-                loss = loss + extra
-        return loss
 
     def _digest(self, tensors: Any) -> torch.Tensor:
         digest = fingerprint.tensors_digest(tensors)

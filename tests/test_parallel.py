@@ -48,7 +48,7 @@ def _worker(rank: int, world: int, port: int, parallel: ParallelConfig, out: str
         recipe = RecipeConfig(name="t", model=MODEL, parallel=parallel)
         torch.manual_seed(0)
         model = build_model(MODEL, deterministic_kernels=True)
-        wrapped = parallelize(model, recipe, ctx, POLICY)
+        wrapped = parallelize([model], recipe, ctx, POLICY)
         layout = wrapped.layout
         shard = GLOBAL_BATCH // layout.dp
         tokens = _batch()[layout.dp_rank * shard:(layout.dp_rank + 1) * shard]
@@ -118,8 +118,12 @@ def test_layout_arithmetic_matches_data_sharding() -> None:
     layout = layout_for(ParallelConfig(tp=2, ep=2), world_size=8, rank=5)
     assert (layout.dp, layout.dp_rank, layout.tp_rank, layout.ep_rank) == (4, 2, 1, 0)
     assert layout.mesh_shape == (2, 2, 2)
-    with pytest.raises(ConfigError, match="pipeline parallelism is planned"):
-        layout_for(ParallelConfig(pp=2), world_size=4, rank=0)
+    # pp outermost: ranks 0-3 hold stage 0, ranks 4-7 stage 1; data parallel within a stage.
+    layout = layout_for(ParallelConfig(pp=2, tp=2), world_size=8, rank=6)
+    assert (layout.pp_rank, layout.dp, layout.dp_rank, layout.tp_rank) == (1, 2, 1, 0)
+    assert layout.mesh_shape == (2, 2, 1, 2) and layout.mesh_dims == ("pp", "edp", "ep", "tp")
+    with pytest.raises(ConfigError, match="does not factor as pp\\*dp\\*tp"):
+        layout_for(ParallelConfig(pp=3), world_size=4, rank=0)
 
 
 # Two blocks per arm, resumed after the first: the shortest run that exercises every gate.

@@ -62,12 +62,15 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.apply(_init_weights)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.embed(tokens) + self.pos(positions)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Tokens to logits; a pipeline stage (taxbench.pipeline.split_model) lacks the embeddings (it gets hidden
+        states) or the head (it returns hidden states) and holds identities in place of the blocks it does not own."""
+        if self.embed is not None:
+            positions = torch.arange(x.shape[1], device=x.device)
+            x = self.embed(x) + self.pos(positions)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm(x))
+        return self.head(self.norm(x)) if self.head is not None else x
 
 
 def _init_weights(module: nn.Module) -> None:

@@ -52,6 +52,22 @@ def _grouped_mm_usable(tokens: torch.Tensor) -> bool:
     )
 
 
+class _AuxLossGradient(torch.autograd.Function):
+    """Identity on the layer output whose backward also gives the aux loss its gradient (1 per micro-batch, as if it
+    were added to the loss): under pipeline parallelism a stage's aux loss reaches its router without travelling to
+    the last stage's loss (Megatron's MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(aux_loss)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        (aux_loss,) = ctx.saved_tensors
+        return grad_output, torch.ones_like(aux_loss)
+
+
 class MoEFeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig, deterministic_kernels: bool) -> None:
         super().__init__()
@@ -72,6 +88,10 @@ class MoEFeedForward(nn.Module):
         self.ep_group: dist.ProcessGroup | None = None
         self.ep_size, self.ep_rank = 1, 0
         self.last_aux_loss: torch.Tensor | None = None
+        # Pipeline stages: the aux loss flows through the backward of the layer output (see _AuxLossGradient), and
+        # its value is summed over the step's micro-batches for the record.
+        self.aux_loss_in_backward = False
+        self.aux_loss_sum: torch.Tensor | None = None
 
     @property
     def local_experts(self) -> int:
@@ -122,7 +142,11 @@ class MoEFeedForward(nn.Module):
         else:
             out = base.clone().index_put_((dispatch_index,), weighted, accumulate=True)
         self.last_aux_loss = self._aux_loss(probs, slot_expert)
-        return out.view(shape)
+        if not self.aux_loss_in_backward:
+            return out.view(shape)
+        detached = self.last_aux_loss.detach()
+        self.aux_loss_sum = detached if self.aux_loss_sum is None else self.aux_loss_sum + detached
+        return _AuxLossGradient.apply(out.view(shape), self.last_aux_loss)
 
     def select_experts(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k (probabilities, expert ids) per token; the fixed-order path breaks ties by the lower expert id."""

@@ -1,0 +1,91 @@
+"""Pipeline parallelism: how a recipe's model splits into stages, and the torch.distributed.pipelining schedule that
+runs them.
+
+The split is data, computed from the recipe alone (the plan and the trainer use the same function): the model's
+blocks divide evenly over pp * virtual_stages stages; the first stage also holds the token and position embeddings,
+the last the final norm and the head (and computes the loss). Each stage is a copy of the whole model with the modules
+it does not own removed (torchtitan's `_split_module`): blocks it does not own become identity placeholders, so every
+module and parameter keeps its name (blocks.5.ffn is blocks.5.ffn on whichever stage holds it) and fault injection,
+tracing and checkpoints address modules as in an unsplit model.
+
+Stages per rank: one (1F1B, GPipe), `virtual_stages` in a loop (Interleaved1F1B, InterleavedZeroBubble: rank r holds
+r, r + pp, ...), or two in a V (ZBVZeroBubble: r and 2 * pp - 1 - r).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from taxbench.config import PIPELINE_SCHEDULES, RecipeConfig, schedule_kind
+
+
+class StagePlaceholder(nn.Identity):
+    """Stands in a stage's copy of the model for a block another stage owns (keeps the other blocks' names)."""
+
+
+@dataclass(frozen=True)
+class StageSplit:
+    """Which stages (global indices) a pipeline rank holds, and which blocks each stage owns."""
+
+    num_stages: int
+    stages: tuple[int, ...]  # this rank's stages, in schedule order
+    blocks: dict[int, range]  # stage -> block indices it owns
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stages
+
+    @property
+    def has_last(self) -> bool:
+        return self.num_stages - 1 in self.stages
+
+
+def schedule_name(recipe: RecipeConfig) -> str:
+    """The recipe's schedule spelled as torch names it (the config accepts any case)."""
+    wanted = recipe.parallel.pp_schedule.lower()
+    return next(name for name in PIPELINE_SCHEDULES if name.lower() == wanted)
+
+
+def stage_split(recipe: RecipeConfig, pp_rank: int) -> StageSplit:
+    par = recipe.parallel
+    kind = schedule_kind(recipe.parallel.pp_schedule)
+    num_stages = par.pp * par.virtual_stages
+    if kind == "v":
+        stages: tuple[int, ...] = (pp_rank, 2 * par.pp - 1 - pp_rank)
+    else:
+        stages = tuple(pp_rank + i * par.pp for i in range(par.virtual_stages))
+    per_stage = recipe.model.n_layers // num_stages
+    blocks = {s: range(s * per_stage, (s + 1) * per_stage) for s in range(num_stages)}
+    return StageSplit(num_stages, stages, blocks)
+
+
+def split_model(model: nn.Module, split: StageSplit, stage: int) -> nn.Module:
+    """This stage's part of `model`: a deep copy without the modules it does not own (names unchanged)."""
+    part = copy.deepcopy(model)
+    owned = split.blocks[stage]
+    for index in range(len(part.blocks)):
+        if index not in owned:
+            part.blocks[index] = StagePlaceholder()
+    if stage != 0:
+        part.embed = None
+        part.pos = None
+    if stage != split.num_stages - 1:
+        part.norm = None
+        part.head = None
+    return part
+
+
+def build_schedule(stages: list, micro_batches: int, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                   name: str):  # noqa: ANN201 (a torch pipelining schedule)
+    """The torch.distributed.pipelining schedule over this rank's PipelineStages."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+    schedule_class = get_schedule_class(name)
+    if issubclass(schedule_class, PipelineScheduleSingle):
+        return schedule_class(stages[0], n_microbatches=micro_batches, loss_fn=loss_fn)
+    return schedule_class(stages, n_microbatches=micro_batches, loss_fn=loss_fn)
