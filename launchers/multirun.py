@@ -60,6 +60,8 @@ class MultirunReport(Callback):
                 report(root)
             except Exception as exc:  # one broken point must not hide the rest of the sweep
                 print(f"taxbench: {root}: not analysed: {exc}", file=sys.stderr)
+        if config.cluster.get("dry_run", False):
+            return  # nothing ran: each point printed its job and wrote its script
         for root in self.sweep_roots:
             print_sweep(root)
 

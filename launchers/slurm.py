@@ -16,6 +16,10 @@ and every task would run the driver. Here Hydra's basic launcher composes and va
 machine, each point submits its own job sized from its own `cluster` node (both arms interleaved inside it), and
 under a multirun the points are submitted without waiting: all are queued at once, and the sweep report
 (taxbench.analysis.sweep, a Hydra callback) waits for them and prints tax against GPU count.
+
+Dry run (`cluster.dry_run=true`): after the same pre-launch checks, print the plan and the job, and write the sbatch
+script submitit would hand to sbatch to `<experiment>/slurm_dry_run/submission.sh`; nothing is submitted, and no Slurm
+(sbatch, srun) is needed on the machine.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ from taxbench.redaction import redact, redact_text
 ALLOCATION_MASTER = "slurm"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 JOB_FILE = "slurm_job.json"
+DRY_RUN_DIR = "slurm_dry_run"  # inside the experiment folder
+DRY_RUN_SCRIPT = "submission.sh"
 
 # Jobs submitted without waiting (multirun points), in submission order: (experiment root, job).
 SUBMITTED: list[tuple[Path, submitit.Job[Any]]] = []
@@ -125,12 +131,29 @@ def secret_warnings(cluster: ClusterConfig, script: Path) -> list[str]:
     return [f"{what} looks like it holds a secret; {where}; {advice}" for what in lines]
 
 
-def make_executor(cfg: TaxbenchConfig, root: Path) -> submitit.SlurmExecutor:
+class ScriptOnlyExecutor(submitit.SlurmExecutor):
+    """submitit's Slurm executor for a dry run: it renders the sbatch script a submission would use, where no Slurm is
+    installed, and refuses to submit."""
+
+    @classmethod
+    def affinity(cls) -> int:
+        return 1  # SlurmExecutor refuses to exist without srun on PATH; rendering a script never runs srun
+
+    def _submit_command(self, command: str) -> submitit.Job[Any]:
+        raise RuntimeError("a Slurm dry run submits nothing")
+
+    def submission_script(self) -> str:
+        """The text `submit` writes and hands to sbatch: the same parameters and the same command line."""
+        return self._make_submission_file_text(self._submitit_command_str, "dry-run")
+
+
+def make_executor(cfg: TaxbenchConfig, root: Path,
+                  executor_class: type[submitit.SlurmExecutor] = submitit.SlurmExecutor) -> submitit.SlurmExecutor:
     cluster = cfg.cluster
     shape = job_shape(cluster)
     check_master(cluster, shape)
     try:
-        executor = submitit.SlurmExecutor(folder=submitit_folder(cfg, root) / "%j")
+        executor = executor_class(folder=submitit_folder(cfg, root) / "%j")
     except RuntimeError as exc:  # submitit: 'Could not detect "srun", are you indeed on a slurm cluster?'
         raise ConfigError(f"cluster=slurm needs a reachable Slurm ({exc}); use cluster=local on this machine") from exc
     params: dict[str, Any] = {
@@ -248,3 +271,62 @@ def launch_slurm(cfg: TaxbenchConfig, cfg_container: dict[str, Any], root: Path,
         return False
     wait(job, root)
     return True
+
+
+def write_private(path: Path, text: str) -> None:
+    """`text` to `path` readable by the owner only (mode 0600 in a 0700 folder): a job script holds the setup lines."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.chmod(0o700)
+        path.unlink(missing_ok=True)  # a rerun: the new file gets mode 0600 whatever the old one had
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w", encoding="utf-8") as handle:
+            handle.write(text)
+    except OSError as exc:
+        raise ConfigError(f"cannot write the sbatch script {path}: {exc}") from exc
+
+
+def render_job(cfg: TaxbenchConfig, shape: JobShape, script: Path) -> str:
+    cluster = cfg.cluster
+    nodes = f"{shape.nodes} node{'s' if shape.nodes > 1 else ''}"
+    if shape.gpus_per_node:
+        size = (f"{nodes} x {shape.gpus_per_node} GPUs = {shape.nodes * shape.gpus_per_node} GPUs, "
+                f"{shape.tasks_per_node} tasks per node (one rank per GPU)")
+    else:
+        size = f"{nodes} x {shape.tasks_per_node} tasks per node (CPU ranks), no GPUs"
+    lines = [
+        "taxbench: Slurm dry run: nothing submitted",
+        f"  job: taxbench-{cfg.experiment.name}",
+        f"  size: {size}, {shape.cpus_per_task} CPUs per task",
+        f"  time limit: {cluster.time_min} min",
+    ]
+    lines += [f"  {key}: {getattr(cluster, key)}" for key in ("partition", "account", "qos", "constraint")
+              if getattr(cluster, key)]
+    lines += [f"  sbatch script: {script}",
+              "  to submit it, run the same command without cluster.dry_run=true"]
+    return "\n".join(lines)
+
+
+def dry_run_slurm(cfg: TaxbenchConfig, root: Path) -> Path:
+    """Print the plan and the job, write the sbatch script a submission would use; submit nothing. The script's path.
+
+    Needs no Slurm here. The script names the submitit folder a real submission would use (<root>/.submitit by
+    default); that folder is not created."""
+    from taxbench.plan import make_plan, render_plan
+
+    shape = job_shape(cfg.cluster)
+    executor = make_executor(cfg, root, ScriptOnlyExecutor)
+    assert isinstance(executor, ScriptOnlyExecutor)
+    if cfg.cluster.device is Device.cuda:
+        plan = make_plan(cfg)
+        print(render_plan(plan), flush=True)
+        if not plan.valid:
+            raise ConfigError(f"the parallel layout of recipe {plan.recipe} does not fit cluster.gpus={plan.gpus} "
+                              "(see above)")
+    else:
+        print(f"taxbench: no per-GPU plan for cluster.device={cfg.cluster.device.value}", flush=True)
+    script = root.absolute() / DRY_RUN_DIR / DRY_RUN_SCRIPT
+    write_private(script, executor.submission_script())
+    print(render_job(cfg, shape, script), flush=True)
+    for warning in secret_warnings(cfg.cluster, script):
+        print(f"taxbench: warning: {warning}", file=sys.stderr, flush=True)
+    return script

@@ -46,19 +46,26 @@ def prepare(raw: DictConfig) -> tuple[TaxbenchConfig, dict[str, Any]]:
 
 
 def launch(cfg: TaxbenchConfig, container: dict[str, Any], root: Path) -> bool:
-    """Run the experiment; False when it was only queued (Slurm points of a multirun: the sweep report waits)."""
+    """Run the experiment; False when there is nothing to report yet: only queued (Slurm points of a multirun: the
+    sweep report waits), or a Slurm dry run (cluster.dry_run=true: the job script is written, nothing submitted)."""
     from taxbench.launchers.local import launch_inprocess, launch_local
 
+    if cfg.cluster.dry_run and cfg.cluster.launcher is not Launcher.slurm:
+        fail(f"cluster.dry_run=true writes a Slurm job script without submitting it, but cluster={cfg.cluster.name} "
+             "runs here; use cluster=slurm with it, or plan=true for the plan without running")
     if cfg.cluster.launcher is Launcher.local:
         launch_local(cfg, container, root)
     elif cfg.cluster.launcher is Launcher.inprocess:
         launch_inprocess(cfg, container, root)
     elif cfg.cluster.launcher is Launcher.slurm:
         try:
-            from taxbench.launchers.slurm import launch_slurm
+            from taxbench.launchers.slurm import dry_run_slurm, launch_slurm
         except ImportError as exc:
             fail(f"cluster=slurm needs submitit ({exc}); install it with: pip install 'taxbench[slurm]'")
         try:
+            if cfg.cluster.dry_run:
+                dry_run_slurm(cfg, root)
+                return False
             return launch_slurm(cfg, container, root, block=not _is_multirun())
         except ConfigError as exc:
             fail(str(exc))

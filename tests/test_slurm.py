@@ -192,6 +192,85 @@ def test_missing_submitit_gives_install_hint(tmp_path: Path) -> None:
     assert "pip install 'taxbench[slurm]'" in done.stderr
 
 
+# --- dry run: the plan, the job and its sbatch script, nothing submitted (no Slurm needed) ------------------------
+
+NO_SLURM_PATH = {"PATH": str(Path(sys.executable).parent)}  # only the interpreter's folder: no sbatch, no srun
+
+
+def test_dry_run_writes_the_script_a_submission_would_write(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    overrides = ["cluster=slurm_cpu", f"experiment.out_dir={tmp_path}", "experiment.name=d", "cluster.partition=debug",
+                 "cluster.account=proj", "cluster.setup=[module load cuda,'export MYPASS=hunter2-setup']"]
+    cfg, container = compose_config(*overrides, "cluster.dry_run=true")
+    root = tmp_path / "d"
+    script = slurm.dry_run_slurm(cfg, root)  # no mocked Slurm: a dry run needs neither srun nor sbatch
+
+    assert script == root / slurm.DRY_RUN_DIR / slurm.DRY_RUN_SCRIPT
+    assert script.stat().st_mode & 0o777 == 0o600 and script.parent.stat().st_mode & 0o777 == 0o700
+    assert sorted(p.name for p in root.iterdir()) == [slurm.DRY_RUN_DIR]  # no .submitit, no job file
+    out, err = capsys.readouterr()
+    for line in ("taxbench: Slurm dry run: nothing submitted", "size: 1 node x 2 tasks per node (CPU ranks)",
+                 "time limit: 60 min", "partition: debug", "account: proj", f"sbatch script: {script}"):
+        assert line in out, line
+    assert f"cluster.setup line 2 looks like it holds a secret; it is copied into the job script {script}" in err
+
+    # The very script a submission hands to sbatch (submitted here to submitit's mocked Slurm).
+    cfg, container = compose_config(*overrides)
+    with mocked_slurm() as mock:
+        mock.known_cmds.append("sbatch")
+        job = slurm.submit(cfg, container, root)
+    assert script.read_text() == job.paths.submission_file.read_text()
+
+
+def test_moe_1t_dry_run_on_2432_gpus_prints_plan_and_job_and_writes_the_script(tmp_path: Path) -> None:
+    done = run_taxbench("+recipe=moe_1t", "cluster=slurm", "cluster.gpus=2432", "cluster.dry_run=true",
+                        "cluster.partition=gpu", f"experiment.out_dir={tmp_path}", "experiment.name=t", cwd=tmp_path,
+                        timeout=300, env=NO_SLURM_PATH)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    root = tmp_path / "t"
+    script = root / slurm.DRY_RUN_DIR / slurm.DRY_RUN_SCRIPT
+    for line in ("parameters: 985,328,009,216", "layout: valid - tp=1 x pp=16 x dp=152 = 2432 GPUs",
+                 "per-GPU memory estimate", "size: 304 nodes x 8 GPUs = 2432 GPUs, 8 tasks per node",
+                 "8 CPUs per task", "time limit: 240 min", "partition: gpu", f"sbatch script: {script}"):
+        assert line in done.stdout, line
+    text = script.read_text()
+    for line in ("#SBATCH --nodes=304", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --cpus-per-task=8", "#SBATCH --time=240", "#SBATCH --partition=gpu",
+                 f"-m submitit.core._submit {root / '.submitit'}/%j"):
+        assert line in text, line
+    # Nothing submitted: no submitit folder, no job file, no runs; only the script (and the folder's lock file).
+    assert sorted(p.name for p in root.iterdir()) == [".taxbench.lock", slurm.DRY_RUN_DIR]
+
+
+@pytest.mark.parametrize(("overrides", "problems"), [
+    (["cluster.gpus=1000"], ["world size 1000 is not divisible by tp*pp = 1*16 = 16"]),
+    (["cluster.gpus=2432", "recipe.parallel.ep=7", "recipe.model.n_layers=60"],
+     ["is not divisible by recipe.parallel.ep=7", "recipe.model.n_experts=256 is not divisible",
+      "recipe.model.n_layers=60 is not divisible by"]),
+])
+def test_dry_run_of_an_impossible_layout_exits_2_listing_every_problem(tmp_path: Path, overrides: list[str],
+                                                                      problems: list[str]) -> None:
+    out_dir = tmp_path / "runs"
+    done = run_taxbench("+recipe=moe_1t", "cluster=slurm", "cluster.dry_run=true", *overrides,
+                        f"experiment.out_dir={out_dir}", cwd=tmp_path, timeout=300, env=NO_SLURM_PATH)
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith("taxbench: error: ")
+    assert all(problem in line for problem in problems), line
+    assert not out_dir.exists()
+
+
+def test_dry_run_outside_slurm_is_refused_in_one_line(tmp_path: Path) -> None:
+    done = run_taxbench("cluster.dry_run=true", f"experiment.out_dir={tmp_path}", "experiment.name=l", cwd=tmp_path,
+                        timeout=120)
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stderr.strip().splitlines() == [
+        "taxbench: error: cluster.dry_run=true writes a Slurm job script without submitting it, but cluster=local "
+        "runs here; use cluster=slurm with it, or plan=true for the plan without running"
+    ]
+    assert not (tmp_path / "l").exists()
+
+
 # --- real Slurm ---------------------------------------------------------------------------------------------------
 
 
