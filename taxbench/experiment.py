@@ -94,6 +94,7 @@ class Experiment:
                     **trainer.parallel.layout.manifest(),
                     "backend": self.ctx.backend,
                     "grad_accum": trainer.grad_accum,
+                    **trainer.pipeline_manifest(),
                 },
                 "stack": stack,
                 "attempts": self._attempts(ref, stack),

@@ -155,11 +155,13 @@ class ParallelModel:
     finishing and clipping. One part without pipeline parallelism, one per pipeline stage of this rank with it."""
 
     def __init__(self, parts: list[nn.Module], modules: list[nn.Module], layout: Layout, meshes: Meshes | None,
-                 group: dist.ProcessGroup | None, expert_params: list[nn.Parameter]) -> None:
+                 group: dist.ProcessGroup | None, expert_params: list[nn.Parameter],
+                 reduce_experts: bool = True) -> None:
         self.parts, self.modules, self.layout, self.group = ModelParts(parts), modules, layout, group
         self.mesh = meshes.full if meshes is not None else None
         self.pp_group = meshes.pp_group if meshes is not None else None
-        self.expert_params = expert_params
+        # Expert parameters; finish_gradients averages their gradients unless FSDP2 already reduces them.
+        self.expert_params = expert_params if reduce_experts else []
         self._expert_ids = {id(p) for p in expert_params}
         self._generic_clip = (layout.ep > 1 or layout.pp > 1
                               or any(isinstance(p, DTensor) for part in parts for p in part.parameters()))
@@ -206,16 +208,15 @@ class ParallelModel:
         total = torch.zeros((), dtype=torch.float32, device=device)
         for param in params:
             grad = param.grad
+            shards = 1
+            local = grad
             if isinstance(grad, DTensor):
-                shards = 1
                 for dim, placement in enumerate(grad.placements):
                     if isinstance(placement, Shard):
                         shards *= grad.device_mesh.size(dim)
-                holders = world // shards
                 local = grad.to_local()
-            else:
-                holders = world // self.layout.ep if id(param) in self._expert_ids else world
-                local = grad
+            # Expert parallelism: each expert lives on 1/ep of the ranks (beyond what a DTensor mesh shows).
+            holders = world // shards // (self.layout.ep if id(param) in self._expert_ids else 1)
             total = total + local.detach().float().pow(2).sum() / holders
         if self.layout.world_size > 1:
             dist.all_reduce(total, group=self.group)
@@ -252,26 +253,23 @@ def parallelize(parts: list[nn.Module], recipe: RecipeConfig, ctx: DistContext,
         module, experts = _parallelize_part(part, layout, meshes, fsdp)
         wrapped.append(module)
         expert_params += experts
-    return ParallelModel(parts, wrapped, layout, meshes, group, expert_params)
+    return ParallelModel(parts, wrapped, layout, meshes, group, expert_params, reduce_experts=not fsdp)
 
 
 def _parallelize_part(model: nn.Module, layout: Layout, meshes: Meshes,
                       fsdp: bool) -> tuple[nn.Module, list[nn.Parameter]]:
-    """EP, then TP, then FSDP2 or DDP over the stage's data-parallel ranks; the module to run and its expert params."""
+    """EP, then TP, then FSDP2 or DDP over the stage's data-parallel ranks; the module to run and its expert params.
+
+    FSDP2 with EP shards each layer's experts over the expert-data-parallel ranks (the ranks holding the same experts)
+    and the rest over all data-parallel ranks, as torchtitan does; expert gradients are divided by dp, so that they
+    are the mean over every data-parallel rank like the others."""
     mesh = meshes.full
-    expert_params: list[nn.Parameter] = []
+    experts = expert_modules(model) if layout.ep > 1 else []
     if layout.ep > 1:
-        experts = expert_modules(model)
         if not experts:
             raise ConfigError(f"recipe.parallel.ep={layout.ep} needs an MoE model (recipe.model.kind=moe)")
-        if fsdp:
-            raise ConfigError(
-                "expert parallelism (recipe.parallel.ep>1) runs with recipe.parallel.data_parallel=ddp in this "
-                "version; FSDP2 over experts needs per-expert meshes"
-            )
         for module in experts:
             module.enable_expert_parallel(mesh["ep"].get_group())
-            expert_params += [module.w_up, module.w_down]
     if layout.tp > 1:
         from torch.distributed.tensor.parallel import parallelize_module
 
@@ -280,8 +278,12 @@ def _parallelize_part(model: nn.Module, layout: Layout, meshes: Meshes,
     if fsdp:
         from torch.distributed.fsdp import fully_shard
 
+        for module in experts:
+            fully_shard(module.experts, mesh=mesh["edp"])
+            module.experts.set_gradient_divide_factor(float(layout.dp))
         _fully_shard_blocks(model, dp_mesh, fully_shard)
-        return model, []
+        return model, [p for module in experts for p in module.experts.parameters()]
+    expert_params = [p for module in experts for p in module.experts.parameters()]
     if dp_mesh.size() == 1 and not expert_params:
         return model, []
     if expert_params:

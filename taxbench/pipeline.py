@@ -33,8 +33,20 @@ class StageSplit:
     """Which stages (global indices) a pipeline rank holds, and which blocks each stage owns."""
 
     num_stages: int
-    stages: tuple[int, ...]  # this rank's stages, in schedule order
+    pp: int
+    v_shape: bool  # ZBV: rank r holds r and 2 * pp - 1 - r; else r, r + pp, ...
+    pp_rank: int
     blocks: dict[int, range]  # stage -> block indices it owns
+
+    def stages_of(self, pp_rank: int) -> tuple[int, ...]:
+        if self.v_shape:
+            return (pp_rank, 2 * self.pp - 1 - pp_rank)
+        return tuple(range(pp_rank, self.num_stages, self.pp))
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        """This rank's stages, in schedule order."""
+        return self.stages_of(self.pp_rank)
 
     @property
     def has_first(self) -> bool:
@@ -53,15 +65,10 @@ def schedule_name(recipe: RecipeConfig) -> str:
 
 def stage_split(recipe: RecipeConfig, pp_rank: int) -> StageSplit:
     par = recipe.parallel
-    kind = schedule_kind(recipe.parallel.pp_schedule)
     num_stages = par.pp * par.virtual_stages
-    if kind == "v":
-        stages: tuple[int, ...] = (pp_rank, 2 * par.pp - 1 - pp_rank)
-    else:
-        stages = tuple(pp_rank + i * par.pp for i in range(par.virtual_stages))
     per_stage = recipe.model.n_layers // num_stages
     blocks = {s: range(s * per_stage, (s + 1) * per_stage) for s in range(num_stages)}
-    return StageSplit(num_stages, stages, blocks)
+    return StageSplit(num_stages, par.pp, schedule_kind(par.pp_schedule) == "v", pp_rank, blocks)
 
 
 def split_model(model: nn.Module, split: StageSplit, stage: int) -> nn.Module:

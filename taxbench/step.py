@@ -83,7 +83,8 @@ class PipelineStep:
                                 input_args=_stage_input(recipe, index), output_args=_stage_output(recipe, split, index,
                                                                                                   autocast_dtype))
                   for module, index in zip(parallel.modules, split.stages, strict=True)]
-        self.schedule = build_schedule(stages, micro_batches, cross_entropy, schedule_name(recipe))
+        self.schedule_name = schedule_name(recipe)
+        self.schedule = build_schedule(stages, micro_batches, cross_entropy, self.schedule_name)
         self.moe_layers = [m for part in parallel.parts.parts for m in part.modules()
                            if hasattr(m, "aux_loss_in_backward")]
         for layer in self.moe_layers:

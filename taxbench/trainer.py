@@ -136,11 +136,9 @@ class Trainer:
         self.parallel = parallelize([part.to(ctx.device) for part in parts], recipe, ctx, arm_policy)
         self.raw_model = self.parallel.parts
         self.model: torch.nn.Module = self.parallel.module
-        if self.split is None:
-            self.executor: StepExecutor = PlainStep(self.parallel, ctx.device, self.autocast_dtype)
-        else:
-            self.executor = PipelineStep(self.parallel, self.split, recipe, self.grad_accum, ctx.device,
-                                         self.autocast_dtype)
+        self.pipeline = None if self.split is None else PipelineStep(
+            self.parallel, self.split, recipe, self.grad_accum, ctx.device, self.autocast_dtype)
+        self.executor: StepExecutor = self.pipeline or PlainStep(self.parallel, ctx.device, self.autocast_dtype)
         opt = recipe.optimizer
         self.optimizer = torch.optim.AdamW(
             self.raw_model.parameters(), lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
@@ -161,6 +159,18 @@ class Trainer:
         self.tracer = tracer_for_run(cfg.experiment.trace, run_name(arm, replica), run_dir, ctx.rank)
         if self.tracer is not None:
             self.tracer.attach(self)
+
+    def pipeline_manifest(self) -> dict[str, Any]:
+        """The pipeline as the manifest records it: schedule, stages and which blocks each holds (empty without)."""
+        split, pipeline = self.split, self.pipeline
+        if split is None or pipeline is None:
+            return {}
+        return {
+            "pp_schedule": pipeline.schedule_name,
+            "num_stages": split.num_stages,
+            "stage_blocks": {str(stage): [held.start, held.stop - 1] for stage, held in split.blocks.items()},
+            "stages_per_pp_rank": {str(r): list(split.stages_of(r)) for r in range(split.pp)},
+        }
 
     @contextmanager
     def activated(self) -> Iterator[None]:

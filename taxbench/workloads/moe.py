@@ -68,6 +68,28 @@ class _AuxLossGradient(torch.autograd.Function):
         return grad_output, torch.ones_like(aux_loss)
 
 
+class GroupedExperts(nn.Module):
+    """The routed experts' weights, [E, d_model, d_ff] and [E, d_ff, d_model] for this rank's E experts, applied to
+    tokens grouped by expert. A module of its own, so that FSDP2 can shard it over the expert-data-parallel ranks
+    while the rest of the layer shards over all data-parallel ranks (as torchtitan does)."""
+
+    def __init__(self, n_experts: int, d_model: int, d_ff: int) -> None:
+        super().__init__()
+        self.w_up = nn.Parameter(torch.empty(n_experts, d_model, d_ff))
+        self.w_down = nn.Parameter(torch.empty(n_experts, d_ff, d_model))
+        for weight in (self.w_up, self.w_down):
+            nn.init.normal_(weight, mean=0.0, std=0.02)
+
+    def keep(self, experts: slice) -> None:
+        """Keep only `experts` (expert parallelism: this rank's slice)."""
+        self.w_up = nn.Parameter(self.w_up.detach()[experts].clone())
+        self.w_down = nn.Parameter(self.w_down.detach()[experts].clone())
+
+    def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        hidden = F.gelu(grouped_matmul(tokens, self.w_up, counts))
+        return grouped_matmul(hidden, self.w_down, counts).to(tokens.dtype)
+
+
 class MoEFeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig, deterministic_kernels: bool) -> None:
         super().__init__()
@@ -80,10 +102,7 @@ class MoEFeedForward(nn.Module):
         self.n_experts, self.top_k, self.aux_loss_coef = cfg.n_experts, cfg.top_k, cfg.aux_loss_coef
         self.deterministic_kernels = deterministic_kernels
         self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
-        self.w_up = nn.Parameter(torch.empty(cfg.n_experts, cfg.d_model, d_ff))
-        self.w_down = nn.Parameter(torch.empty(cfg.n_experts, d_ff, cfg.d_model))
-        for weight in (self.w_up, self.w_down):
-            nn.init.normal_(weight, mean=0.0, std=0.02)
+        self.experts = GroupedExperts(cfg.n_experts, cfg.d_model, d_ff)
         self.shared = MLP(cfg.d_model, d_ff * cfg.n_shared_experts) if cfg.n_shared_experts > 0 else None
         self.ep_group: dist.ProcessGroup | None = None
         self.ep_size, self.ep_rank = 1, 0
@@ -95,7 +114,15 @@ class MoEFeedForward(nn.Module):
 
     @property
     def local_experts(self) -> int:
-        return self.w_up.shape[0]
+        return self.experts.w_up.shape[0]
+
+    @property
+    def w_up(self) -> nn.Parameter:
+        return self.experts.w_up
+
+    @property
+    def w_down(self) -> nn.Parameter:
+        return self.experts.w_down
 
     def enable_expert_parallel(self, group: dist.ProcessGroup) -> None:
         """Keep experts [ep_rank * E/ep, (ep_rank+1) * E/ep) and exchange tokens over `group`."""
@@ -104,8 +131,7 @@ class MoEFeedForward(nn.Module):
             raise ValueError(f"n_experts={self.n_experts} is not divisible by the expert-parallel size {size}")
         per_rank = self.n_experts // size
         keep = slice(rank * per_rank, (rank + 1) * per_rank)
-        self.w_up = nn.Parameter(self.w_up.detach()[keep].clone())
-        self.w_down = nn.Parameter(self.w_down.detach()[keep].clone())
+        self.experts.keep(keep)
         self.ep_group, self.ep_size, self.ep_rank = group, size, rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -161,8 +187,7 @@ class MoEFeedForward(nn.Module):
         return self._exchange_and_run(dispatched, counts)
 
     def _local_experts(self, dispatched: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        hidden = F.gelu(grouped_matmul(dispatched, self.w_up, counts))
-        return grouped_matmul(hidden, self.w_down, counts).to(dispatched.dtype)
+        return self.experts(dispatched, counts)
 
     def _exchange_and_run(self, dispatched: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Send each token to the rank owning its expert, run the local experts, and send the results back."""
