@@ -8,8 +8,16 @@ gradients and AdamW's two fp32 moments, i.e. 4 + 4 + 8 bytes per parameter held 
 stage's layers; attention and dense/shared MLP matrices are split over tp, routed experts over ep; FSDP also shards
 everything over data parallel (experts over dp/ep). Activations are per-token counts of the tensors the backward keeps,
 for the micro-batches a 1F1B pipeline schedule keeps in flight on that stage (pp - stage), with flash attention (no
-seq^2 term) and no sequence parallelism, without recomputation and with full activation recomputation (layer inputs
-plus one layer's working set). The heaviest stage is reported.
+seq^2 term) and no sequence parallelism, for each `recipe.activation_checkpointing` (taxbench.activation_checkpoint):
+
+- none: everything autograd saves in each layer;
+- full: each layer's input, plus the rest of one layer's activations while its backward recomputes them;
+- selective: each layer's input and the outputs of its matmul-like ops (qkv, attention, output projection, router,
+  expert and shared-expert up/down projections: what the selective policy keeps), plus the rest of one layer's
+  activations while its backward recomputes them.
+
+The headline is the recipe's setting; the other two are shown beside it so that a user sees what recompute buys. The
+heaviest stage is reported. Not counted: the CUDA context, communication buffers and FSDP's gathered layer weights.
 """
 
 from __future__ import annotations
@@ -19,30 +27,57 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from taxbench.config import ConfigError, DataParallel, Precision, RecipeConfig, TaxbenchConfig, layout_problems
+from taxbench.config import (
+    ActivationCheckpointing,
+    ConfigError,
+    DataParallel,
+    Precision,
+    RecipeConfig,
+    TaxbenchConfig,
+    layout_problems,
+)
 from taxbench.workloads import build_model
 
 BYTES_PER_PARAM = {"weights": 4, "grads": 4, "optimizer": 8}
 GIB = 1024**3
+GPU_MEMORY = {"80 GB H100": 80e9, "141 GB H200": 141e9}  # bytes, as the vendors count them
+RECOMPUTE_MODES = (ActivationCheckpointing.none, ActivationCheckpointing.selective, ActivationCheckpointing.full)
 
 
 @dataclass
 class StageMemory:
     stage: int
+    recompute: ActivationCheckpointing  # the activation recompute these activations assume
     params: float  # parameters held by one rank of this stage (after tp/ep and, with FSDP, dp sharding)
     weights: float
     grads: float
     optimizer: float
     activations: float
-    activations_recompute: float
 
     @property
     def total(self) -> float:
         return self.weights + self.grads + self.optimizer + self.activations
 
-    @property
-    def total_recompute(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations_recompute
+
+@dataclass(frozen=True)
+class LayerActivations:
+    """Elements per token of one transformer layer that its backward needs."""
+
+    saved: float  # everything autograd keeps without recompute
+    matmul_outputs: float  # outputs of the matmul-like ops, which selective recompute keeps
+    layer_input: float  # the block's input, which full and selective recompute keep
+
+    def kept(self, mode: ActivationCheckpointing) -> float:
+        """Elements per token a layer keeps from its forward to its backward under `mode`."""
+        if mode is ActivationCheckpointing.none:
+            return self.saved
+        if mode is ActivationCheckpointing.selective:
+            return self.layer_input + self.matmul_outputs
+        return self.layer_input
+
+    def working_set(self, mode: ActivationCheckpointing) -> float:
+        """Elements per token that the recompute of one layer adds, during its backward, to what the layer keeps."""
+        return 0.0 if mode is ActivationCheckpointing.none else max(self.saved - self.kept(mode), 0.0)
 
 
 @dataclass
@@ -54,9 +89,11 @@ class Plan:
     params_by_kind: dict[str, int]
     problems: list[str]
     layout: dict[str, int | str] = field(default_factory=dict)
-    # Heaviest stage without and with full activation recomputation; None when the layout is invalid.
+    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none  # the recipe's
+    # Heaviest stage under the recipe's activation recompute; None when the layout is invalid.
     memory: StageMemory | None = None
-    memory_recompute: StageMemory | None = None
+    # Heaviest stage under each recompute mode (the recipe's included), to show what recompute buys.
+    memory_by_mode: dict[ActivationCheckpointing, StageMemory] = field(default_factory=dict)
 
     @property
     def valid(self) -> bool:
@@ -86,19 +123,22 @@ def _stage_of(name: str, layers_per_stage: int, pp: int) -> int:
     return 0 if parts[0] in ("embed", "pos") else pp - 1
 
 
-def _activation_elements_per_token(recipe: RecipeConfig) -> tuple[float, float]:
-    """(elements kept per token per layer, elements of a layer's input per token)."""
+def _layer_activations(recipe: RecipeConfig) -> LayerActivations:
     m, tp = recipe.model, recipe.parallel.tp
     d = m.d_model
     attention = 2 * d + 3 * d / tp + d / tp + d  # norm in/out, qkv, attention out, residual
+    attention_matmuls = 3 * d / tp + d / tp + d  # qkv, fused attention, output projection (its all-reduced output)
     if m.n_experts:
         ff = m.moe_d_ff or m.d_ff
         routed = m.top_k * (d + 2 * ff + d)  # dispatched tokens, up and gelu outputs, expert outputs
         shared = m.n_shared_experts * 2 * ff / tp
         ffn = 2 * d + 2 * m.n_experts + routed + shared  # norm in/out, fp32 router probabilities
+        # router logits, expert up and down outputs per routed copy, shared up and down
+        ffn_matmuls = m.n_experts + m.top_k * (ff + d) + (m.n_shared_experts * ff / tp + d if m.n_shared_experts else 0)
     else:
         ffn = 2 * d + 2 * m.d_ff / tp
-    return attention + ffn, d
+        ffn_matmuls = m.d_ff / tp + d  # up and down projections
+    return LayerActivations(saved=attention + ffn, matmul_outputs=attention_matmuls + ffn_matmuls, layer_input=d)
 
 
 def make_plan(cfg: TaxbenchConfig) -> Plan:
@@ -128,9 +168,9 @@ def make_plan(cfg: TaxbenchConfig) -> Plan:
     }
     fsdp = par.data_parallel is DataParallel.fsdp
     element = 2 if recipe.precision is Precision.bf16 else 4
-    kept, layer_input = _activation_elements_per_token(recipe)
+    layer = _layer_activations(recipe)
     tokens = recipe.micro_batch_size * m.seq_len
-    stages = []
+    stages: dict[ActivationCheckpointing, list[StageMemory]] = {mode: [] for mode in RECOMPUTE_MODES}
     for stage in range(par.pp):
         held = 0.0
         for name, n in numels.items():
@@ -141,16 +181,16 @@ def make_plan(cfg: TaxbenchConfig) -> Plan:
                 share /= dp // par.ep if kinds[name] == "experts" else dp
             held += share
         in_flight = min(par.pp - stage, micro_batches)
-        per_layer = kept * tokens * element
         logits = tokens * m.vocab_size * 4 * 2 if stage == par.pp - 1 else 0  # fp32 logits and their gradient
-        activations = layers_per_stage * per_layer * in_flight + logits
-        recompute = layers_per_stage * layer_input * tokens * element * in_flight + per_layer + logits
-        stages.append(StageMemory(
-            stage, held, held * BYTES_PER_PARAM["weights"], held * BYTES_PER_PARAM["grads"],
-            held * BYTES_PER_PARAM["optimizer"], activations, recompute,
-        ))
-    plan.memory = max(stages, key=lambda s: s.total)
-    plan.memory_recompute = max(stages, key=lambda s: s.total_recompute)
+        for mode in RECOMPUTE_MODES:
+            kept = layers_per_stage * layer.kept(mode) * in_flight + layer.working_set(mode)
+            stages[mode].append(StageMemory(
+                stage, mode, held, held * BYTES_PER_PARAM["weights"], held * BYTES_PER_PARAM["grads"],
+                held * BYTES_PER_PARAM["optimizer"], kept * tokens * element + logits,
+            ))
+    plan.memory_by_mode = {mode: max(per_stage, key=lambda s: s.total) for mode, per_stage in stages.items()}
+    plan.activation_checkpointing = recipe.activation_checkpointing
+    plan.memory = plan.memory_by_mode[recipe.activation_checkpointing]
     return plan
 
 
@@ -178,19 +218,29 @@ def render_plan(plan: Plan) -> str:
         f"within dp (edp={lay['edp']}), {lay['data_parallel']}; {lay['layers_per_stage']} layers per stage, "
         f"{lay['experts_per_rank']} experts per rank, {lay['micro_batches_per_step']} micro-batches per step"
     )
-    plain, recompute = plan.memory, plan.memory_recompute
-    assert plain is not None and recompute is not None
-    lines += [
+    return "\n".join(lines + _render_memory(plan))
+
+
+def _fits(total: float) -> str:
+    gpus = [name for name, capacity in GPU_MEMORY.items() if total <= capacity]
+    return f"fits an {' and a '.join(gpus)}" if gpus else f"fits neither an {' nor a '.join(GPU_MEMORY)}"
+
+
+def _render_memory(plan: Plan) -> list[str]:
+    chosen = plan.memory
+    assert chosen is not None
+    columns = [plan.memory_by_mode[mode] for mode in RECOMPUTE_MODES]
+    headers = [f"{m.recompute.value}{' *' if m.recompute is chosen.recompute else ''} (stage {m.stage})"
+               for m in columns]
+    lines = [
         "per-GPU memory estimate, GiB (fp32 weights and grads, AdamW fp32 moments), heaviest pipeline stage:",
-        f"  {'':12} {f'no recompute (stage {plain.stage})':>28} {f'full recompute (stage {recompute.stage})':>30}",
-        f"  {'params held':12} {_count(plain.params):>28} {_count(recompute.params):>30}",
+        f"  recipe.activation_checkpointing={chosen.recompute.value}: {chosen.total / GIB:.1f} GiB on stage "
+        f"{chosen.stage}, {_fits(chosen.total)}",
+        f"  {'':12}" + "".join(f" {h:>20}" for h in headers),
+        f"  {'params held':12}" + "".join(f" {_count(m.params):>20}" for m in columns),
     ]
-    for label, first, second in (
-        ("weights", plain.weights, recompute.weights),
-        ("grads", plain.grads, recompute.grads),
-        ("optimizer", plain.optimizer, recompute.optimizer),
-        ("activations", plain.activations, recompute.activations_recompute),
-        ("total", plain.total, recompute.total_recompute),
-    ):
-        lines.append(f"  {label:12} {first / GIB:28.1f} {second / GIB:30.1f}")
-    return "\n".join(lines)
+    for label in ("weights", "grads", "optimizer", "activations", "total"):
+        lines.append(f"  {label:12}" + "".join(f" {getattr(m, label) / GIB:20.1f}" for m in columns))
+    lines.append("  * the recipe's setting. none keeps all activations, selective each layer's input and matmul "
+                 "outputs, full its input")
+    return lines

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from taxbench.activation_checkpoint import apply_activation_checkpointing
 from taxbench.config import (
     ConfigError,
     DataKind,
@@ -89,6 +90,7 @@ def check_model(recipe: RecipeConfig) -> nn.Module:
         raise ConfigError(f"recipe.model: building the model failed: {_one_line(exc)}") from exc
     if recipe.model.kind == ModelKind.custom:
         _check_logits(recipe, model)
+    apply_activation_checkpointing(model, recipe.activation_checkpointing)  # a model without blocks is refused
     return model
 
 

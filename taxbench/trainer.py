@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from taxbench import fingerprint, policy
+from taxbench.activation_checkpoint import apply_activation_checkpointing
 from taxbench.checkpoints import CheckpointError
 from taxbench.config import FaultConfig, PolicyConfig, Precision, TaxbenchConfig
 from taxbench.data import build_source
@@ -128,6 +129,7 @@ class Trainer:
         rng = RngSnapshot.seeded(recipe.seed)
         with policy.active(arm_policy):
             model = build_model(recipe.model, arm_policy.deterministic_kernels)
+        apply_activation_checkpointing(model, recipe.activation_checkpointing)
         # Pipeline parallelism: this rank's stages, each a copy of the model without what other stages own.
         self.split = stage_split(recipe, layout.pp_rank) if layout.pp > 1 else None
         parts = [model] if self.split is None else [split_model(model, self.split, s) for s in self.split.stages]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from conftest import compose_typed, run_taxbench
 
-from taxbench.plan import make_plan
+from taxbench.config import ActivationCheckpointing
+from taxbench.plan import GIB, GPU_MEMORY, make_plan, render_plan
 
 _cfg = compose_typed  # plan configs name more GPUs than local ranks, which validate() refuses by design
 
@@ -17,12 +18,44 @@ def test_moe_1t_is_a_trillion_parameters_and_fits_2432_gpus() -> None:
     assert plan.params_by_kind["experts"] > 0.9 * plan.total_params
     assert plan.active_params < 0.1 * plan.total_params  # top-8 of 256 experts
     assert plan.layout["dp"] == 152 and plan.layout["experts_per_rank"] == 32 and plan.layout["layers_per_stage"] == 4
-    assert plan.memory is not None and plan.memory_recompute is not None
+    assert plan.memory is not None
     for part in ("weights", "grads", "optimizer", "activations"):
         assert getattr(plan.memory, part) > 0
-    # Full recomputation keeps fewer activations; FSDP shards parameters so weights are a small share.
-    assert plan.memory_recompute.activations_recompute < plan.memory.activations
+    # FSDP shards parameters so weights are a small share.
     assert plan.memory.weights < 4 * 2**30
+
+
+def test_moe_1t_recomputes_what_it_needs_to_fit_an_80gb_gpu() -> None:
+    """The headline reads recipe.activation_checkpointing (moe_1t sets full); the alternatives show what it buys."""
+    plan = make_plan(_cfg("+recipe=moe_1t", "cluster.gpus=2432"))
+    none, selective, full = (plan.memory_by_mode[mode] for mode in ("none", "selective", "full"))
+    assert plan.activation_checkpointing is ActivationCheckpointing.full and plan.memory is full
+    assert full.activations < selective.activations < none.activations
+    # Without recompute stage 0 (16 micro-batches in flight) is the heaviest; with full recompute the last stage's
+    # logits outweigh the layer inputs.
+    assert (none.stage, full.stage) == (0, 15)
+    assert full.total < GPU_MEMORY["80 GB H100"] < selective.total < GPU_MEMORY["141 GB H200"] < none.total
+    text = render_plan(plan)
+    assert f"recipe.activation_checkpointing=full: {full.total / GIB:.1f} GiB on stage 15, fits an 80 GB H100" in text
+    assert "full * (stage 15)" in text and "none (stage 0)" in text and "selective (stage 0)" in text
+
+
+@pytest.mark.parametrize("mode", list(ActivationCheckpointing))
+def test_the_headline_follows_the_recipes_recompute_setting(mode: ActivationCheckpointing) -> None:
+    plan = make_plan(_cfg("+recipe=moe_1t", "cluster.gpus=2432", f"recipe.activation_checkpointing={mode.value}"))
+    assert plan.memory is plan.memory_by_mode[mode] and plan.memory.recompute is mode
+    assert f"recipe.activation_checkpointing={mode.value}: {plan.memory.total / GIB:.1f} GiB" in render_plan(plan)
+    assert f"{mode.value} * (stage {plan.memory.stage})" in render_plan(plan)
+    if mode is ActivationCheckpointing.none:
+        assert "fits neither an 80 GB H100 nor a 141 GB H200" in render_plan(plan)
+
+
+def test_dense_recompute_estimates_are_ordered() -> None:
+    plan = make_plan(_cfg("+recipe=dense_tiny", "cluster.gpus=1"))
+    assert plan.valid, plan.problems
+    memory = plan.memory_by_mode
+    assert memory["full"].activations < memory["selective"].activations < memory["none"].activations
+    assert plan.memory is memory["none"]  # dense_tiny keeps the default
 
 
 def test_fsdp_and_expert_parallel_shrink_what_a_rank_holds() -> None:
@@ -40,7 +73,7 @@ def test_fsdp_and_expert_parallel_shrink_what_a_rank_holds() -> None:
         (["cluster.gpus=2400"], "not divisible by recipe.parallel.ep=8"),
         (["cluster.gpus=2048", "recipe.parallel.tp=3"], "not divisible by tp*pp"),
         (["recipe.parallel.tp=3", "cluster.gpus=2448"], "n_heads=64 is not divisible by recipe.parallel.tp=3"),
-        (["recipe.parallel.pp=3", "cluster.gpus=2304"], "n_layers=64 is not divisible by recipe.parallel.pp=3"),
+        (["recipe.parallel.pp=3", "cluster.gpus=2304"], "n_layers=64 is not divisible by pp * virtual_stages"),
         (["recipe.parallel.ep=48", "cluster.gpus=768", "recipe.global_batch_size=48"], "n_experts=256"),
     ],
 )
@@ -48,7 +81,7 @@ def test_invalid_layouts_are_named(overrides: list[str], message: str) -> None:
     plan = make_plan(_cfg("+recipe=moe_1t", *overrides))
     assert not plan.valid
     assert any(message in problem for problem in plan.problems), plan.problems
-    assert plan.memory is None
+    assert plan.memory is None and not plan.memory_by_mode
 
 
 def test_plan_command_prints_and_exits_without_launching(tmp_path) -> None:
@@ -56,6 +89,7 @@ def test_plan_command_prints_and_exits_without_launching(tmp_path) -> None:
                       cwd=tmp_path, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert "985,328,009,216" in ok.stdout and "layout: valid" in ok.stdout and "optimizer" in ok.stdout
+    assert "recipe.activation_checkpointing=full" in ok.stdout
     assert not [path for path in tmp_path.rglob("*") if path.is_file()]  # nothing launched (Hydra's empty run dir)
     bad = run_taxbench("+recipe=moe_1t", "cluster.gpus=2400", "plan=true", cwd=tmp_path, timeout=120)
     assert bad.returncode == 2

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from taxbench.activation_checkpoint import recomputing
 from taxbench.config import ModelConfig
 from taxbench.workloads.dense import GPT, MLP
 
@@ -167,12 +168,15 @@ class MoEFeedForward(nn.Module):
             out = base + per_slot.sum(dim=1)
         else:
             out = base.clone().index_put_((dispatch_index,), weighted, accumulate=True)
-        self.last_aux_loss = self._aux_loss(probs, slot_expert)
+        aux_loss = self._aux_loss(probs, slot_expert)
+        if not recomputing():  # activation recompute replays this forward in the backward: record the aux loss once
+            self.last_aux_loss = aux_loss
+            if self.aux_loss_in_backward:
+                detached = aux_loss.detach()
+                self.aux_loss_sum = detached if self.aux_loss_sum is None else self.aux_loss_sum + detached
         if not self.aux_loss_in_backward:
             return out.view(shape)
-        detached = self.last_aux_loss.detach()
-        self.aux_loss_sum = detached if self.aux_loss_sum is None else self.aux_loss_sum + detached
-        return _AuxLossGradient.apply(out.view(shape), self.last_aux_loss)
+        return _AuxLossGradient.apply(out.view(shape), aux_loss)
 
     def select_experts(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k (probabilities, expert ids) per token; the fixed-order path breaks ties by the lower expert id."""
