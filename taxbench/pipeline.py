@@ -71,6 +71,18 @@ def stage_split(recipe: RecipeConfig, pp_rank: int) -> StageSplit:
     return StageSplit(num_stages, par.pp, schedule_kind(par.pp_schedule) == "v", pp_rank, blocks)
 
 
+def stage_holding(split: StageSplit, module: str) -> int | None:
+    """The stage that owns `module` (a path in the unsplit model); None for the model root or the block list."""
+    parts = module.split(".")
+    if parts[0] in ("embed", "pos"):
+        return 0
+    if parts[0] in ("norm", "head"):
+        return split.num_stages - 1
+    if parts[0] == "blocks" and len(parts) > 1 and parts[1].isdigit():
+        return next(stage for stage, held in split.blocks.items() if int(parts[1]) in held)
+    return None
+
+
 def split_model(model: nn.Module, split: StageSplit, stage: int) -> nn.Module:
     """This stage's part of `model`: a deep copy without the modules it does not own (names unchanged)."""
     part = copy.deepcopy(model)
@@ -96,3 +108,21 @@ def build_schedule(stages: list, micro_batches: int, loss_fn: Callable[[torch.Te
     if issubclass(schedule_class, PipelineScheduleSingle):
         return schedule_class(stages[0], n_microbatches=micro_batches, loss_fn=loss_fn)
     return schedule_class(stages, n_microbatches=micro_batches, loss_fn=loss_fn)
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """Where a rank's stage meets its neighbours: activations arrive at its input (unless it is the first stage) and
+    leave from its output (unless it is the last); gradients cross the other way."""
+
+    stage: int
+    module: nn.Module  # the stage's part (its root: hooks see the received input and the sent output)
+    receives: bool
+    sends: bool
+
+
+def boundaries(parts: list[nn.Module], split: StageSplit | None) -> list[Boundary]:
+    if split is None:
+        return []
+    return [Boundary(stage, part, stage != 0, stage != split.num_stages - 1)
+            for stage, part in zip(split.stages, parts, strict=True)]

@@ -126,9 +126,12 @@ def check_fault_and_trace(cfg: TaxbenchConfig, model: nn.Module) -> None:
         if fault.module not in modules:
             raise ConfigError(f"experiment.fault.module={fault.module!r} is not a module of recipe "
                               f"{cfg.recipe.name}; choose one of: {_sample(modules)}")
+        _check_module_on_fault_rank(cfg, fault.module or "")
         if not _matching_ops([fault.op or ""]):
             raise ConfigError(f"experiment.fault.op={fault.op!r} matches no ATen op; give one such as "
                               "aten.mm.default or a pattern such as 'aten.index_put_*'")
+    if fault.enabled and fault.kind == FaultKind.perturb_collective:
+        _check_collective_on_fault_rank(cfg)
     if trace.enabled:
         for pattern in trace.modules:
             if not any(fnmatch.fnmatchcase(name, pattern) for name in modules):
@@ -138,6 +141,38 @@ def check_fault_and_trace(cfg: TaxbenchConfig, model: nn.Module) -> None:
         if missing:
             raise ConfigError(f"experiment.trace.ops: {missing[0]!r} matches no ATen op; use names such as "
                               "aten.mm.default or patterns such as 'aten.index_put_*'")
+
+
+def _check_collective_on_fault_rank(cfg: TaxbenchConfig) -> None:
+    """perturb_collective flips a gradient all-reduce result (data parallel) or, without one, an activation that the
+    fault rank's pipeline stage receives: the first pipeline rank receives none."""
+    from taxbench.parallel import layout_for
+    from taxbench.pipeline import stage_split
+
+    rank = cfg.experiment.fault.rank
+    layout = layout_for(cfg.recipe.parallel, world_size(cfg.cluster), rank)
+    if layout.dp > 1 or layout.pp == 1:
+        return
+    if all(stage == 0 for stage in stage_split(cfg.recipe, layout.pp_rank).stages):
+        raise ConfigError(f"experiment.fault.rank={rank} holds only the first pipeline stage and no data-parallel "
+                          "all-reduce: perturb_collective has nothing to perturb there; pick a rank of a later stage")
+
+
+def _check_module_on_fault_rank(cfg: TaxbenchConfig, module: str) -> None:
+    """Under pipeline parallelism the fault's module must be on a stage that the fault rank holds."""
+    from taxbench.parallel import layout_for
+    from taxbench.pipeline import stage_holding, stage_split
+
+    rank = cfg.experiment.fault.rank
+    layout = layout_for(cfg.recipe.parallel, world_size(cfg.cluster), rank)
+    if layout.pp == 1:
+        return
+    split = stage_split(cfg.recipe, layout.pp_rank)
+    stage = stage_holding(split, module)
+    if stage is not None and stage not in split.stages:
+        raise ConfigError(f"experiment.fault.module={module!r} is on pipeline stage {stage}, but "
+                          f"experiment.fault.rank={rank} holds stages {list(split.stages)}; pick a rank of stage "
+                          f"{stage}")
 
 
 def _matching_ops(patterns: Iterable[str]) -> list[str]:

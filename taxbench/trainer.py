@@ -26,7 +26,7 @@ from taxbench.config import FaultConfig, PolicyConfig, Precision, TaxbenchConfig
 from taxbench.data import build_source
 from taxbench.distributed import DistContext
 from taxbench.parallel import layout_for, parallelize
-from taxbench.pipeline import split_model, stage_split
+from taxbench.pipeline import boundaries, split_model, stage_split
 from taxbench.records import FaultLog, StepWriter, run_name, step_record, steps_file, write_atomically
 from taxbench.step import PipelineStep, PlainStep, StepExecutor
 from taxbench.tracing.capture import tracer_for_run
@@ -137,6 +137,7 @@ class Trainer:
         # DDP / FSDP2 / TP / EP per part; see the manifest's "layout"
         self.parallel = parallelize([part.to(ctx.device) for part in parts], recipe, ctx, arm_policy)
         self.raw_model = self.parallel.parts
+        self.boundaries = boundaries(self.raw_model.parts, self.split)  # pipeline stage edges (faults, tracing)
         self.model: torch.nn.Module = self.parallel.module
         self.pipeline = None if self.split is None else PipelineStep(
             self.parallel, self.split, recipe, self.grad_accum, ctx.device, self.autocast_dtype)
@@ -157,7 +158,8 @@ class Trainer:
         # that it never fired there). Faults acting inside a step and the tracing-ladder capture are None in ordinary
         # runs (no per-step cost).
         self.fault_log = FaultLog(run_dir, ctx.rank) if self.fault is not None else None
-        self._step_fault = step_fault(self.fault, ctx.rank, self.model, self.raw_model, self._fault_fired)
+        self._step_fault = step_fault(self.fault, ctx.rank, self.model, self.raw_model, self.boundaries,
+                                      self._fault_fired)
         self.tracer = tracer_for_run(cfg.experiment.trace, run_name(arm, replica), run_dir, ctx.rank)
         if self.tracer is not None:
             self.tracer.attach(self)

@@ -341,3 +341,31 @@ def test_replays_start_from_the_latest_complete_checkpoint_before_the_step(tmp_p
     assert [spec.checkpoint_before(s) for s in (5, 7, 12, 13)] == [0, 6, 6, 12]
     finish([checkpoints])  # a finished run keeps no checkpoints: replays start from seeded init
     assert spec.checkpoint_before(13) == 0
+
+
+@pytest.mark.slow
+def test_localize_names_an_op_inside_the_second_pipeline_stage(tmp_path: Path) -> None:
+    """pp=2 on two ranks, a nondeterministic op in block 1 (stage 1, rank 1): rung 1 sees the stage send different
+    gradients back, rung 2 and 3 narrow it to the module and op on that rank."""
+    root = _experiment(tmp_path, [*FAULT_MM, "recipe.parallel.pp=2"])
+    result = localize(root / "deterministic-0", root / "deterministic-1", tmp_path / "work")
+    assert result.verdict == NAMED, [(s.rung, s.verdict) for s in result.path]
+    first = result.path[0].finding
+    assert first is not None and (first.kind, first.name, first.rank) == ("pipeline", "pipeline.send_grad", 1)
+    origin = result.origin
+    assert origin is not None
+    assert (origin.kind, origin.name, origin.scope, origin.rank, origin.step) == (
+        "op", "aten.mm.default", "blocks.1.ffn.up", 1, 2)
+
+
+@pytest.mark.slow
+def test_localize_names_a_perturbed_pipeline_boundary_at_rung_1(tmp_path: Path) -> None:
+    """A bit flipped in the activation stage 1 received (the sender's copy intact) is named at rung 1 as the
+    receive on that stage's boundary, not as a computation of either stage."""
+    root = _experiment(tmp_path, ["experiment.fault.kind=perturb_collective", "recipe.parallel.pp=2"])
+    result = localize(root / "deterministic-0", root / "deterministic-1", tmp_path / "work")
+    assert result.verdict == NAMED and [s.rung for s in result.path] == [1]
+    origin = result.origin
+    assert origin is not None
+    assert (origin.kind, origin.name, origin.scope, origin.rank, origin.step) == (
+        "pipeline", "pipeline.recv", "pipeline/stage1", 1, 2)

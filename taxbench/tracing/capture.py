@@ -1,8 +1,8 @@
 """Scoped capture for the tracing ladder (rungs 1-3) of chosen steps and ranks.
 
 - Rung 1, semantic boundaries: gradient all-reduces (fingerprinted when the result is ready for its consumer, never
-  while the buffer is in flight), the optimizer step (params, grads and state before; params and state after) and
-  checkpoint loads.
+  while the buffer is in flight), pipeline stage edges (activations and gradients a stage receives and sends), the
+  optimizer step (params, grads and state before; params and state after) and checkpoint loads.
 - Rung 2, module outputs: forward hooks on the selected modules, named by their path in the model.
 - Rung 3, ATen ops: a TorchDispatchMode fingerprints each selected op's tensor inputs (before it runs, so in-place ops
   are seen correctly) and outputs. aten.empty* and c10d internals are skipped.
@@ -38,10 +38,12 @@ from taxbench.tracing.trace_io import TraceWriter, trace_file
 
 if TYPE_CHECKING:
     from taxbench.config import TraceConfig
+    from taxbench.pipeline import Boundary
     from taxbench.trainer import Trainer
 
 BACKWARD = "/backward"
 OPTIMIZER_SCOPE = "optimizer"
+PIPELINE_SCOPE = "pipeline/stage"  # + the stage index
 SKIPPED_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_dtensor", "profiler"})
 SKIPPED_OP_PREFIXES = ("aten.empty", "aten.new_empty", "aten._local_scalar_dense", "aten.set_.")
 _SCOPE_TAG = "taxbench_scope"
@@ -183,6 +185,9 @@ class Tracer:
             for path, module in trainer.raw_model.named_modules():
                 handles.append(module.register_forward_pre_hook(self._module_pre(path), with_kwargs=True))
                 handles.append(module.register_forward_hook(self._module_post(path), with_kwargs=True))
+        for boundary in trainer.boundaries:  # rung 1: pipeline stage edges
+            handles.append(boundary.module.register_forward_pre_hook(self._stage_entered(boundary)))
+            handles.append(boundary.module.register_forward_hook(self._stage_left(boundary)))
         handles.append(trainer.optimizer.register_step_pre_hook(self._optimizer_pre))
         handles.append(trainer.optimizer.register_step_post_hook(self._optimizer_post))
         return handles
@@ -245,6 +250,48 @@ class Tracer:
                 del module._taxbench_inputs  # type: ignore[attr-defined]
                 with self.quieted():
                     self.record("module", path or "<model>", path, inputs, self.summaries(outputs))
+        return hook
+
+    # Pipeline edges: "pipeline.recv" is what a stage received (no inputs: an origin unless the sender's
+    # "pipeline.send" of the same micro-batch differs too, see taxbench.tracing.diff); "pipeline.send" is what it
+    # sends on, with what it received as its input. Gradients cross back as recv_grad / send_grad, seen by tensor
+    # hooks on the stage's output and received input.
+    def _stage_entered(self, boundary: Boundary) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            received = [a for a in args if isinstance(a, torch.Tensor)][:1] if boundary.receives else []
+            with self.quieted():
+                summaries = self.summaries(received)
+                if received:
+                    self.record("pipeline", "pipeline.recv", stage_scope(boundary.stage), [], summaries)
+                    if received[0].requires_grad:
+                        received[0].register_hook(self._gradient_sent(boundary))
+                module._taxbench_received = summaries  # type: ignore[attr-defined]
+        return hook
+
+    def _stage_left(self, boundary: Boundary) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if not (boundary.sends and isinstance(output, torch.Tensor)):
+                return
+            with self.quieted():
+                self.record("pipeline", "pipeline.send", stage_scope(boundary.stage),
+                            getattr(module, "_taxbench_received", []), self.summaries([output]))
+            if output.requires_grad:
+                output.register_hook(self._gradient_received(boundary))
+        return hook
+
+    def _gradient_received(self, boundary: Boundary) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            with self.quieted():
+                summaries = self.summaries([grad])
+                self.record("pipeline", "pipeline.recv_grad", stage_scope(boundary.stage) + BACKWARD, [], summaries)
+                boundary.module._taxbench_received_grad = summaries  # type: ignore[attr-defined]
+        return hook
+
+    def _gradient_sent(self, boundary: Boundary) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            with self.quieted():
+                self.record("pipeline", "pipeline.send_grad", stage_scope(boundary.stage) + BACKWARD,
+                            getattr(boundary.module, "_taxbench_received_grad", []), self.summaries([grad]))
         return hook
 
     def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -377,6 +424,10 @@ class OpCapture(TorchDispatchMode):
         result = func(*args, **kwargs)
         tracer.record("op", name, scope, inputs, tracer.summaries(_tensor_leaves(result)))
         return result
+
+
+def stage_scope(stage: int) -> str:
+    return f"{PIPELINE_SCOPE}{stage}"
 
 
 def tracer_for_run(cfg: TraceConfig, run: str, run_dir: Path, rank: int) -> Tracer | None:

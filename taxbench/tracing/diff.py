@@ -4,6 +4,8 @@ Records align by (step, kind, scope, id) - id is "<name>:<occurrence>" - never b
 pair:
 - inputs agree, outputs differ -> origin candidate (the record produced the first difference);
   for a collective, an input that differs on a peer rank makes it a downstream receiver instead;
+  for a pipeline receive, the neighbour's send of the same micro-batch differing makes it downstream (else the data
+  changed on the stage boundary itself);
   for a trivially deterministic op (view, slice, ...) the difference must come from the uninstrumented producer of
   its input (or a write into shared memory after it): reported as such, with the view as evidence (one hop later);
 - inputs differ, outputs differ -> downstream receiver;
@@ -143,6 +145,30 @@ def _finding(rule: str, record: dict[str, Any], note: str = "") -> Finding:
                    record["scope"], _shapes(record["in"]), _shapes(record["out"]), note)
 
 
+# A pipeline stage receives what its neighbour sent: activations from stage - 1, gradients from stage + 1.
+_SENDER = {"pipeline.recv": ("pipeline.send", -1), "pipeline.recv_grad": ("pipeline.send_grad", +1)}
+
+
+def _pipeline_edge(record: dict[str, Any]) -> tuple[int, str, int, str]:
+    """(step, name, stage, micro-batch occurrence) of a pipeline record (scope "pipeline/stage<k>[/backward]")."""
+    stage = int(record["scope"].split("/")[1].removeprefix("stage"))
+    return record["step"], record["name"], stage, record["id"].rsplit(":", 1)[1]
+
+
+def _sender(record: dict[str, Any]) -> tuple[int, str, int, str] | None:
+    if record["name"] not in _SENDER:
+        return None
+    step, name, stage, occurrence = _pipeline_edge(record)
+    sent, offset = _SENDER[name]
+    return step, sent, stage + offset, occurrence
+
+
+def _differing_pipeline_sends(aligned: dict[int, list[tuple[dict[str, Any], dict[str, Any]]]]) -> set[Any]:
+    """Pipeline sends (activations or gradients) whose data differ between the runs, on any rank."""
+    return {_pipeline_edge(a) for pairs in aligned.values() for a, b in pairs
+            if a["kind"] == "pipeline" and a["name"].startswith("pipeline.send") and not _same(a["out"], b["out"])}
+
+
 def diff_traces(
     trace_a: dict[int, list[dict[str, Any]]], trace_b: dict[int, list[dict[str, Any]]],
     run_a: str = "A", run_b: str = "B", steps: Iterable[int] | None = None,
@@ -183,6 +209,8 @@ def diff_traces(
             if a["kind"] == "collective" and not _same(a["in"], b["in"]):
                 peer_input_differs.setdefault(_key(a), rank)
 
+    sends_differ = _differing_pipeline_sends(aligned)
+
     results = []
     for rank in ranks:
         result = RankDiff(rank)
@@ -198,6 +226,9 @@ def diff_traces(
                     result.downstream += 1
                 continue
             if a["kind"] == "collective" and _key(a) in peer_input_differs:
+                result.downstream += 1
+                continue
+            if a["kind"] == "pipeline" and _sender(a) in sends_differ:  # it received what its neighbour sent
                 result.downstream += 1
                 continue
             if is_trivial(a):

@@ -1,7 +1,8 @@
 """Injected divergence for harness self-tests: faults that act inside a step, at a known place.
 
 - perturb_collective: flips the lowest bit of the first gradient all-reduce result of the step on one rank (the
-  collective's inputs agree across runs, its output does not).
+  collective's inputs agree across runs, its output does not); on a rank without DDP whose pipeline stage receives
+  activations, the first activation it receives (the sender's copy is intact: a fault on the stage boundary).
 - nondeterministic_op: flips the lowest bit of the first output of the first matching ATen op (`fault.op`, an
   fnmatch pattern such as "aten.mm.default") run inside module `fault.module` during the forward pass, like a kernel
   with a nondeterministic reduction order would.
@@ -13,7 +14,7 @@ a fault that never matched is visible as one that never fired.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,7 @@ from taxbench.tracing.collectives import probe_for
 
 if TYPE_CHECKING:
     from taxbench.config import FaultConfig
+    from taxbench.pipeline import Boundary
 
 Fired = Callable[[str, int, str], None]  # (kind, step, where)
 
@@ -60,21 +62,30 @@ class _PerturbFirstOp(TorchDispatchMode):
 class StepFault:
     """A fault that acts inside one step on one rank; the trainer enters `around(step)` for every step."""
 
-    def __init__(self, fault: FaultConfig, rank: int, model: nn.Module, raw_model: nn.Module, fired: Fired) -> None:
-        """`model` is the wrapped model (DDP carries the collective), `raw_model` the plain module tree."""
+    def __init__(self, fault: FaultConfig, rank: int, model: nn.Module, raw_model: Any,
+                 boundaries: Sequence[Boundary], fired: Fired) -> None:
+        """`model` is the wrapped model (DDP carries the collective), `raw_model` the plain module tree (or this
+        rank's pipeline parts), `boundaries` this rank's pipeline stage edges (empty without pipelining)."""
         self.fault, self.rank, self.fired = fault, rank, fired
         self._armed = False
-        self._perturbed_bucket: int | None = None
+        self._perturbed: str | None = None
         self._depth = 0
         if fault.kind == "perturb_collective":
             probe = probe_for(model)
-            if probe is None:
+            receiving = [b for b in boundaries if b.receives]
+            if probe is not None:
+                probe.perturbers.append(self._perturb_collective)
+            elif receiving:  # pipeline parallelism: the activation a stage receives from the previous one
+                receiving[0].module.register_forward_pre_hook(self._perturb_receive(receiving[0].stage))
+            elif rank == fault.rank:
                 raise ValueError(
-                    "experiment.fault.kind=perturb_collective needs data-parallel ranks (world size >= 2, DDP); "
-                    "use cluster.cpu_ranks=2 or another fault kind"
+                    "experiment.fault.kind=perturb_collective needs a collective on the fault rank: data-parallel "
+                    "ranks (DDP) or a pipeline stage that receives activations; use cluster.cpu_ranks=2 or another "
+                    "fault kind"
                 )
-            probe.perturbers.append(self._perturb_collective)
         elif fault.kind == "nondeterministic_op":
+            if rank != fault.rank:
+                return  # the module may live on another pipeline stage than this rank's
             modules = dict(raw_model.named_modules())
             if not fault.module or fault.module not in modules:
                 known = ", ".join(sorted(name for name in modules if name)[:12])
@@ -101,7 +112,15 @@ class StepFault:
         if self._armed:
             self._armed = False
             flip_lowest_bit(result)
-            self._perturbed_bucket = bucket
+            self._perturbed = f"gradient all-reduce bucket {bucket}"
+
+    def _perturb_receive(self, stage: int) -> Callable[[nn.Module, Any], None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if self._armed and args and isinstance(args[0], torch.Tensor):
+                self._armed = False
+                flip_lowest_bit(args[0])
+                self._perturbed = f"pipeline activation received by stage {stage}"
+        return hook
 
     @contextmanager
     def around(self, step: int) -> Iterator[None]:
@@ -109,13 +128,13 @@ class StepFault:
             yield
             return
         if self.fault.kind == "perturb_collective":
-            self._armed, self._perturbed_bucket = True, None
+            self._armed, self._perturbed = True, None
             try:
                 yield
             finally:
                 self._armed = False
-            if self._perturbed_bucket is not None:
-                self.fired(str(self.fault.kind), step, f"gradient all-reduce bucket {self._perturbed_bucket}")
+            if self._perturbed is not None:
+                self.fired(str(self.fault.kind), step, self._perturbed)
             return
         assert self.fault.op is not None
         with _PerturbFirstOp(self.fault.op, lambda: self._depth > 0) as mode:
@@ -124,8 +143,8 @@ class StepFault:
             self.fired(str(self.fault.kind), step, f"{mode.fired_op} in {self.fault.module}")
 
 
-def step_fault(fault: FaultConfig | None, rank: int, model: nn.Module, raw_model: nn.Module,
-               fired: Fired) -> StepFault | None:
+def step_fault(fault: FaultConfig | None, rank: int, model: nn.Module, raw_model: Any,
+               boundaries: Sequence[Boundary], fired: Fired) -> StepFault | None:
     if fault is None or fault.kind not in STEP_FAULT_KINDS:
         return None
-    return StepFault(fault, rank, model, raw_model, fired)
+    return StepFault(fault, rank, model, raw_model, boundaries, fired)

@@ -253,6 +253,8 @@ def _next(report: DiffReport, rung: int, modules: tuple[str, ...]) -> tuple[int,
             return 3, (primary.scope,)
         if primary.kind == "optimizer" and rung < 3:
             return 3, ("optimizer",)
+        if primary.kind == "pipeline" and primary.name.startswith("pipeline.send") and rung < 2:
+            return 2, ()  # a stage computed different data: look at its modules
         return None
     # outside the capture (or identical at this step while the runs differ): widen
     if modules:
