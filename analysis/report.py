@@ -46,7 +46,7 @@ SWEEP_PNG = "tax_vs_gpus.png"
 
 # Manifest parts shown side by side, in this order; config.arms holds both policies in both manifests (identical),
 # the per-arm policy is shown from `policy` instead.
-MANIFEST_SECTIONS = ("policy", "policy_applied", "layout", "stack", "config.recipe", "config.cluster",
+MANIFEST_SECTIONS = ("policy", "policy_applied", "layout", "stack", "provenance", "config.recipe", "config.cluster",
                      "config.experiment", "config.arm_overrides")
 
 

@@ -27,6 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 from taxbench import exit_codes
 from taxbench.config import ConfigError, Launcher, ReportConfig, TaxbenchConfig, register_configs, to_typed
 from taxbench.experiment_folder import claimed, experiment_root
+from taxbench.provenance import capture_launch
 
 
 def fail(message: str, code: int = exit_codes.CONFIG_ERROR) -> None:
@@ -108,6 +109,7 @@ def run_experiment(raw: DictConfig) -> int:
         cfg, container = prepare(raw)
         with claimed(cfg, experiment_root(cfg, _multirun_point())) as root:
             try:
+                capture_launch()
                 if not launch(cfg, container, root):
                     return exit_codes.OK
             except RankFailed as exc:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from taxbench import manifest, policy
+from taxbench import manifest, policy, provenance
 from taxbench.checkpoints import RunCheckpoints, commit, finish, resume_step
 from taxbench.config import ARM_NAMES, TaxbenchConfig
 from taxbench.distributed import DistContext
@@ -79,6 +79,7 @@ class Experiment:
         arm_policy = self.cfg.arms[ref.arm]
         with policy.active(arm_policy):
             applied = policy.applied_state(self.cfg.cluster.device)
+        config = OmegaConf.to_container(OmegaConf.structured(self.cfg), resolve=True, enum_to_str=True)
         write_manifest(
             self.root / ref.name,
             {
@@ -86,7 +87,7 @@ class Experiment:
                 "run": ref.name,
                 "arm": ref.arm,
                 "replica": ref.replica,
-                "config": OmegaConf.to_container(OmegaConf.structured(self.cfg), resolve=True, enum_to_str=True),
+                "config": config,
                 "policy": OmegaConf.to_container(OmegaConf.structured(arm_policy)),
                 "policy_applied": applied,
                 # Rank 0's view (world, dp/tp/ep sizes, mesh); fingerprints stay per rank in steps.rank<R>.jsonl.
@@ -98,6 +99,7 @@ class Experiment:
                 },
                 "stack": stack,
                 "attempts": self._attempts(ref, stack),
+                "provenance": provenance.manifest_provenance(config),
             },
         )
 
