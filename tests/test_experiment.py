@@ -233,6 +233,36 @@ def test_a_killed_rank_ends_in_one_line_with_the_command_that_continues(tmp_path
             assert list(frame.loc[frame["rank"] == rank, "step"]) == list(range(1, 37)), (run_name, rank)
 
 
+def test_killed_rank_of_the_moe_1t_proxy_continues_with_every_fingerprint_intact(tmp_path: Path) -> None:
+    """The proxy (pp=2 x dp=2 with ep=2, FSDP2) loses a rank of its second pipeline stage mid-schedule; the printed
+    command continues it: every step recorded exactly once on every rank, and the resumed runs reproduce the
+    uninterrupted ones bit for bit (the gates)."""
+    args = ["+recipe=moe_1t_proxy", "experiment.steps=12", "experiment.block_steps=6", "experiment.warmup_steps=2",
+            "experiment.resume_step=6", f"experiment.out_dir={tmp_path}", "experiment.name=proxy",
+            "report.wandb=false", "report.html=false"]
+    root = tmp_path / "proxy"
+    victim = subprocess.Popen([sys.executable, "-m", "taxbench", *args], cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    _wait_for_records(victim, root / "deterministic-1" / "steps.rank0.jsonl", 8)
+    ranks = _rank_pids(victim.pid)
+    assert len(ranks) == 4, ranks
+    os.kill(ranks[3], signal.SIGKILL)
+    _, stderr = victim.communicate(timeout=120)
+    assert victim.returncode == 1 and "Traceback" not in stderr, stderr[-3000:]
+    error = [line for line in stderr.splitlines() if line.startswith("taxbench: error:")]
+    assert len(error) == 1 and "rank 3 died (SIGKILL)" in error[0], stderr[-3000:]
+    command = shlex.split(error[0].split("continue the experiment with: ", 1)[1])
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((root / "summary.json").read_text())
+    assert summary["deterministic_ok"] and all(v["agree"] for v in summary["verdicts"][:2]), summary["verdicts"]
+    for run_name in ("baseline-0", "deterministic-0", "deterministic-1", "deterministic-resumed", "baseline-1"):
+        frame = load_run(root / run_name)
+        for rank in range(4):
+            assert list(frame.loc[frame["rank"] == rank, "step"]) == list(range(1, 13)), (run_name, rank)
+
+
 def test_a_full_disk_ends_in_one_line_and_leaves_no_tmp_files(taxbench_cli, tmp_path: Path) -> None:
     mount = tmp_path / "tiny"
     mount.mkdir()
