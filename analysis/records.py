@@ -52,6 +52,7 @@ _FIELD_TYPES = {
     "window_s": pa.float64(),
     "fingerprint_s": pa.float64(),
     "device_s": pa.float64(),
+    "planted_s": pa.float64(),
     "loss": pa.float64(),
     "grad_norm": pa.float64(),
     **{metric: pa.string() for metric in METRICS},

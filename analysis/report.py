@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import html
+import math
 import os
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -305,16 +306,18 @@ GATE_HEADER = ["gate", "runs", "verdict", "compared", "first mismatch", "referen
 
 def experiment_report(analysis: ExperimentAnalysis) -> Report:
     summary, tax = analysis.summary, analysis.summary.tax
-    level = int(round(tax.confidence * 100))
     blocks: list[Block] = [
         Paragraph(f"recipe **{summary.recipe}** · {summary.world_size} ranks · device {summary.device} · "
                   f"results {summary.root} · generated {datetime.now(UTC):%Y-%m-%d %H:%M UTC}"),
         Heading("Determinism tax"),
         Paragraph(
-            f"Tax **{pct(tax.tax)}**, {level}% CI [{pct(tax.low)}, {pct(tax.high)}] (paired t on log block "
-            f"ratios, {tax.pairs} interleaved block pairs after a {tax.warmup_steps}-step warmup). Hodges-Lehmann "
-            f"cross-check {pct(tax.hl_tax)} [{pct(tax.hl_low)}, {pct(tax.hl_high)}].",
-            tone="warn" if tax.drifting else "",
+            ("**CALIBRATION** (A/A pair: both arms on the baseline policy; not a determinism result). " if
+             summary.calibration else "") +
+            f"Tax **{summary.headline()}** (paired t on log round ratios, {tax.pairs} interleaved rounds of "
+            f"{tax.timed_runs} timed runs after a {tax.warmup_steps}-step warmup; {summary.steps} steps per run, "
+            f"stopped by {summary.stopped_by}). Hodges-Lehmann cross-check {pct(tax.hl_tax)} "
+            f"[{pct(tax.hl_low)}, {pct(tax.hl_high)}].",
+            tone="warn" if tax.drifting or not summary.conclusive else "",
         ),
         TableBlock(
             ["arm", "median step (steady state)", "CV"],
@@ -325,11 +328,12 @@ def experiment_report(analysis: ExperimentAnalysis) -> Report:
     if tax.drifting:
         blocks.append(Paragraph("Step times were still drifting: MSER-5 wanted to cut half the series. Run more "
                                 "steps (experiment.steps) before trusting this number.", tone="warn"))
-    if summary.steps_needed > tax.pairs * 2:
-        blocks.append(Paragraph(f"At this noise level a ±0.5% interval needs about {summary.steps_needed} steps per "
-                                "arm."))
+    if math.isfinite(summary.rank_spread):
+        blocks.append(Paragraph(f"Median step per rank: {ms(min(summary.rank_median_s), 3)} to "
+                                f"{ms(max(summary.rank_median_s), 3)} (spread {pct_plain(summary.rank_spread)}); "
+                                "the tax uses the slowest rank's time per step."))
     series = {arm: step_times(analysis.runs[f"{arm}-0"]) for arm in ("baseline", "deterministic")}
-    ratios = block_ratios(analysis.runs["baseline-0"], analysis.runs["deterministic-0"], tax.warmup_steps)
+    ratios = block_ratios(analysis.timed["baseline"], analysis.timed["deterministic"], tax.warmup_steps)
     blocks.append(Figure(STEP_TIME_PNG, step_time_plot(series, tax, ratios),
                          "step time per arm with the warmup cut, and the per-block tax"))
 

@@ -30,10 +30,11 @@ from taxbench.analysis.records import (
     load_run,
     manifest_value,
 )
-from taxbench.analysis.tax import TaxEstimate, estimate_tax, no_estimate, steps_for_half_width
+from taxbench.analysis.tax import PRECISE_HALF_WIDTH, TaxEstimate, estimate_tax, no_estimate, steps_for_half_width
 from taxbench.analysis.verdicts import DIFFERS, INCOMPLETE, Verdict, compare_runs
 from taxbench.oserrors import describe_os_error
-from taxbench.records import RunWriteError, write_atomically
+from taxbench.records import INTERLEAVED, RunWriteError, write_atomically
+from taxbench.stopping import TARGET, read_stop
 
 SUMMARY_FILE = "summary.json"
 
@@ -44,7 +45,7 @@ GATES = (
     ("baseline_sanity", "baseline-0", "baseline-1", False),
 )
 RUN_NAMES = tuple(sorted({n for g in GATES for n in g[1:3]}))
-PASSED, FAILED, INCOMPLETE_OUTCOME = "passed", "failed", "incomplete"
+PASSED, FAILED, INCOMPLETE_OUTCOME, CALIBRATION = "passed", "failed", "incomplete", "calibration"
 SHOWN_PROBLEMS = 3  # console lines of incompleteness; summary.json and the report hold them all
 
 
@@ -57,7 +58,15 @@ class ExperimentSummary:
     device: str
     tax: TaxEstimate
     verdicts: list[Verdict]
-    steps_needed: int  # per arm, for a +/-0.5% interval at the measured CV
+    steps_needed: int  # per run, for a +/-0.5% interval, extrapolated from the measured half-width (0: no interval)
+    time_needed_s: float  # the experiment's duration at steps_needed steps per run on this hardware
+    steps: int  # every run's steps (a precision target decides it at run time)
+    stopped_by: str  # "steps", "target_half_width" or "max_steps"
+    target_half_width: float  # 0: none
+    conclusive_half_width: float
+    planted_tax: float  # the known tax planted in every deterministic step (0: none)
+    calibration: bool  # an A/A pair: both arms on the baseline policy; never a determinism result
+    rank_median_s: list[float]  # each rank's median step time over the timed runs after warmup
     problems: list[str] = field(default_factory=list)  # what makes runs incomplete: run, ranks, steps
     faults: list[str] = field(default_factory=list)  # the injected fault: where it fired, or that it never did
     fault_fired: bool | None = None  # None: no fault configured
@@ -66,11 +75,48 @@ class ExperimentSummary:
 
     @property
     def deterministic_ok(self) -> bool:
-        """Both strict gates have positive evidence of agreement (complete runs, every record bitwise equal)."""
-        return all(v.agree for v, gate in zip(self.verdicts, GATES, strict=True) if gate[3])
+        """Both strict gates have positive evidence of agreement (complete runs, every record bitwise equal) on a
+        deterministic recipe (a calibration pair is no evidence of determinism)."""
+        return not self.calibration and all(v.agree for v, gate in zip(self.verdicts, GATES, strict=True) if gate[3])
+
+    @property
+    def conclusive(self) -> bool:
+        """The tax interval is narrower than +/-conclusive_half_width and does not span zero."""
+        tax = self.tax
+        return (math.isfinite(tax.half_width) and tax.half_width <= self.conclusive_half_width
+                and not tax.low <= 0 <= tax.high)
+
+    @property
+    def rank_spread(self) -> float:
+        """(slowest - fastest rank's median step) / median over ranks; NaN with fewer than two ranks."""
+        medians = [m for m in self.rank_median_s if math.isfinite(m)]
+        if len(medians) < 2:
+            return math.nan
+        return (max(medians) - min(medians)) / float(pd.Series(medians).median())
+
+    def headline(self) -> str:
+        """The tax as one plain line: the estimate with its interval, or why it is inconclusive."""
+        tax = self.tax
+        if not math.isfinite(tax.tax):
+            return "no estimate: too few timed steps (see incomplete)"
+        level = int(round(tax.confidence * 100))
+        interval = f"{level}% CI [{pct(tax.low)}, {pct(tax.high)}]"
+        planted = f"; planted {pct(self.planted_tax)}" if self.planted_tax else ""
+        if self.conclusive:
+            return f"{pct(tax.tax)} {interval}{planted}"
+        if not math.isfinite(tax.half_width):
+            return f"inconclusive: {pct(tax.tax)} from one round, no interval{planted}"
+        why = "spans zero" if tax.low <= 0 <= tax.high else f"wider than +/-{pct_plain(self.conclusive_half_width)}"
+        line = f"inconclusive: {pct(tax.tax)} +/-{pct_plain(tax.half_width)} ({interval} {why}){planted}"
+        if tax.half_width > PRECISE_HALF_WIDTH and self.steps_needed:
+            line += (f"; +/-{pct_plain(PRECISE_HALF_WIDTH)} would need about {self.steps_needed} steps per run "
+                     f"(about {duration(self.time_needed_s)} on this hardware)")
+        return line
 
     @property
     def outcome(self) -> str:
+        if self.calibration:  # the gates then compare baseline-policy runs: shown, but no verdict on determinism
+            return INCOMPLETE_OUTCOME if self.problems else CALIBRATION
         strict = [v for v, gate in zip(self.verdicts, GATES, strict=True) if gate[3]]
         if any(v.outcome == DIFFERS for v in strict):
             return FAILED
@@ -80,7 +126,7 @@ class ExperimentSummary:
 
     @property
     def exit_code(self) -> int:
-        return {PASSED: exit_codes.OK, FAILED: exit_codes.NOT_DETERMINISTIC,
+        return {PASSED: exit_codes.OK, CALIBRATION: exit_codes.OK, FAILED: exit_codes.NOT_DETERMINISTIC,
                 INCOMPLETE_OUTCOME: exit_codes.INCOMPLETE}[self.outcome]
 
     def to_dict(self) -> dict[str, Any]:
@@ -92,14 +138,24 @@ class ExperimentSummary:
             "device": self.device,
             "tax": self.tax.to_dict(),
             "verdicts": [v.to_dict() for v in self.verdicts],
+            "headline": self.headline(),
+            "conclusive": self.conclusive,
             "steps_needed": self.steps_needed,
+            "time_needed_s": finite_or_none(self.time_needed_s),
+            "steps": self.steps,
+            "stopped_by": self.stopped_by,
+            "target_half_width": self.target_half_width,
+            "planted_tax": self.planted_tax,
+            "calibration": self.calibration,
+            "rank_median_s": [finite_or_none(m) for m in self.rank_median_s],
+            "rank_spread": finite_or_none(self.rank_spread),
             "deterministic_ok": self.deterministic_ok,
             "outcome": self.outcome,
             "exit_code": self.exit_code,
             "incomplete": self.problems,
             "faults": self.faults,
             "fault_fired": self.fault_fired,
-            "fingerprint_s": self.fingerprint_s if math.isfinite(self.fingerprint_s) else None,
+            "fingerprint_s": finite_or_none(self.fingerprint_s),
         }
 
 
@@ -109,6 +165,7 @@ class ExperimentAnalysis:
 
     summary: ExperimentSummary
     runs: dict[str, pd.DataFrame]  # run name -> step records of all ranks
+    timed: dict[str, list[pd.DataFrame]]  # arm -> its interleaved (timed) runs' records
     manifests: dict[str, dict[str, Any]]  # run name -> manifest.json
 
 
@@ -123,13 +180,59 @@ def write_result(path: Path, data: str | bytes) -> None:
                                "writable folder) and analyse again") from exc
 
 
-def _load(root: Path, name: str, manifest: dict) -> tuple[pd.DataFrame, list[str]]:
-    """One run's records and what keeps them from covering its manifest's steps x ranks."""
+def finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def duration(seconds: float) -> str:
+    """A rough duration: "40 s", "12 min", "3.5 h"."""
+    if not math.isfinite(seconds):
+        return "n/a"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def expected_steps(root: Path, experiment: dict[str, Any]) -> tuple[int, str, list[str]]:
+    """Every run's steps, what stopped the rounds, and why that is in doubt (a precision target decides the steps
+    at run time and records them in stop.json)."""
+    steps = int(experiment["steps"])
+    if float(experiment.get("target_half_width", 0)) <= 0:
+        return steps, "steps", []
+    try:
+        stop = read_stop(root)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return steps, "unknown", [f"{root / 'stop.json'}: unreadable ({exc}); the runs' length is unknown"]
+    if stop is None:
+        return steps, "unknown", [f"{root / 'stop.json'}: missing: the interleaved rounds never finished, so the runs' "
+                                  "length is unknown; continue the experiment (experiment.continue_existing=true)"]
+    if stop.steps < steps or stop.steps % int(experiment["block_steps"]):
+        return steps, "unknown", [f"{root / 'stop.json'}: steps={stop.steps} is not a whole number of blocks at "
+                                  f"or above experiment.steps={steps}"]
+    return stop.steps, stop.stopped_by, []
+
+
+def _load(root: Path, name: str, manifest: dict, steps: int) -> tuple[pd.DataFrame, list[str]]:
+    """One run's records and what keeps them from covering `steps` x its manifest's ranks."""
     run_dir = root / name
-    steps = int(manifest_value(manifest, run_dir, "config.experiment.steps"))
     world = int(manifest_value(manifest, run_dir, "layout.world_size"))
     frame = load_run(run_dir, empty_ok=True)
     return frame, check_run(name, run_dir, frame, steps, world)
+
+
+def timed_runs(runs: dict[str, pd.DataFrame], experiment: dict[str, Any]) -> dict[str, list[pd.DataFrame]]:
+    """Each arm's interleaved runs (an experiment without experiment.interleave timed the *-0 pair only)."""
+    interleaved = INTERLEAVED[experiment.get("interleave", "pair")]
+    return {arm: [runs[ref.name] for ref in interleaved if ref.arm == arm] for arm in ("baseline", "deterministic")}
+
+
+def rank_medians(timed: dict[str, list[pd.DataFrame]], warmup: int) -> list[float]:
+    """Each rank's median step time over every timed run after the warmup (rank order)."""
+    frames = [frame[frame["step"] > warmup] for runs in timed.values() for frame in runs]
+    frames = [frame for frame in frames if not frame.empty]
+    if not frames:
+        return []
+    return pd.concat(frames).groupby("rank")["time_s"].median().sort_index().tolist()
 
 
 def fault_outcome(root: Path, experiment: dict[str, Any]) -> tuple[list[str], bool | None]:
@@ -144,9 +247,9 @@ def fault_outcome(root: Path, experiment: dict[str, Any]) -> tuple[list[str], bo
     return [f"{target}: {event.describe()}" for event in events], True
 
 
-def _tax(runs: dict[str, pd.DataFrame], experiment: dict[str, Any], incomplete: bool) -> TaxEstimate:
+def _tax(timed: dict[str, list[pd.DataFrame]], experiment: dict[str, Any], incomplete: bool) -> TaxEstimate:
     try:
-        return estimate_tax(runs["baseline-0"], runs["deterministic-0"], experiment["warmup_steps"],
+        return estimate_tax(timed["baseline"], timed["deterministic"], experiment["warmup_steps"],
                             experiment["confidence"])
     except ValueError as exc:
         if incomplete:  # too few records for a tax: the incompleteness is what the user needs to hear about
@@ -164,18 +267,23 @@ def analyse_experiment(root: Path) -> ExperimentAnalysis:
     manifests = {name: load_manifest(root / name) for name in RUN_NAMES}
     manifest = manifests["deterministic-0"]
     experiment = manifest_value(manifest, root / "deterministic-0", "config.experiment")
-    loaded = {name: _load(root, name, manifests[name]) for name in RUN_NAMES}
+    steps, stopped_by, stop_problems = expected_steps(root, experiment)
+    loaded = {name: _load(root, name, manifests[name], steps) for name in RUN_NAMES}
     runs = {name: frame for name, (frame, _) in loaded.items()}
     problems = {name: found for name, (_, found) in loaded.items()}
-    timed_incomplete = bool(problems["baseline-0"] or problems["deterministic-0"])
-    tax = _tax(runs, experiment, timed_incomplete)
+    timed = timed_runs(runs, experiment)
+    timed_names = [ref.name for ref in INTERLEAVED[experiment.get("interleave", "pair")]]
+    tax = _tax(timed, experiment, any(problems[name] for name in timed_names) or bool(stop_problems))
     verdicts = []
     for gate, reference, candidate, _ in GATES:
         from_step = experiment["resume_step"] if gate == "restart_replay" else 0
         verdicts.append(compare_runs(gate, reference, runs[reference], candidate, runs[candidate], from_step,
                                      tuple(problems[reference] + problems[candidate])))
     faults, fired = fault_outcome(root, experiment)
-    cv = max(tax.baseline_cv, tax.deterministic_cv)
+    steps_needed = steps_for_half_width(tax)
+    # The whole experiment at that length: every run (timed or not) at its arm's median step.
+    arm_runs = {arm: sum(1 for name in RUN_NAMES if name.startswith(arm)) for arm in ("baseline", "deterministic")}
+    step_cost = arm_runs["baseline"] * tax.baseline_median_s + arm_runs["deterministic"] * tax.deterministic_median_s
     summary = ExperimentSummary(
         experiment=root.name,
         root=str(root),
@@ -184,14 +292,22 @@ def analyse_experiment(root: Path) -> ExperimentAnalysis:
         device=manifest_value(manifest, root / "deterministic-0", "policy_applied.device"),
         tax=tax,
         verdicts=verdicts,
-        steps_needed=steps_for_half_width(cv) if math.isfinite(cv) else 0,
-        problems=[line for name in RUN_NAMES for line in problems[name]],
+        steps_needed=steps_needed,
+        time_needed_s=steps_needed * step_cost if steps_needed else math.nan,
+        steps=steps,
+        stopped_by=stopped_by,
+        target_half_width=float(experiment.get("target_half_width", 0.0)),
+        conclusive_half_width=float(experiment.get("conclusive_half_width", 0.02)),
+        planted_tax=float(experiment.get("planted_tax", 0.0)),
+        calibration=bool(experiment.get("calibration", False)),
+        rank_median_s=rank_medians(timed, tax.warmup_steps),
+        problems=stop_problems + [line for name in RUN_NAMES for line in problems[name]],
         faults=faults,
         fault_fired=fired,
         fingerprint_s=_median_fingerprint_s(runs.values()),
     )
     write_result(root / SUMMARY_FILE, json.dumps(summary.to_dict(), indent=2))
-    return ExperimentAnalysis(summary, runs, manifests)
+    return ExperimentAnalysis(summary, runs, timed, manifests)
 
 
 def analyse(root: Path) -> ExperimentSummary:
@@ -243,14 +359,14 @@ def render(summary: ExperimentSummary, console: Console | None = None, report_pa
     """The final console summary: one compact table that fits an 80-column terminal."""
     console = console or Console()
     tax = summary.tax
-    level = int(round(tax.confidence * 100))
+    calibration = " | [bold yellow]CALIBRATION (A/A: both arms baseline; not a determinism result)[/bold yellow]"
     table = Table(box=None, show_header=False, pad_edge=False, padding=(0, 1),
                   title=f"[bold]{summary.experiment}[/bold]  {summary.recipe} | {summary.world_size} ranks | "
-                        f"{summary.device}", title_justify="left")
+                        f"{summary.device}{calibration if summary.calibration else ''}", title_justify="left")
     table.add_column(style="bold", no_wrap=True)
     table.add_column(overflow="fold")
-    interval = escape(f"[{pct(tax.low)}, {pct(tax.high)}]")
-    table.add_row("tax", f"[bold]{pct(tax.tax)}[/bold]  {level}% CI {interval}  HL {pct(tax.hl_tax)}")
+    headline = escape(summary.headline())
+    table.add_row("tax", f"[bold]{headline}[/bold]" if summary.conclusive else f"[yellow]{headline}[/yellow]")
     table.add_row("step time", f"baseline {ms(tax.baseline_median_s)} (CV {pct_plain(tax.baseline_cv)})  "
                                f"deterministic {ms(tax.deterministic_median_s)} "
                                f"(CV {pct_plain(tax.deterministic_cv)})")
@@ -262,10 +378,16 @@ def render(summary: ExperimentSummary, console: Console | None = None, report_pa
         table.add_row("fault", escape(line) if summary.fault_fired else f"[red]{escape(line)}[/red]")
     if tax.drifting:
         table.add_row("[yellow]warning[/yellow]", "step times still drifting (MSER-5 hit its cap); run more steps")
-    sample = f"{tax.pairs} block pairs after {tax.warmup_steps} warmup steps"
-    if summary.steps_needed > tax.steady_steps:
-        sample += f"; +/-0.5% needs ~{summary.steps_needed} steps/arm"
+    sample = (f"{tax.pairs} rounds of {tax.timed_runs} timed runs after {tax.warmup_steps} warmup steps; "
+              f"{summary.steps} steps per run")
+    if summary.stopped_by == TARGET:
+        sample += f", stopped at +/-{pct_plain(summary.target_half_width)}"
+    elif summary.target_half_width:
+        sample += f", stopped by the step cap before +/-{pct_plain(summary.target_half_width)}"
     table.add_row("sample", sample)
+    if math.isfinite(summary.rank_spread):
+        table.add_row("ranks", f"median step per rank {ms(min(summary.rank_median_s))} to "
+                               f"{ms(max(summary.rank_median_s))} (spread {pct_plain(summary.rank_spread)})")
     if math.isfinite(summary.fingerprint_s) and tax.baseline_median_s > 0:
         share = summary.fingerprint_s / tax.baseline_median_s
         table.add_row("gates' cost", f"fingerprints {ms(summary.fingerprint_s)}/step ({pct_plain(share)} of a baseline "

@@ -105,7 +105,7 @@ def log_experiment(analysis: ExperimentAnalysis, settings: ReportConfig, report_
                 if step in series.index:
                     row[f"step_time/{arm}_s"] = float(series[step])
             run.log(row)
-        ratios = block_ratios(analysis.runs["baseline-0"], analysis.runs["deterministic-0"], tax.warmup_steps)
+        ratios = block_ratios(analysis.timed["baseline"], analysis.timed["deterministic"], tax.warmup_steps)
         for block, ratio in ratios["ratio"].items():
             run.log({"block": int(block), "block_tax/ratio": float(ratio)})
         values: dict[str, Any] = {f"tax/{key}": value for key, value in tax.to_dict().items()}
@@ -115,6 +115,10 @@ def log_experiment(analysis: ExperimentAnalysis, settings: ReportConfig, report_
         values["incomplete"] = "\n".join(summary.problems)
         values["fault"] = "\n".join(summary.faults)
         values["steps_needed"] = summary.steps_needed
+        values["headline"] = summary.headline()
+        values["conclusive"] = summary.conclusive
+        values["planted_tax"] = summary.planted_tax
+        values["calibration"] = summary.calibration
         for verdict in summary.verdicts:
             m = verdict.first_mismatch
             values[f"gate/{verdict.gate}/outcome"] = verdict.outcome

@@ -37,5 +37,5 @@ def run_rank(rank: int, world_size: int, local_rank: int, cfg_container: dict[st
              master_addr: str, master_port: int) -> None:
     cfg = to_typed(cfg_container)
     with rank_process([cfg], rank, world_size, local_rank, master_addr, master_port) as ctx:
-        with step_progress(total_steps(cfg), f"{cfg.experiment.name}", enabled=rank == 0) as on_step:
-            Experiment(cfg, ctx, Path(root), on_step).run()
+        with step_progress(total_steps(cfg), f"{cfg.experiment.name}", enabled=rank == 0) as progress:
+            Experiment(cfg, ctx, Path(root), progress.advance, progress.grow_to).run()

@@ -7,6 +7,7 @@ key, the offending value and what would be accepted.
 
 from __future__ import annotations
 
+import copy
 import functools
 import secrets
 from dataclasses import dataclass, field
@@ -218,7 +219,10 @@ class ExperimentConfig:
     name: str = MISSING
     out_dir: str = "runs"
     steps: int = 60  # steps per arm and replica
-    block_steps: int = 6  # steps per interleaved block
+    # Steps per interleaved block. One: CPU step times here switch between speed regimes every ~100 ms, and only
+    # blocks shorter than that let both arms see the same regime (+/-1.3% against +/-5.7% with 6-step blocks, same
+    # steps; benchmarks/calibration.py --block).
+    block_steps: int = 1
     warmup_steps: int = 6  # fixed minimum warmup, checked by MSER-5
     resume_step: int = 20  # the restart-replay replica checkpoints here and resumes
     order_seed: int = 0  # seeds the randomized arm order per round
@@ -227,7 +231,23 @@ class ExperimentConfig:
     continue_existing: bool = False
     confidence: float = 0.95
     # Preemption safety: every run checkpoints every N blocks (0: never) and a restarted experiment resumes from there.
-    checkpoint_every_blocks: int = 1
+    checkpoint_every_blocks: int = 10
+    # Which runs are timed: "all" interleaves baseline-0, deterministic-0, deterministic-1 and baseline-1 in rounds
+    # (four models in memory at once); "pair" interleaves only the two *-0 runs (two models, half the timed steps).
+    interleave: str = "all"
+    # Stop at the precision asked for: with target_half_width > 0 (relative, e.g. 0.005) rounds are added after
+    # `steps` until the tax interval's half-width reaches it, or until max_steps per run.
+    target_half_width: float = 0.0
+    max_steps: int = 0  # 0: 10 x steps
+    # An interval wider than this (relative half-width), or one spanning zero, is reported as inconclusive.
+    conclusive_half_width: float = 0.02
+    # Calibration of the instrument: a known tax planted in every deterministic step (a busy wait on CPU, a spin
+    # kernel on GPU, sized as this fraction of the arm's running median step), and an A/A pair (calibration=true:
+    # both arms on the baseline policy) whose true tax is then exactly planted_tax. Never a determinism result.
+    planted_tax: float = 0.0
+    calibration: bool = False
+    # Python's garbage collector off inside timed blocks and run between them (Megatron's --manual-gc).
+    manual_gc: bool = True
     fault: FaultConfig = field(default_factory=FaultConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
 
@@ -304,7 +324,21 @@ def to_typed(cfg: DictConfig | dict[str, Any]) -> TaxbenchConfig:
         hint = "; `python -m taxbench --cfg job` prints every valid key with its value"
         raise ConfigError(f"{key + ': ' if key else ''}{first_line}{hint}") from exc
     assert isinstance(typed, TaxbenchConfig)
+    if typed.experiment.calibration and "baseline" in typed.arms:
+        # The A/A pair: the deterministic arm runs the baseline policy, so that its true tax is the planted one.
+        typed.arms["deterministic"] = copy.deepcopy(typed.arms["baseline"])
     return typed
+
+
+INTERLEAVE_MODES = ("all", "pair")
+MAX_STEPS_FACTOR = 10  # experiment.max_steps=0 means this many times experiment.steps
+
+
+def max_steps(exp: ExperimentConfig) -> int:
+    """The most steps a run may take: `steps`, or with a target half-width the cap on added rounds."""
+    if exp.target_half_width <= 0:
+        return exp.steps
+    return exp.max_steps or MAX_STEPS_FACTOR * exp.steps
 
 
 def world_size(cluster: ClusterConfig) -> int:
@@ -455,6 +489,22 @@ def validate(cfg: TaxbenchConfig) -> None:
         "after the resume to compare",
     )
     _require(0 < exp.confidence < 1, f"experiment.confidence={exp.confidence} must be in (0, 1), e.g. 0.95")
+    _require(exp.interleave in INTERLEAVE_MODES,
+             f"experiment.interleave={exp.interleave!r} must be one of {list(INTERLEAVE_MODES)} (all: every run but "
+             "the resumed one is timed; pair: only baseline-0 and deterministic-0, for recipes that fit two models)")
+    _require(0 <= exp.planted_tax < 10,
+             f"experiment.planted_tax={exp.planted_tax} must be in [0, 10) (a fraction: 0.02 plants a 2% tax)")
+    _require(0 <= exp.target_half_width < 1,
+             f"experiment.target_half_width={exp.target_half_width} must be in [0, 1) (relative: 0.005 is +/-0.5%; "
+             "0 runs exactly experiment.steps)")
+    _require(0 < exp.conclusive_half_width < 1,
+             f"experiment.conclusive_half_width={exp.conclusive_half_width} must be in (0, 1), e.g. 0.02")
+    _require(exp.max_steps >= 0, f"experiment.max_steps={exp.max_steps} must be >= 0 (0: {MAX_STEPS_FACTOR} x steps)")
+    if exp.target_half_width > 0:
+        cap = max_steps(exp)
+        _require(cap >= exp.steps and cap % exp.block_steps == 0,
+                 f"experiment.max_steps={exp.max_steps} must be >= experiment.steps={exp.steps} and a multiple of "
+                 f"experiment.block_steps={exp.block_steps}")
     _require(
         recipe.model.d_model % recipe.model.n_heads == 0,
         f"recipe.model.d_model={recipe.model.d_model} is not divisible by recipe.model.n_heads={recipe.model.n_heads}",

@@ -1,11 +1,13 @@
 """The experiment schedule that every rank runs inside one allocation.
 
-1. Timed pair: baseline-0 and deterministic-0 advance in interleaved blocks, in a seeded random order per round,
-   so that drift over the allocation lands on both arms alike.
-2. deterministic-1: an independent deterministic run (repeatability gate).
-3. deterministic-resumed: runs to experiment.resume_step, checkpoints, is torn down, and a fresh trainer resumes from
-   the checkpoint (restart-replay gate).
-4. baseline-1: a second baseline run (baseline sanity: shows what determinism buys).
+1. Interleaved rounds (experiment.interleave=all): baseline-0, deterministic-0, deterministic-1 (repeatability gate)
+   and baseline-1 (baseline sanity: what determinism buys) advance one block each per round, in an A B B A order of
+   the arms (see round_orders), so that drift over the allocation lands on every run alike and every run's steps
+   are timed. They stop
+   after experiment.steps, or, with experiment.target_half_width, once the tax interval is that narrow (see
+   taxbench.stopping). With interleave=pair only the *-0 runs are interleaved and the other two run whole after them.
+2. deterministic-resumed: runs to experiment.resume_step, checkpoints, is torn down, and a fresh trainer resumes from
+   the checkpoint (restart-replay gate); it runs as many steps as the interleaved runs took.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import os
 import random
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -21,29 +23,45 @@ from omegaconf import OmegaConf
 
 from taxbench import manifest, policy, provenance
 from taxbench.checkpoints import RunCheckpoints, commit, finish, resume_step
-from taxbench.config import ARM_NAMES, TaxbenchConfig
+from taxbench.config import TaxbenchConfig, max_steps
 from taxbench.distributed import DistContext
-from taxbench.records import ALL_RUNS, BASELINE_REPEAT, MANIFEST, REPEAT, RESUMED, TIMED, RunRef, write_manifest
+from taxbench.records import ALL_RUNS, INTERLEAVED, MANIFEST, RESUMED, RunRef, write_manifest
+from taxbench.stopping import Stop, StoppingRule, read_stop
 from taxbench.trainer import Trainer
 
 
-def arm_order(order_seed: int, rounds: int) -> list[list[str]]:
+def round_orders(order_seed: int, runs: Sequence[RunRef], rounds: int) -> list[list[RunRef]]:
+    """Each round's order of the interleaved runs (each arm holds as many runs as the other).
+
+    The arms follow one another as A B B A A B B A ... over the whole schedule, cut into rounds of every run once
+    (A B B A with two runs per arm; A B, then B A with one). Every arm is then preceded by each arm equally often:
+    a step runs measurably slower right after some other steps (after a planted busy wait, 3-6% here), and a
+    shuffled order, which puts an arm more often after the other arm than after itself, turned that carryover into
+    a bias. The seed picks which arm is A and which run of an arm takes which of its slots in each round.
+    """
     rng = random.Random(order_seed)
+    by_arm: dict[str, list[RunRef]] = {}
+    for ref in runs:
+        by_arm.setdefault(ref.arm, []).append(ref)
+    first, second = rng.sample(sorted(by_arm), 2)
+    size = len(runs)
     orders = []
-    for _ in range(rounds):
-        order = list(ARM_NAMES)
-        rng.shuffle(order)
-        orders.append(order)
+    for r in range(rounds):
+        pattern = [first if (r * size + i) % 4 in (0, 3) else second for i in range(size)]
+        slots = {arm: rng.sample(refs, len(refs)) for arm, refs in by_arm.items()}
+        orders.append([slots[arm].pop() for arm in pattern])
     return orders
 
 
 def total_steps(cfg: TaxbenchConfig) -> int:
+    """Steps of the whole experiment; with a precision target, the least it may take (the progress bar grows)."""
     return len(ALL_RUNS) * cfg.experiment.steps
 
 
 class Experiment:
-    def __init__(self, cfg: TaxbenchConfig, ctx: DistContext, root: Path, on_step: Callable[[], None] | None = None):
-        self.cfg, self.ctx, self.root, self.on_step = cfg, ctx, root, on_step
+    def __init__(self, cfg: TaxbenchConfig, ctx: DistContext, root: Path, on_step: Callable[[], None] | None = None,
+                 on_total: Callable[[int], None] | None = None):
+        self.cfg, self.ctx, self.root, self.on_step, self.on_total = cfg, ctx, root, on_step, on_total
         self.attempt_id = uuid.uuid4().hex[:12]  # this start of the schedule (rank 0 names it in the manifests)
 
     def _trainer(self, ref: RunRef) -> Trainer:
@@ -107,10 +125,13 @@ class Experiment:
         """Run the schedule. Restarted after a preemption, it skips finished runs and resumes unfinished ones from
         their newest complete checkpoint that is intact on every rank (records written past it are dropped, so
         nothing is duplicated)."""
-        self._run_timed_pair()
-        self._run_whole(REPEAT)
-        self._run_resumed()
-        self._run_whole(BASELINE_REPEAT)
+        interleaved = INTERLEAVED[self.cfg.experiment.interleave]
+        stop = self._run_interleaved(interleaved)
+        if self.on_total is not None:
+            self.on_total(len(ALL_RUNS) * stop.steps)
+        for ref in (r for r in ALL_RUNS if r not in interleaved and r != RESUMED):
+            self._run_whole(ref, stop.steps)
+        self._run_resumed(stop.steps)
 
     def _checkpoints(self, ref: RunRef) -> RunCheckpoints:
         return RunCheckpoints(self.root / ref.name, self.ctx.rank)
@@ -129,74 +150,89 @@ class Experiment:
             for _ in range(steps):
                 self.on_step()
 
-    def _checkpoint_due(self, step: int) -> bool:
+    def _checkpoint_due(self, step: int, last: int) -> bool:
         exp = self.cfg.experiment
         every = exp.checkpoint_every_blocks * exp.block_steps
-        return every > 0 and step < exp.steps and step % every == 0
+        return every > 0 and step < last and step % every == 0
 
-    def _run_timed_pair(self) -> None:
+    def _run_interleaved(self, runs: Sequence[RunRef]) -> Stop:
         exp = self.cfg.experiment
-        progress = {arm: self._checkpoints(ref) for arm, ref in TIMED.items()}
-        if all(p.finished for p in progress.values()):
-            self._skip(2 * exp.steps)
-            return
-        # Both arms resume from the same block boundary, so every round still holds one block of each arm.
+        progress = {ref: self._checkpoints(ref) for ref in runs}
+        stored = read_stop(self.root)
+        if stored is not None and all(p.finished for p in progress.values()):
+            self._skip(len(runs) * stored.steps)
+            return stored
+        # The runs resume from the same block boundary, so every round still holds one block of each run.
         start = resume_step(list(progress.values()))
-        timed = {arm: self._start(ref, start) for arm, ref in TIMED.items()}
-        self._skip(2 * (start or 0))
+        trainers = {ref: self._start(ref, start) for ref in runs}
+        rule = StoppingRule(exp, runs, self.ctx)
+        if start:
+            rule.resume(self.root, start)
+        self._skip(len(runs) * (start or 0))
         first_block = (start or 0) // exp.block_steps
-        for block, order in enumerate(arm_order(exp.order_seed, exp.steps // exp.block_steps)):
+        cap = max_steps(exp)
+        stop = None
+        for block, order in enumerate(round_orders(exp.order_seed, runs, cap // exp.block_steps)):
             if block < first_block:
                 continue
-            for arm in order:
-                timed[arm].run_block(exp.block_steps, block, self.on_step)
+            for ref in order:
+                trainers[ref].run_block(exp.block_steps, block, self.on_step)
             step = (block + 1) * exp.block_steps
-            if self._checkpoint_due(step):
-                commit(step, [(progress[arm], timed[arm]) for arm in ARM_NAMES])
-        for trainer in timed.values():
+            rule.add_round({ref.name: trainers[ref].block_times for ref in runs})
+            stop = rule.stop_after(step)
+            if stop is not None:
+                break
+            if step >= exp.steps and self.on_total is not None:  # one more round than planned
+                self.on_total(len(ALL_RUNS) * (step + exp.block_steps))
+            if self._checkpoint_due(step, cap):
+                commit(step, [(progress[ref], trainers[ref]) for ref in runs])
+        assert stop is not None, "the step cap always stops the rounds"
+        for trainer in trainers.values():
             trainer.close()
+        if self.ctx.rank == 0:
+            stop.write(self.root)
         finish(list(progress.values()))
+        return stop
 
-    def _advance(self, ref: RunRef, trainer: Trainer, until: int) -> None:
+    def _advance(self, ref: RunRef, trainer: Trainer, until: int, last: int) -> None:
         exp = self.cfg.experiment
         checkpoints = self._checkpoints(ref)
         while trainer.step < until:
             n = min(exp.block_steps - trainer.step % exp.block_steps, until - trainer.step)
             trainer.run_block(n, trainer.step // exp.block_steps, self.on_step)
-            if self._checkpoint_due(trainer.step):
+            if self._checkpoint_due(trainer.step, last):
                 commit(trainer.step, [(checkpoints, trainer)])
 
-    def _run_whole(self, ref: RunRef) -> None:
-        exp = self.cfg.experiment
+    def _run_whole(self, ref: RunRef, steps: int) -> None:
         checkpoints = self._checkpoints(ref)
         if checkpoints.finished:
-            self._skip(exp.steps)
+            self._skip(steps)
             return
         start = resume_step([checkpoints])
         trainer = self._start(ref, start)
         self._skip(start or 0)
-        self._advance(ref, trainer, exp.steps)
+        self._advance(ref, trainer, steps, steps)
         trainer.close()
         finish([checkpoints])
 
-    def _run_resumed(self) -> None:
+    def _run_resumed(self, steps: int) -> None:
         exp = self.cfg.experiment
         checkpoints = self._checkpoints(RESUMED)
         if checkpoints.finished:
-            self._skip(exp.steps)
+            self._skip(steps)
             return
         start = resume_step([checkpoints])
         self._skip(start or 0)
         if start is None or start < exp.resume_step:
             first = self._start(RESUMED, start)
-            self._advance(RESUMED, first, exp.resume_step)
-            if not self._checkpoint_due(exp.resume_step):  # else _advance has just committed it
+            self._advance(RESUMED, first, exp.resume_step, steps)
+            if not self._checkpoint_due(exp.resume_step, steps):  # else _advance has just committed it
                 commit(exp.resume_step, [(checkpoints, first)])
             first.close()
             del first
             start = exp.resume_step
         # The restart-replay gate: a fresh trainer continues from the checkpoint.
         resumed = self._start(RESUMED, start)
-        self._advance(RESUMED, resumed, exp.steps)
+        self._advance(RESUMED, resumed, steps, steps)
         resumed.close()
         finish([checkpoints])

@@ -56,7 +56,9 @@ def validate_pair(cfg: TaxbenchConfig) -> None:
     unknown_arms = sorted(set(cfg.arm_overrides) - set(ARM_NAMES))
     if unknown_arms:
         raise ConfigError(f"arm_overrides names unknown arms {unknown_arms}; arms are {list(ARM_NAMES)}")
-    if cfg.arms["baseline"].deterministic or not cfg.arms["deterministic"].deterministic:
+    # A calibration (A/A) pair runs the baseline policy on both arms (see config.to_typed).
+    opposite = not cfg.arms["baseline"].deterministic and cfg.arms["deterministic"].deterministic
+    if not cfg.experiment.calibration and not opposite:
         raise ConfigError(
             f"the baseline arm must be nondeterministic and the deterministic arm deterministic; got "
             f"arms.baseline.deterministic={cfg.arms['baseline'].deterministic}, "

@@ -23,10 +23,20 @@ class StepRateColumn(ProgressColumn):
         return Text("   --- steps/s" if speed is None else f"{speed:>6.1f} steps/s")
 
 
+class StepProgress:
+    """What the experiment reports: one step done, and a grown total (a precision target adds rounds)."""
+
+    def __init__(self, advance: Callable[[], None], grow_to: Callable[[int], None]) -> None:
+        self.advance, self.grow_to = advance, grow_to
+
+
+IDLE = StepProgress(lambda: None, lambda total: None)
+
+
 @contextmanager
-def step_progress(total: int, description: str, enabled: bool = True) -> Iterator[Callable[[], None]]:
+def step_progress(total: int, description: str, enabled: bool = True) -> Iterator[StepProgress]:
     if not enabled or total <= 0:
-        yield lambda: None
+        yield IDLE
         return
     console = Console(file=sys.stderr)
     if console.is_terminal:
@@ -39,7 +49,7 @@ def step_progress(total: int, description: str, enabled: bool = True) -> Iterato
         )
         with Progress(*columns, console=console, transient=True) as bar:
             task = bar.add_task(description, total=total)
-            yield lambda: bar.advance(task)
+            yield StepProgress(lambda: bar.advance(task), lambda grown: bar.update(task, total=grown))
         return
 
     start, done, next_report = time.perf_counter(), 0, max(1, total // 10)
@@ -55,4 +65,8 @@ def step_progress(total: int, description: str, enabled: bool = True) -> Iterato
             print(line, file=sys.stderr, flush=True)
             next_report += max(1, total // 10)
 
-    yield advance
+    def grow_to(grown: int) -> None:
+        nonlocal total
+        total = max(total, grown)
+
+    yield StepProgress(advance, grow_to)

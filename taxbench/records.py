@@ -47,6 +47,13 @@ REPEAT = RunRef("deterministic", "1")
 RESUMED = RunRef("deterministic", "resumed")
 BASELINE_REPEAT = RunRef("baseline", "1")
 ALL_RUNS = (TIMED["baseline"], TIMED["deterministic"], REPEAT, RESUMED, BASELINE_REPEAT)
+# The runs advanced together in interleaved rounds and timed, per experiment.interleave. The resumed run is never
+# timed: its restart is part of what it tests.
+INTERLEAVED = {
+    "all": (TIMED["baseline"], TIMED["deterministic"], REPEAT, BASELINE_REPEAT),
+    "pair": (TIMED["baseline"], TIMED["deterministic"]),
+}
+STOP_FILE = "stop.json"  # <experiment>/stop.json: how many steps every run took and what stopped the timed rounds
 
 
 def steps_file(run_dir: Path, rank: int) -> Path:

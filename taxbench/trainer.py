@@ -7,6 +7,7 @@ On CUDA, step times come from CUDA events and digests stay on the device until t
 
 from __future__ import annotations
 
+import gc
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +28,7 @@ from taxbench.data import build_source
 from taxbench.distributed import DistContext
 from taxbench.parallel import layout_for, parallelize
 from taxbench.pipeline import boundaries, split_model, stage_split
+from taxbench.planted import PlantedDelay
 from taxbench.records import FaultLog, StepWriter, run_name, step_record, steps_file, write_atomically
 from taxbench.step import PipelineStep, PlainStep, StepExecutor
 from taxbench.tracing.capture import tracer_for_run
@@ -98,6 +100,22 @@ class StepTimer:
         return float(measured)
 
 
+@contextmanager
+def collected_between_blocks(manual: bool) -> Iterator[None]:
+    """Python's garbage collector run before a timed block and paused inside it (a collection inside a timed step
+    costs milliseconds at random; Megatron's --manual-gc does the same). Only the young generations are collected:
+    a full collection walks every object of the process (over 100 ms here), and the long-lived ones are the models."""
+    if not manual or not gc.isenabled():
+        yield
+        return
+    gc.collect(1)
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -152,8 +170,13 @@ class Trainer:
         )
         self.rng = RngSnapshot(rng.python, rng.numpy, rng.torch_cpu, rng.torch_cuda)
         self.timer = StepTimer(ctx.device)
+        self.manual_gc = cfg.experiment.manual_gc
+        self.block_times: list[float] = []  # this rank's step times of the last block run (for the stopping rule)
+        planted = cfg.experiment.planted_tax if arm == "deterministic" else 0.0
+        self.planted = PlantedDelay(planted, ctx.device) if planted > 0 else None
         self.writer = StepWriter(steps_file(run_dir, ctx.rank))
-        self._pending: list[tuple[dict[str, Any], Any, Any, torch.Tensor]] = []
+        # (record, step time, fingerprint time, planted-delay mark, digests) per step not yet written
+        self._pending: list[tuple[dict[str, Any], Any, Any, Any, torch.Tensor]] = []
         # Where an injected fault fired (faults.rank<R>.jsonl, on every rank of a run with a fault: an empty file says
         # that it never fired there). Faults acting inside a step and the tracing-ladder capture are None in ordinary
         # runs (no per-step cost).
@@ -187,7 +210,8 @@ class Trainer:
                 self.rng = RngSnapshot.capture()
 
     def run_block(self, steps: int, block: int, on_step: Callable[[], None] | None = None) -> None:
-        with self.activated():
+        self.block_times = []
+        with self.activated(), collected_between_blocks(self.manual_gc):
             # Start the block together: untimed work before it (the arm switch, the other arm's records) on one rank
             # would otherwise leak into another rank's timed first step through the gradient all-reduce.
             if dist.is_initialized() and self.ctx.world_size > 1:
@@ -230,6 +254,7 @@ class Trainer:
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
         grad_norm = self.parallel.clip_grad_norm_(max_norm)
         self.optimizer.step()
+        planted_s, planted_mark = (0.0, None) if self.planted is None else self.planted.apply(started)
         measured = self.timer.stop(started)
 
         self._inject_fault()
@@ -252,10 +277,11 @@ class Trainer:
             "block": block,
             "data_s": data_s,
             "tokens": self.tokens_per_step,
+            "planted_s": planted_s,
         }
         if self.split is not None:  # which pipeline stages this rank's fingerprints cover
             record["stages"] = list(self.split.stages)
-        self._pending.append((record, measured, fingerprint_measured, digests))
+        self._pending.append((record, measured, fingerprint_measured, planted_mark, digests))
         if self.ctx.device.type == "cpu":
             self._flush(None)
 
@@ -289,8 +315,12 @@ class Trainer:
         if not self._pending:
             return
         digests = torch.stack([d for *_, d in self._pending]).cpu().tolist()
-        for (record, measured, fingerprint_measured, _), values in zip(self._pending, digests, strict=True):
+        for (record, measured, fingerprint_measured, planted_mark, _), values in zip(self._pending, digests,
+                                                                                      strict=True):
             seconds = self.timer.seconds(measured)
+            self.block_times.append(seconds)
+            if self.planted is not None and self.timer.cuda:
+                self.planted.observe(measured[0], planted_mark)
             loss_bits, grads, norm_bits, params, optim = values
             record.update(
                 time_s=seconds,  # the analysed step time: CUDA events on GPU, perf_counter on CPU

@@ -40,7 +40,7 @@ def test_known_tax_is_recovered_within_its_interval(true_tax: float) -> None:
     baseline = synthetic_arm(0.010, steps, block, ranks=2, cv=0.02, seed=1, warmup=5, drift=drift)
     deterministic = synthetic_arm(0.010 * (1 + true_tax), steps, block, ranks=2, cv=0.02, seed=2, warmup=5,
                                   drift=drift)
-    tax = estimate_tax(baseline, deterministic, min_warmup=4)
+    tax = estimate_tax([baseline], [deterministic], min_warmup=4)
     assert tax.low <= true_tax <= tax.high
     assert tax.hl_low <= true_tax <= tax.hl_high
     assert tax.high - tax.low < 0.02
@@ -59,10 +59,28 @@ def test_mser5_finds_a_warmup_transient_and_flags_drift() -> None:
     assert warmup_cut(steady, minimum=40).steps == 40
 
 
-def test_steps_for_half_width_matches_design_table() -> None:
-    assert steps_for_half_width(0.01) == pytest.approx(31, abs=1)
-    assert steps_for_half_width(0.02) == pytest.approx(123, abs=1)
-    assert steps_for_half_width(0.03) == pytest.approx(277, abs=1)
+def test_every_timed_run_narrows_the_interval_around_the_same_tax() -> None:
+    steps, block, true_tax = 120, 1, 0.03
+    # A speed regime shared by every run of a round (the machine's state), which interleaving must cancel.
+    regime = np.repeat(np.random.default_rng(7).choice([0.0, 0.4], size=steps // 6), 6)
+    runs = {(arm, replica): synthetic_arm(0.010 * (1 + true_tax if arm == "d" else 1), steps, block, ranks=2,
+                                          cv=0.05, seed=10 * replica + (arm == "d"), drift=regime)
+            for arm in ("b", "d") for replica in (0, 1)}
+    pair = estimate_tax([runs["b", 0]], [runs["d", 0]], min_warmup=0)
+    every = estimate_tax([runs["b", 0], runs["b", 1]], [runs["d", 0], runs["d", 1]], min_warmup=0)
+    assert every.timed_runs == 4 and pair.timed_runs == 2
+    assert every.low <= true_tax <= every.high and pair.low <= true_tax <= pair.high
+    assert every.half_width < pair.half_width / 1.2  # sqrt(2) in expectation
+
+
+def test_steps_needed_extrapolate_the_measured_half_width() -> None:
+    rng = np.random.default_rng(3)
+    baseline = synthetic_arm(0.010, 60, 1, ranks=1, cv=0.05, seed=int(rng.integers(1000)))
+    deterministic = synthetic_arm(0.010, 60, 1, ranks=1, cv=0.05, seed=int(rng.integers(1000)))
+    tax = estimate_tax([baseline], [deterministic], min_warmup=4)
+    needed = steps_for_half_width(tax, tax.half_width / 2)  # half the width: four times the steady steps
+    assert needed == tax.warmup_steps + math.ceil(4 * tax.steady_steps)
+    assert steps_for_half_width(tax, tax.half_width * 2) < 60
 
 
 def _stream(steps: int, ranks: int) -> pd.DataFrame:

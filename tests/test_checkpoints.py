@@ -174,7 +174,8 @@ def tiny_config(*extra: str) -> TaxbenchConfig:
     cfg, _ = compose_config("cluster=inprocess", "recipe.global_batch_size=4", "recipe.model.d_model=32",
                             "recipe.model.n_heads=2", "recipe.model.seq_len=16", "recipe.model.d_ff=64",
                             "experiment.name=ckpt", "experiment.steps=12", "experiment.block_steps=3",
-                            "experiment.warmup_steps=2", "experiment.resume_step=6", *extra)
+                            "experiment.warmup_steps=2", "experiment.resume_step=6",
+                            "experiment.checkpoint_every_blocks=1", *extra)
     return cfg
 
 
@@ -217,7 +218,8 @@ def test_a_damaged_checkpoint_is_named_and_the_continued_experiment_still_agrees
     cfg = tiny_config()
     root = tmp_path / "ckpt"
     root.mkdir()
-    # The timed pair (24 steps) finishes; deterministic-1 crashes at step 8, after committing steps 3 and 6.
+    # The four interleaved runs crash in their third round (3-step blocks: 24 steps done, then 8 more), after
+    # committing steps 3 and 6.
     with pytest.raises(Crash):
         run_schedule(cfg, root, crash_after(24 + 8))
     checkpoints = RunCheckpoints(root / "deterministic-1", rank=0)

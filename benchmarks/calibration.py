@@ -1,0 +1,75 @@
+"""Is the tax estimate right? Bias and coverage on a planted tax, and what timing every run buys.
+
+Runs `python -m taxbench` as an A/A calibration pair (experiment.calibration=true: both arms on the baseline policy,
+so the true tax is exactly experiment.planted_tax) N times at each planted value, and N times with only the *-0 pair
+timed (experiment.interleave=pair, the schedule before every run was timed) at the same steps per run. The three
+configurations take turns within each repeat, so drift over the benchmark lands on all alike. Prints per planted
+value the bias (median estimate - planted), the coverage (share of the intervals holding the planted value) and the
+median half-width, and the half-width ratio pair / all.
+
+    python benchmarks/calibration.py                      # 20 repeats, 120 steps per run, one in-process rank
+    python benchmarks/calibration.py --repeats 30 --ranks 2 --steps 180
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def experiment(out: Path, name: str, overrides: list[str]) -> dict:
+    command = [sys.executable, "-m", "taxbench", f"experiment.out_dir={out}", f"experiment.name={name}",
+               "experiment.calibration=true", "report.wandb=false", "report.html=false", *overrides]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=out)
+    if done.returncode != 0:
+        raise SystemExit(f"{name}: exit {done.returncode}\n{done.stderr[-3000:]}")
+    return json.loads((out / name / "summary.json").read_text())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=120, help="steps per run (a multiple of --block)")
+    parser.add_argument("--block", type=int, default=6)
+    parser.add_argument("--planted", type=float, nargs="+", default=[0.0, 0.02])
+    parser.add_argument("--ranks", type=int, default=1, help="gloo ranks (1 runs in-process)")
+    args = parser.parse_args()
+    cluster = ["cluster=inprocess"] if args.ranks == 1 else ["cluster=local", f"cluster.cpu_ranks={args.ranks}"]
+    common = [*cluster, f"experiment.steps={args.steps}", f"experiment.block_steps={args.block}",
+              f"experiment.resume_step={args.block}"]
+    configs = {f"all@{p:g}": [f"experiment.planted_tax={p}"] for p in args.planted}
+    configs[f"pair@{args.planted[-1]:g}"] = [f"experiment.planted_tax={args.planted[-1]}", "experiment.interleave=pair"]
+    results: dict[str, list[dict]] = {name: [] for name in configs}
+    with tempfile.TemporaryDirectory(prefix="calibration-") as tmp:
+        for repeat in range(args.repeats):
+            for name, overrides in configs.items():
+                folder = f"{name.replace('@', '_')}_{repeat}"
+                results[name].append(experiment(Path(tmp), folder, [*common, *overrides]))
+                shutil.rmtree(Path(tmp) / folder, ignore_errors=True)
+            print(f"repeat {repeat + 1}/{args.repeats} done", file=sys.stderr, flush=True)
+
+    print(f"{args.repeats} repeats, {args.steps} steps per run, {args.ranks} rank(s), A/A calibration pair")
+    print(f"{'config':<12} {'planted':>8} {'median est':>11} {'bias':>8} {'coverage':>9} {'median +/-':>11}")
+    half_widths = {}
+    for name, summaries in results.items():
+        planted = float(name.split("@")[1])
+        taxes = [s["tax"]["tax"] for s in summaries]
+        held = [s["tax"]["low"] <= planted <= s["tax"]["high"] for s in summaries]
+        half_widths[name] = statistics.median(s["tax"]["half_width"] for s in summaries)
+        median = statistics.median(taxes)
+        print(f"{name:<12} {planted * 100:>7.2f}% {median * 100:>+10.2f}% {(median - planted) * 100:>+7.2f}p "
+              f"{sum(held) / len(held) * 100:>8.0f}% {half_widths[name] * 100:>10.2f}%")
+    last = args.planted[-1]
+    ratio = half_widths[f"pair@{last:g}"] / half_widths[f"all@{last:g}"]
+    print(f"half-width with only the *-0 pair timed / with every run timed (same steps per run): {ratio:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,91 @@
+"""The calibrated instrument: a planted tax is recovered, an A/A pair is labelled as a calibration, every
+interleaved run is timed, a precision target stops the rounds, and an unfinished adaptive schedule is incomplete."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from taxbench import exit_codes
+from taxbench.analysis.summary import CALIBRATION, analyse
+from taxbench.config import ConfigError
+from taxbench.records import STOP_FILE
+from tests.conftest import compose_config
+from tests.test_checkpoints import Crash, crash_after, run_schedule, tiny_config
+
+CALIBRATED = ("experiment.calibration=true", "experiment.block_steps=1", "experiment.checkpoint_every_blocks=10")
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "steps.rank0.jsonl").read_text().splitlines()]
+
+
+def test_a_planted_tax_is_recovered_by_an_a_a_pair_labelled_as_a_calibration(tmp_path: Path) -> None:
+    cfg = tiny_config(*CALIBRATED, "experiment.steps=60", "experiment.planted_tax=0.5")
+    run_schedule(cfg, tmp_path)
+    for name in ("baseline-0", "deterministic-0", "deterministic-1", "baseline-1", "deterministic-resumed"):
+        manifest = json.loads((tmp_path / name / "manifest.json").read_text())
+        assert manifest["policy"]["deterministic"] is False, name  # both arms on the baseline policy
+    planted = [r["planted_s"] for r in records(tmp_path / "deterministic-1")]
+    assert planted[0] > 0 and all(p > 0 for p in planted)  # every deterministic step, from the first one
+    assert all(r["planted_s"] == 0 for r in records(tmp_path / "baseline-1"))
+    summary = analyse(tmp_path)
+    assert summary.outcome == CALIBRATION and summary.exit_code == exit_codes.OK and not summary.deterministic_ok
+    assert summary.tax.timed_runs == 4  # baseline-0, deterministic-0, deterministic-1, baseline-1
+    # Unbiased within its interval (twice the half-width: the benchmark, not a unit test, measures the coverage).
+    assert abs(summary.tax.tax - 0.5) <= 2 * summary.tax.half_width
+    stored = json.loads((tmp_path / "summary.json").read_text())
+    assert stored["planted_tax"] == 0.5 and stored["calibration"] is True and "planted +50.00%" in stored["headline"]
+
+
+def test_a_precision_target_adds_rounds_until_the_interval_is_that_narrow(tmp_path: Path) -> None:
+    cfg = tiny_config(*CALIBRATED, "experiment.steps=20", "experiment.planted_tax=0.10",
+                      "experiment.target_half_width=0.02", "experiment.max_steps=2000")
+    run_schedule(cfg, tmp_path)
+    stop = json.loads((tmp_path / STOP_FILE).read_text())
+    assert stop["stopped_by"] == "target_half_width" and stop["half_width"] <= 0.02
+    summary = analyse(tmp_path)
+    assert summary.steps == stop["steps"] > 20 and not summary.problems
+    assert summary.tax.half_width <= 0.02 and summary.stopped_by == "target_half_width"
+    assert abs(summary.tax.tax - 0.10) <= 2 * summary.tax.half_width
+    for name in ("baseline-0", "deterministic-1", "deterministic-resumed"):  # every run took the decided steps
+        assert [r["step"] for r in records(tmp_path / name)] == list(range(1, stop["steps"] + 1))
+
+
+def test_the_step_cap_stops_an_unreachable_target_and_says_so(tmp_path: Path) -> None:
+    cfg = tiny_config(*CALIBRATED, "experiment.steps=12", "experiment.target_half_width=0.0001",
+                      "experiment.max_steps=24")
+    run_schedule(cfg, tmp_path)
+    summary = analyse(tmp_path)
+    assert summary.stopped_by == "max_steps" and summary.steps == 24 and not summary.problems
+
+
+def test_an_adaptive_schedule_continued_after_a_crash_completes_without_duplicates(tmp_path: Path) -> None:
+    cfg = tiny_config(*CALIBRATED, "experiment.steps=12", "experiment.target_half_width=0.0001",
+                      "experiment.max_steps=36", "experiment.checkpoint_every_blocks=6")
+    with pytest.raises(Crash):
+        run_schedule(cfg, tmp_path, crash_after(4 * 20 + 2))  # past `steps`, in the added rounds
+    assert not (tmp_path / STOP_FILE).exists()  # the rounds never finished: analysis has no length to pass
+    run_schedule(cfg, tmp_path)
+    summary = analyse(tmp_path)
+    assert summary.steps == 36 and not summary.problems and summary.exit_code == exit_codes.OK
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("experiment.interleave=some", "experiment.interleave='some' must be one of ['all', 'pair']"),
+        ("experiment.planted_tax=-0.1", "experiment.planted_tax=-0.1 must be in [0, 10)"),
+        ("experiment.target_half_width=2", "experiment.target_half_width=2.0 must be in [0, 1)"),
+    ],
+)
+def test_bad_calibration_settings_are_refused_with_the_fix(override: str, expected: str) -> None:
+    with pytest.raises(ConfigError, match=expected.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        compose_config("experiment.name=x", override)
+
+
+def test_max_steps_below_steps_is_refused() -> None:
+    with pytest.raises(ConfigError, match="experiment.max_steps=30 must be >= experiment.steps=60"):
+        compose_config("experiment.name=x", "experiment.target_half_width=0.01", "experiment.max_steps=30")
