@@ -53,6 +53,8 @@ _FIELD_TYPES = {
     "fingerprint_s": pa.float64(),
     "device_s": pa.float64(),
     "planted_s": pa.float64(),
+    "mem_peak_bytes": pa.int64(),
+    "mem_reserved_bytes": pa.int64(),
     "loss": pa.float64(),
     "grad_norm": pa.float64(),
     **{metric: pa.string() for metric in METRICS},

@@ -20,21 +20,23 @@ from pathlib import Path
 from typing import Any
 
 from taxbench import exit_codes
-from taxbench.analysis.plots import step_time_plot, sweep_tax_plot
+from taxbench.analysis.plots import step_time_plot, sweep_tax_plot, training_curves_plot
 from taxbench.analysis.records import ResultWriteError, step_times
 from taxbench.analysis.summary import (
-    FAILED,
     GATES,
     PASSED,
     ExperimentAnalysis,
     ExperimentSummary,
+    localize_command,
     ms,
     pct,
     pct_plain,
+    verdict_line,
     write_result,
 )
 from taxbench.analysis.sweep import GATE_LABELS, SweepAnalysis
 from taxbench.analysis.tax import block_ratios
+from taxbench.analysis.throughput import mebibytes, si
 from taxbench.analysis.verdicts import INCOMPLETE, Verdict
 from taxbench.oserrors import describe_os_error
 from taxbench.redaction import redact
@@ -43,12 +45,13 @@ REPORT_DIR = "report"
 HTML_FILE = "report.html"
 MARKDOWN_FILE = "report.md"
 STEP_TIME_PNG = "step_times.png"
+TRAINING_PNG = "training.png"
 SWEEP_PNG = "tax_vs_gpus.png"
 
 # Manifest parts shown side by side, in this order; config.arms holds both policies in both manifests (identical),
 # the per-arm policy is shown from `policy` instead.
-MANIFEST_SECTIONS = ("policy", "policy_applied", "layout", "stack", "provenance", "config.recipe", "config.cluster",
-                     "config.experiment", "config.arm_overrides")
+MANIFEST_SECTIONS = ("policy", "policy_applied", "layout", "stack", "timing", "provenance", "config.recipe",
+                     "config.cluster", "config.experiment", "config.arm_overrides")
 
 
 # ----------------------------------------------------------------------------------------------------- document model
@@ -72,6 +75,7 @@ class TableBlock:
     # (row, column) -> another report's folder, relative: HTML links its report.html, markdown its report.md
     report_links: dict[tuple[int, int], str] = field(default_factory=dict)
     collapsed: str = ""  # when set, the table is folded under this summary line
+    highlight_class: str = "hl"  # "hl": a difference (yellow); "bad": a failure (red)
 
 
 @dataclass
@@ -101,7 +105,7 @@ h1{font-size:1.6em;border-bottom:2px solid #ddd;padding-bottom:.3em}h2{font-size
 table{border-collapse:collapse;margin:.6em 0;font-size:.9em}
 th,td{border:1px solid #ccc;padding:.25em .6em;text-align:left;vertical-align:top;font-family:ui-monospace,monospace}
 th{background:#f3f3f3;font-family:inherit}
-tr.hl td{background:#fff3c4}
+tr.hl td{background:#fff3c4}tr.bad td{background:#f8d0cc}
 .box{padding:.6em 1em;border-radius:4px;margin:.6em 0;border-left:5px solid #999;background:#f6f6f6}
 .good{border-color:#2e7d32;background:#edf7ed}.bad{border-color:#c62828;background:#fdecea}
 .warn{border-color:#ed6c02;background:#fff4e5}
@@ -137,7 +141,7 @@ def to_html(report: Report) -> str:
                         href = f"{block.report_links[r, c]}/{HTML_FILE}"
                         text = f"<a href='{html.escape(href)}'>{text}</a>"
                     cells.append(f"<td>{text}</td>")
-                marked = " class='hl'" if r < len(block.highlight) and block.highlight[r] else ""
+                marked = f" class='{block.highlight_class}'" if r < len(block.highlight) and block.highlight[r] else ""
                 rows.append(f"<tr{marked}>{''.join(cells)}</tr>")
             head = "".join(f"<th>{html.escape(h)}</th>" for h in block.header)
             table = f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
@@ -278,15 +282,9 @@ def _gate_row(verdict: Verdict, strict: bool) -> list[str]:
 
 
 def _verdict_paragraph(summary: ExperimentSummary) -> Paragraph:
-    if summary.outcome == PASSED:
-        return Paragraph("The deterministic recipe reproduced bit for bit (repeatability and restart replay).",
-                         tone="good")
-    if summary.outcome == FAILED:
-        return Paragraph("The deterministic recipe is **not** bitwise reproducible: see the first mismatch below, "
-                         "then localise its origin with the tracing ladder.", tone="bad")
-    return Paragraph("**Incomplete**: there is not enough evidence for a verdict (exit code 4). A gate over runs with "
-                     "missing, truncated or duplicated records is never reported identical; an enabled fault must "
-                     "fire for its self-test to count.", tone="bad")
+    tone, line = verdict_line(summary)
+    command = localize_command(summary)
+    return Paragraph(f"**{line}**" + (f"; find the op: {command}" if command else ""), tone=tone)
 
 
 def _evidence_blocks(summary: ExperimentSummary) -> list[Block]:
@@ -301,6 +299,37 @@ def _evidence_blocks(summary: ExperimentSummary) -> list[Block]:
     return blocks
 
 
+def _training_blocks(analysis: ExperimentAnalysis) -> list[Block]:
+    """Throughput, MFU and memory per arm, what the tax costs, and the loss and grad-norm curves."""
+    summary = analysis.summary
+    blocks: list[Block] = [Heading("Training metrics")]
+    unit = "device" if summary.device == "cuda" else "rank"
+    rows = []
+    for arm, metrics in summary.throughput.items():
+        if metrics is None:
+            continue
+        rows.append([arm, si(metrics.tokens_per_s, "tok/s"), si(metrics.tokens_per_s_per_device, "tok/s"),
+                     "n/a" if metrics.tflops_per_device is None else f"{metrics.tflops_per_device:.3g}",
+                     pct_plain(metrics.mfu) if metrics.mfu is not None else "n/a",
+                     mebibytes(metrics.peak_memory_bytes), pct_plain(metrics.data_share)])
+    if rows:
+        blocks.append(TableBlock(["arm", "tokens/s", f"tokens/s per {unit}", f"TFLOP/s per {unit}", "MFU",
+                                  "peak memory", "data loading"], rows))
+        cost = summary.cost
+        hours = cost.get("device_hours_per_day")
+        blocks.append(Paragraph(
+            f"The tax costs {si(cost.get('tokens_per_s_lost'), 'tok/s')} and "
+            f"{'n/a' if hours is None else f'{hours:.1f}'} {unit}-hours per day of training at "
+            f"{summary.world_size} {unit}s. MFU needs a GPU with a known peak (cluster.peak_tflops); peak memory is "
+            "the process's (all of its interleaved runs)."))
+    names = [name for name in ("baseline-0", "deterministic-0", "deterministic-1", "baseline-1")
+             if not analysis.runs[name].empty]
+    if names:
+        blocks.append(Figure(TRAINING_PNG, training_curves_plot({name: analysis.runs[name] for name in names}),
+                             "loss and gradient norm per step"))
+    return blocks
+
+
 GATE_HEADER = ["gate", "runs", "verdict", "compared", "first mismatch", "reference value", "candidate value"]
 
 
@@ -309,6 +338,7 @@ def experiment_report(analysis: ExperimentAnalysis) -> Report:
     blocks: list[Block] = [
         Paragraph(f"recipe **{summary.recipe}** · {summary.world_size} ranks · device {summary.device} · "
                   f"results {summary.root} · generated {datetime.now(UTC):%Y-%m-%d %H:%M UTC}"),
+        _verdict_paragraph(summary),
         Heading("Determinism tax"),
         Paragraph(
             ("**CALIBRATION** (A/A pair: both arms on the baseline policy; not a determinism result). " if
@@ -337,10 +367,12 @@ def experiment_report(analysis: ExperimentAnalysis) -> Report:
     blocks.append(Figure(STEP_TIME_PNG, step_time_plot(series, tax, ratios),
                          "step time per arm with the warmup cut, and the per-block tax"))
 
+    blocks += _training_blocks(analysis)
+
     blocks.append(Heading("Bitwise gates"))
     blocks.append(_verdict_paragraph(summary))
     rows, failing = gate_rows(summary)
-    blocks.append(TableBlock(GATE_HEADER, rows, failing))
+    blocks.append(TableBlock(GATE_HEADER, rows, failing, highlight_class="bad"))
     blocks += _evidence_blocks(summary)
 
     blocks.append(Heading("Recipe and stack, side by side"))

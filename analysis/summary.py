@@ -31,6 +31,7 @@ from taxbench.analysis.records import (
     manifest_value,
 )
 from taxbench.analysis.tax import PRECISE_HALF_WIDTH, TaxEstimate, estimate_tax, no_estimate, steps_for_half_width
+from taxbench.analysis.throughput import ArmThroughput, arm_throughput, cost_of_tax, mebibytes, si
 from taxbench.analysis.verdicts import DIFFERS, INCOMPLETE, Verdict, compare_runs
 from taxbench.oserrors import describe_os_error
 from taxbench.records import INTERLEAVED, RunWriteError, write_atomically
@@ -67,6 +68,8 @@ class ExperimentSummary:
     planted_tax: float  # the known tax planted in every deterministic step (0: none)
     calibration: bool  # an A/A pair: both arms on the baseline policy; never a determinism result
     rank_median_s: list[float]  # each rank's median step time over the timed runs after warmup
+    throughput: dict[str, ArmThroughput | None]  # arm -> tokens/s, TFLOP/s, MFU, memory (None: not recorded)
+    cost: dict[str, float | None]  # what the tax costs: tokens/s lost, device-hours per day
     problems: list[str] = field(default_factory=list)  # what makes runs incomplete: run, ranks, steps
     faults: list[str] = field(default_factory=list)  # the injected fault: where it fired, or that it never did
     fault_fired: bool | None = None  # None: no fault configured
@@ -149,6 +152,8 @@ class ExperimentSummary:
             "calibration": self.calibration,
             "rank_median_s": [finite_or_none(m) for m in self.rank_median_s],
             "rank_spread": finite_or_none(self.rank_spread),
+            "throughput": {arm: None if t is None else t.to_dict() for arm, t in self.throughput.items()},
+            "cost": self.cost,
             "deterministic_ok": self.deterministic_ok,
             "outcome": self.outcome,
             "exit_code": self.exit_code,
@@ -284,6 +289,11 @@ def analyse_experiment(root: Path) -> ExperimentAnalysis:
     # The whole experiment at that length: every run (timed or not) at its arm's median step.
     arm_runs = {arm: sum(1 for name in RUN_NAMES if name.startswith(arm)) for arm in ("baseline", "deterministic")}
     step_cost = arm_runs["baseline"] * tax.baseline_median_s + arm_runs["deterministic"] * tax.deterministic_median_s
+    world = int(manifest_value(manifest, root / "deterministic-0", "layout.world_size"))
+    medians = {"baseline": tax.baseline_median_s, "deterministic": tax.deterministic_median_s}
+    throughput = {arm: arm_throughput([f[f["step"] > tax.warmup_steps] for f in frames], medians[arm], world,
+                                      manifest.get("throughput"))
+                  for arm, frames in timed.items()}
     summary = ExperimentSummary(
         experiment=root.name,
         root=str(root),
@@ -301,6 +311,8 @@ def analyse_experiment(root: Path) -> ExperimentAnalysis:
         planted_tax=float(experiment.get("planted_tax", 0.0)),
         calibration=bool(experiment.get("calibration", False)),
         rank_median_s=rank_medians(timed, tax.warmup_steps),
+        throughput=throughput,
+        cost=cost_of_tax(throughput["baseline"], throughput["deterministic"], tax.tax, world),
         problems=stop_problems + [line for name in RUN_NAMES for line in problems[name]],
         faults=faults,
         fault_fired=fired,
@@ -312,6 +324,33 @@ def analyse_experiment(root: Path) -> ExperimentAnalysis:
 
 def analyse(root: Path) -> ExperimentSummary:
     return analyse_experiment(root).summary
+
+
+def verdict_line(summary: ExperimentSummary) -> tuple[str, str]:
+    """The verdict as one line, the first thing every output shows, with its tone ("good", "bad", "warn")."""
+    if summary.outcome == CALIBRATION:
+        return "warn", "calibration (A/A pair: both arms on the baseline policy): no determinism verdict"
+    strict = [(v, gate) for v, gate in zip(summary.verdicts, GATES, strict=True) if gate[3]]
+    if summary.outcome == PASSED:
+        steps = " and ".join(f"{v.gate} {v.compared_steps} steps" for v, _ in strict)
+        return "good", f"deterministic: yes (bitwise identical: {steps})"
+    if summary.outcome == FAILED:
+        failed, gate = next((v, g) for v, g in strict if v.outcome == DIFFERS)
+        m = failed.first_mismatch
+        assert m is not None
+        return "bad", f"deterministic: NO ({failed.gate} differs first at step {m.step}, rank {m.rank}, {m.metric})"
+    reason = summary.problems[0] if summary.problems else (summary.faults[0] if summary.faults else "see the gates")
+    more = f" (and {len(summary.problems) - 1} more)" if len(summary.problems) > 1 else ""
+    return "bad", f"deterministic: no verdict, incomplete evidence: {reason}{more}"
+
+
+def localize_command(summary: ExperimentSummary) -> str | None:
+    """The ready-to-run command that narrows the first failing strict gate to an op (None when none failed)."""
+    for v, (_, reference, candidate, strict) in zip(summary.verdicts, GATES, strict=True):
+        if strict and v.outcome == DIFFERS and not summary.calibration:
+            root = Path(summary.root)
+            return f"taxbench localize {root / reference} {root / candidate}"
+    return None
 
 
 def pct(value: object) -> str:
@@ -365,11 +404,15 @@ def render(summary: ExperimentSummary, console: Console | None = None, report_pa
                         f"{summary.device}{calibration if summary.calibration else ''}", title_justify="left")
     table.add_column(style="bold", no_wrap=True)
     table.add_column(overflow="fold")
+    tone, line = verdict_line(summary)
+    colour = {"good": "green", "bad": "red", "warn": "yellow"}[tone]
+    table.add_row("verdict", f"[bold {colour}]{escape(line)}[/bold {colour}]")
     headline = escape(summary.headline())
     table.add_row("tax", f"[bold]{headline}[/bold]" if summary.conclusive else f"[yellow]{headline}[/yellow]")
+    spread = f"; ranks spread {pct_plain(summary.rank_spread)}" if math.isfinite(summary.rank_spread) else ""
     table.add_row("step time", f"baseline {ms(tax.baseline_median_s)} (CV {pct_plain(tax.baseline_cv)})  "
                                f"deterministic {ms(tax.deterministic_median_s)} "
-                               f"(CV {pct_plain(tax.deterministic_cv)})")
+                               f"(CV {pct_plain(tax.deterministic_cv)}){spread}")
     for verdict, (_, _, _, strict) in zip(summary.verdicts, GATES, strict=True):
         table.add_row(verdict.gate, gate_outcome(verdict, strict))
     if summary.problems:
@@ -378,20 +421,31 @@ def render(summary: ExperimentSummary, console: Console | None = None, report_pa
         table.add_row("fault", escape(line) if summary.fault_fired else f"[red]{escape(line)}[/red]")
     if tax.drifting:
         table.add_row("[yellow]warning[/yellow]", "step times still drifting (MSER-5 hit its cap); run more steps")
-    sample = (f"{tax.pairs} rounds of {tax.timed_runs} timed runs after {tax.warmup_steps} warmup steps; "
-              f"{summary.steps} steps per run")
+    sample = f"{tax.pairs} rounds x {tax.timed_runs} runs, {tax.warmup_steps} warmup, {summary.steps} steps/run"
     if summary.stopped_by == TARGET:
         sample += f", stopped at +/-{pct_plain(summary.target_half_width)}"
     elif summary.target_half_width:
         sample += f", stopped by the step cap before +/-{pct_plain(summary.target_half_width)}"
     table.add_row("sample", sample)
-    if math.isfinite(summary.rank_spread):
-        table.add_row("ranks", f"median step per rank {ms(min(summary.rank_median_s))} to "
-                               f"{ms(max(summary.rank_median_s))} (spread {pct_plain(summary.rank_spread)})")
+    base, det = summary.throughput["baseline"], summary.throughput["deterministic"]
+    if base is not None and det is not None:
+        unit = "device" if summary.device == "cuda" else "rank"
+        mfu = (f"MFU {pct_plain(base.mfu)} / {pct_plain(det.mfu)}" if base.mfu is not None else
+               "MFU n/a on CPU" if summary.device == "cpu" else "MFU n/a (set cluster.peak_tflops)")
+        table.add_row("throughput", f"{si(base.tokens_per_s, 'tok/s')} / {si(det.tokens_per_s, 'tok/s')} "
+                                    f"(baseline / deterministic; {si(det.tokens_per_s_per_device, 'tok/s')} per "
+                                    f"{unit}); {mfu}; peak memory {mebibytes(det.peak_memory_bytes)}; data "
+                                    f"{pct_plain(det.data_share)} of a step")
     if math.isfinite(summary.fingerprint_s) and tax.baseline_median_s > 0:
         share = summary.fingerprint_s / tax.baseline_median_s
         table.add_row("gates' cost", f"fingerprints {ms(summary.fingerprint_s)}/step ({pct_plain(share)} of a baseline "
                                      "step), outside the timed step")
-    table.add_row("results", summary.root if report_path is None else f"{summary.root}\n{report_path}")
     console.print(table)
+    # Paths and commands on lines of their own, never folded, so that they can be copied (also from a piped log).
+    command = localize_command(summary)
+    if command is not None:
+        console.print(f"[bold]localize[/bold]         {escape(command)}", soft_wrap=True)
+    console.print(f"[bold]results[/bold]          {escape(summary.root)}", soft_wrap=True)
+    if report_path is not None:
+        console.print(f"[bold]report[/bold]           {escape(str(report_path))}", soft_wrap=True)
 

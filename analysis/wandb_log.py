@@ -18,7 +18,7 @@ from typing import Any
 
 from taxbench.analysis.records import step_times
 from taxbench.analysis.report import GATE_HEADER, STEP_TIME_PNG, SWEEP_PNG, gate_rows
-from taxbench.analysis.summary import ExperimentAnalysis
+from taxbench.analysis.summary import ExperimentAnalysis, verdict_line
 from taxbench.analysis.sweep import SweepAnalysis
 from taxbench.analysis.tax import block_ratios
 from taxbench.config import ReportConfig
@@ -111,6 +111,7 @@ def log_experiment(analysis: ExperimentAnalysis, settings: ReportConfig, report_
         values: dict[str, Any] = {f"tax/{key}": value for key, value in tax.to_dict().items()}
         values["deterministic_ok"] = summary.deterministic_ok
         values["outcome"] = summary.outcome
+        values["verdict"] = verdict_line(summary)[1]
         values["exit_code"] = summary.exit_code
         values["incomplete"] = "\n".join(summary.problems)
         values["fault"] = "\n".join(summary.faults)

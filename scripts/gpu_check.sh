@@ -11,3 +11,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT
 python -m pytest -m gpu -v -s tests/test_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log"
 python -m taxbench cluster=inprocess cluster.device=cuda cluster.gpus=1 +recipe=moe_tiny recipe.precision=bf16 \
     experiment.out_dir="$OUT/runs" experiment.name=moe_tiny_gpu report.wandb=false 2>&1 | tee "$OUT/moe_tiny_gpu.log"
+# The calibrated instrument on GPU: a planted 5% tax on an A/A pair (spin kernel, CUDA event times).
+python -m taxbench cluster=inprocess cluster.device=cuda cluster.gpus=1 experiment.calibration=true \
+    experiment.planted_tax=0.05 experiment.steps=240 experiment.out_dir="$OUT/runs" experiment.name=planted_gpu \
+    report.wandb=false 2>&1 | tee "$OUT/planted_gpu.log"

@@ -167,6 +167,8 @@ class ClusterConfig:
     threads_per_rank: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0 picks a free port
+    # Peak dense TFLOP/s of one device for MFU; 0: taxbench.throughput's table by GPU name (no MFU on CPU).
+    peak_tflops: float = 0.0
     # Slurm (cluster=slurm)
     partition: str | None = None
     account: str | None = None
@@ -468,6 +470,8 @@ def validate(cfg: TaxbenchConfig) -> None:
     ):
         _require(value >= 1, f"{key}={value} must be >= 1")
     _check_experiment_name(exp.name)
+    _require(cluster.peak_tflops >= 0,
+             f"cluster.peak_tflops={cluster.peak_tflops} must be >= 0 (0: from the GPU name; H100 bf16: 989)")
     _require(0 <= cluster.master_port <= 65535,
              f"cluster.master_port={cluster.master_port} must be a TCP port in [1, 65535], or 0 to pick a free one")
     _require(

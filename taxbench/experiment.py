@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
+import torch
 from omegaconf import OmegaConf
 
 from taxbench import manifest, policy, provenance
@@ -27,6 +28,7 @@ from taxbench.config import TaxbenchConfig, max_steps
 from taxbench.distributed import DistContext
 from taxbench.records import ALL_RUNS, INTERLEAVED, MANIFEST, RESUMED, RunRef, write_manifest
 from taxbench.stopping import Stop, StoppingRule, read_stop
+from taxbench.throughput import throughput_manifest
 from taxbench.trainer import Trainer
 
 
@@ -63,6 +65,7 @@ class Experiment:
                  on_total: Callable[[int], None] | None = None):
         self.cfg, self.ctx, self.root, self.on_step, self.on_total = cfg, ctx, root, on_step, on_total
         self.attempt_id = uuid.uuid4().hex[:12]  # this start of the schedule (rank 0 names it in the manifests)
+        self._throughput: dict | None = None  # counted once, on rank 0 (see taxbench.throughput)
 
     def _trainer(self, ref: RunRef) -> Trainer:
         run_dir = self.root / ref.name
@@ -97,6 +100,8 @@ class Experiment:
         arm_policy = self.cfg.arms[ref.arm]
         with policy.active(arm_policy):
             applied = policy.applied_state(self.cfg.cluster.device)
+        if self._throughput is None:
+            self._throughput = throughput_manifest(self.cfg.recipe, self.cfg.cluster)
         config = OmegaConf.to_container(OmegaConf.structured(self.cfg), resolve=True, enum_to_str=True)
         write_manifest(
             self.root / ref.name,
@@ -116,6 +121,15 @@ class Experiment:
                     **trainer.pipeline_manifest(),
                 },
                 "stack": stack,
+                # What shapes step-time noise, as this process has it (rank 0).
+                "timing": {
+                    "torch_threads": torch.get_num_threads(),
+                    "interop_threads": torch.get_num_interop_threads(),
+                    "manual_gc": self.cfg.experiment.manual_gc,
+                    "block_steps": self.cfg.experiment.block_steps,
+                    "interleave": self.cfg.experiment.interleave,
+                },
+                "throughput": self._throughput,
                 "attempts": self._attempts(ref, stack),
                 "provenance": provenance.manifest_provenance(config),
             },

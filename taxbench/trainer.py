@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import random
+import resource
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
@@ -114,6 +115,14 @@ def collected_between_blocks(manual: bool) -> Iterator[None]:
         yield
     finally:
         gc.enable()
+
+
+def peak_memory(device: torch.device) -> dict[str, int]:
+    """This process's peak memory so far (every run it holds counts): CUDA allocated and reserved, or host RSS."""
+    if device.type == "cuda":
+        return {"mem_peak_bytes": torch.cuda.max_memory_allocated(device),
+                "mem_reserved_bytes": torch.cuda.max_memory_reserved(device)}
+    return {"mem_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
 def _sync(device: torch.device) -> None:
@@ -278,6 +287,7 @@ class Trainer:
             "data_s": data_s,
             "tokens": self.tokens_per_step,
             "planted_s": planted_s,
+            **peak_memory(self.ctx.device),
         }
         if self.split is not None:  # which pipeline stages this rank's fingerprints cover
             record["stages"] = list(self.split.stages)

@@ -136,3 +136,26 @@ def test_single_gpu_experiment_passes_the_strict_gates(taxbench_cli, tmp_path: P
 
 def test_policy_validation_reads_this_cuda_build() -> None:
     policy.validate_policy(DETERMINISTIC, Device.cuda)
+
+
+def test_the_planted_spin_kernel_runs_for_the_seconds_asked() -> None:
+    from taxbench.planted import SpinKernel
+
+    spinner = SpinKernel(torch.device("cuda"))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    spinner.spin(0.005)
+    end.record()
+    end.synchronize()
+    assert start.elapsed_time(end) / 1000 == pytest.approx(0.005, rel=0.1)
+
+
+def test_a_planted_tax_on_gpu_is_recovered_by_a_calibration_pair(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "taxbench", "cluster=inprocess", "cluster.device=cuda", "cluster.gpus=1",
+         "experiment.calibration=true", "experiment.planted_tax=0.2", "experiment.steps=120",
+         f"experiment.out_dir={tmp_path}", "experiment.name=planted", "report.wandb=false", "report.html=false"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    tax = json.loads((tmp_path / "planted" / "summary.json").read_text())["tax"]
+    assert abs(tax["tax"] - 0.2) <= max(2 * tax["half_width"], 0.02), tax

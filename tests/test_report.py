@@ -127,7 +127,12 @@ def test_console_summary_is_compact(failing_experiment: Path) -> None:
     console = Console(width=80, record=True, file=open("/dev/null", "w"))
     render(analyse_experiment(failing_experiment).summary, console)
     lines = console.export_text().rstrip().splitlines()
-    assert len(lines) <= 12 and all(len(line) <= 80 for line in lines)
+    table, paths = lines[:-2], lines[-2:]  # paths and commands are never folded, so they can be copied whole
+    assert len(table) <= 12 and all(len(line) <= 80 for line in table)
+    assert lines[1].startswith("verdict          deterministic: NO (repeatability differs first at step 30")
+    root = failing_experiment
+    assert paths == [f"localize         taxbench localize {root / 'deterministic-0'} {root / 'deterministic-1'}",
+                     f"results          {root}"]
     assert any(line.startswith("repeatability") and "DIFFERS" in line and "step 30, rank 2" in line for line in lines)
 
 
@@ -168,7 +173,8 @@ def test_deleting_a_rank_stream_everywhere_is_incomplete_not_a_pass(last_step_fa
     text = _console_text(root)
     assert re.search(r"repeatability\s+INCOMPLETE", text) and "deterministic-0 rank 1: no steps.rank1.jsonl" in text
     markdown = (root / REPORT_DIR / MARKDOWN_FILE).read_text()
-    assert "**Incomplete**" in markdown and "deterministic-resumed rank 1: no steps.rank1.jsonl" in markdown
+    assert "**deterministic: no verdict, incomplete evidence: " in markdown
+    assert "deterministic-resumed rank 1: no steps.rank1.jsonl" in markdown
     assert "bitwise identical" not in markdown.split("## Bitwise gates")[1].split("baseline_sanity")[0]
 
 
