@@ -38,4 +38,4 @@ def run_rank(rank: int, world_size: int, local_rank: int, cfg_container: dict[st
     cfg = to_typed(cfg_container)
     with rank_process([cfg], rank, world_size, local_rank, master_addr, master_port) as ctx:
         with step_progress(total_steps(cfg), f"{cfg.experiment.name}", enabled=rank == 0) as progress:
-            Experiment(cfg, ctx, Path(root), progress.advance, progress.grow_to).run()
+            Experiment(cfg, ctx, Path(root), progress).run()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import random
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -26,6 +26,7 @@ from taxbench import manifest, policy, provenance
 from taxbench.checkpoints import RunCheckpoints, commit, finish, resume_step
 from taxbench.config import TaxbenchConfig, max_steps
 from taxbench.distributed import DistContext
+from taxbench.progress import IDLE, StepProgress
 from taxbench.records import ALL_RUNS, INTERLEAVED, MANIFEST, RESUMED, RunRef, write_manifest
 from taxbench.stopping import Stop, StoppingRule, read_stop
 from taxbench.throughput import throughput_manifest
@@ -61,9 +62,8 @@ def total_steps(cfg: TaxbenchConfig) -> int:
 
 
 class Experiment:
-    def __init__(self, cfg: TaxbenchConfig, ctx: DistContext, root: Path, on_step: Callable[[], None] | None = None,
-                 on_total: Callable[[int], None] | None = None):
-        self.cfg, self.ctx, self.root, self.on_step, self.on_total = cfg, ctx, root, on_step, on_total
+    def __init__(self, cfg: TaxbenchConfig, ctx: DistContext, root: Path, progress: StepProgress = IDLE):
+        self.cfg, self.ctx, self.root, self.progress = cfg, ctx, root, progress
         self.attempt_id = uuid.uuid4().hex[:12]  # this start of the schedule (rank 0 names it in the manifests)
         self._throughput: dict | None = None  # counted once, on rank 0 (see taxbench.throughput)
 
@@ -141,8 +141,7 @@ class Experiment:
         nothing is duplicated)."""
         interleaved = INTERLEAVED[self.cfg.experiment.interleave]
         stop = self._run_interleaved(interleaved)
-        if self.on_total is not None:
-            self.on_total(len(ALL_RUNS) * stop.steps)
+        self.progress.grow_to(len(ALL_RUNS) * stop.steps)
         for ref in (r for r in ALL_RUNS if r not in interleaved and r != RESUMED):
             self._run_whole(ref, stop.steps)
         self._run_resumed(stop.steps)
@@ -160,9 +159,8 @@ class Experiment:
         return trainer
 
     def _skip(self, steps: int) -> None:
-        if self.on_step is not None:
-            for _ in range(steps):
-                self.on_step()
+        for _ in range(steps):
+            self.progress.advance()
 
     def _checkpoint_due(self, step: int, last: int) -> bool:
         exp = self.cfg.experiment
@@ -178,6 +176,7 @@ class Experiment:
             return stored
         # The runs resume from the same block boundary, so every round still holds one block of each run.
         start = resume_step(list(progress.values()))
+        self.progress.describe(f"timed rounds of {len(runs)} runs")
         trainers = {ref: self._start(ref, start) for ref in runs}
         rule = StoppingRule(exp, runs, self.ctx)
         if start:
@@ -190,14 +189,14 @@ class Experiment:
             if block < first_block:
                 continue
             for ref in order:
-                trainers[ref].run_block(exp.block_steps, block, self.on_step)
+                trainers[ref].run_block(exp.block_steps, block, self.progress.advance)
             step = (block + 1) * exp.block_steps
             rule.add_round({ref.name: trainers[ref].block_times for ref in runs})
             stop = rule.stop_after(step)
             if stop is not None:
                 break
-            if step >= exp.steps and self.on_total is not None:  # one more round than planned
-                self.on_total(len(ALL_RUNS) * (step + exp.block_steps))
+            if step >= exp.steps:  # one more round than planned
+                self.progress.grow_to(len(ALL_RUNS) * (step + exp.block_steps))
             if self._checkpoint_due(step, cap):
                 commit(step, [(progress[ref], trainers[ref]) for ref in runs])
         assert stop is not None, "the step cap always stops the rounds"
@@ -213,7 +212,7 @@ class Experiment:
         checkpoints = self._checkpoints(ref)
         while trainer.step < until:
             n = min(exp.block_steps - trainer.step % exp.block_steps, until - trainer.step)
-            trainer.run_block(n, trainer.step // exp.block_steps, self.on_step)
+            trainer.run_block(n, trainer.step // exp.block_steps, self.progress.advance)
             if self._checkpoint_due(trainer.step, last):
                 commit(trainer.step, [(checkpoints, trainer)])
 
@@ -223,6 +222,7 @@ class Experiment:
             self._skip(steps)
             return
         start = resume_step([checkpoints])
+        self.progress.describe(ref.name)
         trainer = self._start(ref, start)
         self._skip(start or 0)
         self._advance(ref, trainer, steps, steps)
@@ -237,6 +237,7 @@ class Experiment:
             return
         start = resume_step([checkpoints])
         self._skip(start or 0)
+        self.progress.describe(RESUMED.name)
         if start is None or start < exp.resume_step:
             first = self._start(RESUMED, start)
             self._advance(RESUMED, first, exp.resume_step, steps)

@@ -24,13 +24,14 @@ class StepRateColumn(ProgressColumn):
 
 
 class StepProgress:
-    """What the experiment reports: one step done, and a grown total (a precision target adds rounds)."""
+    """What the experiment reports: one step done, a grown total (a precision target adds rounds), and what runs."""
 
-    def __init__(self, advance: Callable[[], None], grow_to: Callable[[int], None]) -> None:
-        self.advance, self.grow_to = advance, grow_to
+    def __init__(self, advance: Callable[[], None], grow_to: Callable[[int], None] = lambda total: None,
+                 describe: Callable[[str], None] = lambda what: None) -> None:
+        self.advance, self.grow_to, self.describe = advance, grow_to, describe
 
 
-IDLE = StepProgress(lambda: None, lambda total: None)
+IDLE = StepProgress(lambda: None)
 
 
 @contextmanager
@@ -49,10 +50,11 @@ def step_progress(total: int, description: str, enabled: bool = True) -> Iterato
         )
         with Progress(*columns, console=console, transient=True) as bar:
             task = bar.add_task(description, total=total)
-            yield StepProgress(lambda: bar.advance(task), lambda grown: bar.update(task, total=grown))
+            yield StepProgress(lambda: bar.advance(task), lambda grown: bar.update(task, total=grown),
+                               lambda what: bar.update(task, description=f"{description}: {what}"))
         return
 
-    start, done, next_report = time.perf_counter(), 0, max(1, total // 10)
+    start, done, next_report, running = time.perf_counter(), 0, max(1, total // 10), ""
 
     def advance() -> None:
         nonlocal done, next_report
@@ -61,7 +63,7 @@ def step_progress(total: int, description: str, enabled: bool = True) -> Iterato
             elapsed = time.perf_counter() - start
             rate = done / elapsed if elapsed > 0 else 0.0
             eta = (total - done) / rate if rate > 0 else 0.0
-            line = f"{description}: {done}/{total} steps, {rate:.1f} steps/s, ETA {eta:.0f}s"
+            line = f"{description}{running}: {done}/{total} steps, {rate:.1f} steps/s, ETA {eta:.0f}s"
             print(line, file=sys.stderr, flush=True)
             next_report += max(1, total // 10)
 
@@ -69,4 +71,8 @@ def step_progress(total: int, description: str, enabled: bool = True) -> Iterato
         nonlocal total
         total = max(total, grown)
 
-    yield StepProgress(advance, grow_to)
+    def describe(what: str) -> None:
+        nonlocal running
+        running = f" ({what})"
+
+    yield StepProgress(advance, grow_to, describe)

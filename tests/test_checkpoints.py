@@ -18,6 +18,7 @@ from taxbench.config import TaxbenchConfig
 from taxbench.distributed import DistContext, free_port
 from taxbench.experiment import Experiment
 from taxbench.launchers.worker import rank_process
+from taxbench.progress import IDLE, StepProgress
 from taxbench.records import ALL_RUNS, METRICS, RunWriteError, steps_file, write_atomically, write_manifest
 from taxbench.trainer import Trainer
 
@@ -198,7 +199,7 @@ def run_schedule(cfg: TaxbenchConfig, root: Path, on_step: Callable[[], None] | 
     saved = dict(os.environ)
     try:
         with rank_process([cfg], 0, 1, 0, "127.0.0.1", free_port()) as ctx:
-            Experiment(cfg, ctx, root, on_step).run()
+            Experiment(cfg, ctx, root, IDLE if on_step is None else StepProgress(on_step)).run()
     finally:
         os.environ.clear()
         os.environ.update(saved)
