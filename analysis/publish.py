@@ -15,7 +15,7 @@ from rich.console import Console
 
 from taxbench.analysis.report import write_experiment_report, write_sweep_report
 from taxbench.analysis.summary import ExperimentAnalysis, render
-from taxbench.analysis.sweep import analyse_sweep, is_experiment, render_sweep
+from taxbench.analysis.sweep import PointName, analyse_sweep, is_experiment, render_sweep
 from taxbench.config import ReportConfig
 
 
@@ -95,12 +95,12 @@ def _publish_sweep(root: Path, settings: ReportConfig, group: str | None, strict
     runs: list[Path] = []
     group = settings.wandb_group or group or root.name
 
-    def each(analysis: ExperimentAnalysis) -> None:
+    def each(analysis: ExperimentAnalysis, point: PointName) -> None:
         html = write_experiment_report(analysis) if settings.html else None
         if html is not None:
             point_reports[analysis.summary.root] = html
         if settings.wandb and (run := _wandb(strict_wandb, log_experiment, analysis, settings,
-                                             html.parent if html else None, group)):
+                                             html.parent if html else None, group, point)):
             runs.append(run)
 
     sweep = analyse_sweep(root, each)

@@ -36,6 +36,44 @@ SWEEP_FILE = "sweep.csv"
 GATE_LABELS = {"repeatability": "repeat", "restart_replay": "replay", "baseline_sanity": "baseline"}
 
 
+@dataclass(frozen=True)
+class PointName:
+    """How a sweep point is named: by the Hydra overrides in which it differs from the other points."""
+
+    name: str  # e.g. "cpu_ranks=2"; without such overrides, the point's folder under the sweep root
+    overrides: tuple[str, ...]  # the distinguishing overrides, short form ("cpu_ranks=2"); wandb tags
+
+
+def point_names(root: Path, experiments: list[Path]) -> dict[Path, PointName]:
+    """Each point's name from its manifest's Hydra overrides (provenance): only the overrides whose values differ
+    between the points, with the key's last component unless two such keys share it."""
+    overrides = {path: _launch_overrides(path) for path in experiments}
+    keys: list[str] = []
+    for assignments in overrides.values():
+        keys += [key for key in assignments if key not in keys]
+    varying = [key for key in keys if len({assignments.get(key) for assignments in overrides.values()}) > 1]
+    last = [key.rsplit(".", 1)[-1] for key in varying]
+    short = {key: tail if last.count(tail) == 1 else key for key, tail in zip(varying, last, strict=True)}
+    names = {}
+    for path, assignments in overrides.items():
+        shown = tuple(f"{short[key]}={assignments[key]}" for key in varying if key in assignments)
+        folder = str(path.relative_to(root)) if path.is_relative_to(root) else path.name
+        names[path] = PointName(",".join(shown) if shown else folder, shown)
+    return names
+
+
+def _launch_overrides(experiment: Path) -> dict[str, str]:
+    """key -> value of the `key=value` overrides the experiment was launched with (none when not recorded)."""
+    from taxbench.analysis.records import load_manifest
+
+    try:
+        recorded = load_manifest(experiment / "deterministic-0").get("provenance", {}).get("overrides") or []
+    except RecordError:
+        return {}
+    pairs = (str(item).split("=", 1) for item in recorded if "=" in str(item))
+    return {key.lstrip("+~"): value for key, value in pairs}
+
+
 def is_experiment(path: Path) -> bool:
     return (path / "deterministic-0" / MANIFEST).is_file()
 
@@ -76,14 +114,15 @@ class SweepAnalysis:
         return exit_codes.combined(codes) if codes else exit_codes.INCOMPLETE
 
 
-POINT_COLUMNS = ("experiment", "path", "recipe", "device", "world_size", "tax", "low", "high", "hl_tax", "pairs",
-                 "confidence", "baseline_median_s", "deterministic_median_s", "deterministic_ok", "outcome",
+POINT_COLUMNS = ("point", "experiment", "path", "recipe", "device", "world_size", "tax", "low", "high", "hl_tax",
+                 "pairs", "confidence", "baseline_median_s", "deterministic_median_s", "deterministic_ok", "outcome",
                  *(gate for gate, *_ in GATES), "incomplete", "error")
 
 
-def point_row(summary: ExperimentSummary, root: Path) -> dict[str, object]:
+def point_row(summary: ExperimentSummary, root: Path, name: PointName) -> dict[str, object]:
     tax = summary.tax
     row: dict[str, object] = {
+        "point": name.name,
         "experiment": summary.experiment,
         "path": str(Path(summary.root).relative_to(root)) if Path(summary.root).is_relative_to(root) else summary.root,
         "recipe": summary.recipe,
@@ -108,10 +147,11 @@ def point_row(summary: ExperimentSummary, root: Path) -> dict[str, object]:
 
 
 def analyse_sweep(
-    root: Path, on_experiment: Callable[[ExperimentAnalysis], None] | None = None
+    root: Path, on_experiment: Callable[[ExperimentAnalysis, PointName], None] | None = None
 ) -> SweepAnalysis:
-    """Analyse every experiment under root; on_experiment sees each full analysis (e.g. to write its report)
-    before its step records are dropped, so a large sweep never holds more than one experiment in memory."""
+    """Analyse every experiment under root; on_experiment sees each full analysis and the point's name (e.g. to write
+    its report) before its step records are dropped, so a large sweep never holds more than one experiment in
+    memory."""
     experiments = find_experiments(root)
     if not experiments:
         raise RecordError(
@@ -119,18 +159,19 @@ def analyse_sweep(
             "pass an experiment directory or a sweep folder"
         )
     rows, summaries, errors = [], [], {}
+    names = point_names(root, experiments)
     for path in experiments:
         try:
             analysis = analyse_experiment(path)
         except (RecordError, ValueError, KeyError, OSError) as exc:
             errors[str(path)] = f"{type(exc).__name__}: {exc}"
-            rows.append({"experiment": path.name, "path": str(path.relative_to(root)), "outcome": "not analysed",
-                         "error": errors[str(path)]})
+            rows.append({"point": names[path].name, "experiment": path.name, "path": str(path.relative_to(root)),
+                         "outcome": "not analysed", "error": errors[str(path)]})
             continue
         if on_experiment is not None:
-            on_experiment(analysis)
+            on_experiment(analysis, names[path])
         summaries.append(analysis.summary)
-        rows.append(point_row(analysis.summary, root))
+        rows.append(point_row(analysis.summary, root, names[path]))
     points = pd.DataFrame(rows).reindex(columns=list(POINT_COLUMNS))
     points = points.sort_values(["recipe", "world_size", "path"], na_position="last", kind="stable")
     points = points.reset_index(drop=True)

@@ -4,6 +4,14 @@ wandb is an optional extra, imported only here and only when logging is asked fo
 so nothing needs a network or an API key; set WANDB_MODE=online (and log in) to upload, or `wandb sync` an offline
 run later. Runs are written under the experiment (or sweep) folder: `<root>/wandb/offline-run-*`.
 
+One folder is one wandb run: its id is derived from the folder, and logging it again (`taxbench report --wandb`)
+replaces the local run folder it wrote before, so a later `wandb sync` uploads each experiment once. Online, the
+second log resumes the same run (resume="allow").
+
+The run summary holds results only (tax, interval, verdicts, outcome, throughput); per-step and per-block series are
+defined with summary="none", so their last sample does not pose as a result. `_runtime`, `_step` and `_timestamp` are
+wandb's own bookkeeping (written by wandb-core; `_runtime` is how long the logging took, not the experiment).
+
 Nothing secret is logged: the config goes through taxbench.redaction, and wandb's own metadata capture (command
 line, git remote, code, requirements, system stats) is switched off because a command line or a remote URL can
 carry a token.
@@ -11,21 +19,32 @@ carry a token.
 
 from __future__ import annotations
 
+import hashlib
+import math
 import os
+import shutil
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pandas as pd
+
 from taxbench.analysis.records import step_times
-from taxbench.analysis.report import GATE_HEADER, STEP_TIME_PNG, SWEEP_PNG, gate_rows
-from taxbench.analysis.summary import ExperimentAnalysis, verdict_line
-from taxbench.analysis.sweep import SweepAnalysis
+from taxbench.analysis.report import STEP_TIME_PNG, SWEEP_PNG
+from taxbench.analysis.summary import GATES, ExperimentAnalysis, ExperimentSummary, verdict_line
+from taxbench.analysis.sweep import PointName, SweepAnalysis
 from taxbench.analysis.tax import block_ratios
 from taxbench.config import ReportConfig
 from taxbench.redaction import redact
 
 INSTALL_HINT = "pip install 'taxbench[wandb]'"
 ARMS = ("baseline", "deterministic")
+# Series logged per step (x axis "step") and per block (x axis "block"), one panel per metric with both arms.
+STEP_SERIES = ("step_time/*", "loss/*", "grad_norm/*", "tokens_per_s/*")
+BLOCK_SERIES = ("block_tax/*",)
+GATE_COLUMNS = ["gate", "strict", "outcome", "agree", "reference", "candidate", "compared_steps", "from_step",
+                "mismatch_step", "mismatch_rank", "mismatch_metric", "reference_value", "candidate_value"]
+MAX_TAG_LENGTH = 64  # wandb refuses longer tags
 
 
 class WandbUnavailable(RuntimeError):
@@ -51,14 +70,32 @@ def wandb_mode() -> str:
     return os.environ.get("WANDB_MODE") or "offline"
 
 
-def _init(wandb: ModuleType, settings: ReportConfig, root: Path, name: str, job_type: str, group: str | None,
-          config: dict[str, Any]) -> Any:
+def run_id(root: Path, kind: str) -> str:
+    """The wandb run id of the experiment or sweep folder `root`: the same every time it is logged."""
+    return hashlib.sha256(f"taxbench:{kind}:{root.resolve()}".encode()).hexdigest()[:16]
+
+
+def _drop_earlier_logs(root: Path, wandb_id: str) -> None:
+    """Remove the local run folders (offline-run-<time>-<id>, run-<time>-<id>) of earlier logs of this run: a later
+    `wandb sync` of the wandb folder would upload each of them again."""
+    for folder in (root / "wandb").glob(f"*run-*-{wandb_id}"):
+        if folder.is_dir() and not folder.is_symlink():
+            shutil.rmtree(folder)
+
+
+def _init(wandb: ModuleType, settings: ReportConfig, root: Path, kind: str, name: str, group: str | None,
+          config: dict[str, Any], tags: tuple[str, ...] = ()) -> Any:
+    wandb_id = run_id(root, kind)
+    _drop_earlier_logs(root, wandb_id)
     return wandb.init(
         project=settings.wandb_project,
         entity=settings.wandb_entity,
         group=settings.wandb_group or group,
-        job_type=job_type,
+        job_type=kind,
         name=name,
+        id=wandb_id,
+        resume="allow",
+        tags=[tag[:MAX_TAG_LENGTH] for tag in tags],
         mode=wandb_mode(),
         dir=str(root),
         config=redact(config),
@@ -86,53 +123,105 @@ def _experiment_config(analysis: ExperimentAnalysis) -> dict[str, Any]:
     }
 
 
+def step_series(frame: pd.DataFrame, dp: int) -> pd.DataFrame:
+    """Per step of one run: the job's step time (slowest rank), the loss (mean over ranks), the global grad norm
+    (as rank 0 recorded it) and the job's tokens/s (rank 0's tokens per step x dp / step time)."""
+    times = step_times(frame).set_index("step")["time_s"]
+    first_rank = frame[frame["rank"] == frame["rank"].min()].drop_duplicates("step").set_index("step")
+    return pd.DataFrame({
+        "step_time": times,
+        "loss": frame.groupby("step")["loss"].mean(),
+        "grad_norm": first_rank["grad_norm"],
+        "tokens_per_s": first_rank["tokens"] * dp / times,
+    }).sort_index()
+
+
+def _step_rows(analysis: ExperimentAnalysis) -> list[dict[str, Any]]:
+    series = {arm: step_series(analysis.runs[f"{arm}-0"],
+                               int(analysis.manifests[f"{arm}-0"].get("layout", {}).get("dp", 1)))
+              for arm in ARMS}
+    rows = []
+    for step in sorted(set().union(*(frame.index for frame in series.values()))):
+        row: dict[str, Any] = {"step": int(step)}
+        for arm, frame in series.items():
+            if step not in frame.index:
+                continue
+            for metric, value in frame.loc[step].items():
+                if value is not None and math.isfinite(float(value)):
+                    key = "step_time/{arm}_s" if metric == "step_time" else f"{metric}/{{arm}}"
+                    row[key.format(arm=arm)] = float(value)
+        rows.append(row)
+    return rows
+
+
+def gate_table_rows(summary: ExperimentSummary) -> list[list[Any]]:
+    """The gates as typed rows (GATE_COLUMNS): bools, ints and strings, None where a gate has no mismatch."""
+    rows = []
+    for verdict, (_, _, _, strict) in zip(summary.verdicts, GATES, strict=True):
+        m = verdict.first_mismatch
+        rows.append([verdict.gate, strict, verdict.outcome, verdict.agree, verdict.reference, verdict.candidate,
+                     verdict.compared_steps, verdict.from_step, None if m is None else m.step,
+                     None if m is None else m.rank, None if m is None else m.metric,
+                     None if m is None else m.expected, None if m is None else m.actual])
+    return rows
+
+
+def summary_values(summary: ExperimentSummary) -> dict[str, Any]:
+    """The results of an experiment as wandb summary keys: tax and interval, verdicts, outcome, throughput."""
+    values: dict[str, Any] = {f"tax/{key}": value for key, value in summary.tax.to_dict().items()}
+    values["deterministic_ok"] = summary.deterministic_ok
+    values["outcome"] = summary.outcome
+    values["verdict"] = verdict_line(summary)[1]
+    values["headline"] = summary.headline()
+    values["conclusive"] = summary.conclusive
+    values["planted_tax"] = summary.planted_tax
+    values["calibration"] = summary.calibration
+    values["exit_code"] = summary.exit_code
+    values["incomplete"] = "\n".join(summary.problems)
+    values["fault"] = "\n".join(summary.faults)
+    values["steps_needed"] = summary.steps_needed
+    for verdict in summary.verdicts:
+        m = verdict.first_mismatch
+        values[f"gate/{verdict.gate}/outcome"] = verdict.outcome
+        values[f"gate/{verdict.gate}/agree"] = verdict.agree
+        values[f"gate/{verdict.gate}/compared_steps"] = verdict.compared_steps
+        values[f"gate/{verdict.gate}/first_mismatch"] = (
+            "" if m is None else f"step {m.step}, rank {m.rank}, {m.metric}")
+    # Throughput (tokens/s, MFU, memory) and what the tax costs.
+    for arm, measured in summary.throughput.items():
+        if measured is not None:
+            values.update({f"throughput/{arm}/{key}": value for key, value in measured.to_dict().items()})
+    for key, value in summary.cost.items():
+        values[f"cost/{key}"] = value
+    return values
+
+
 def log_experiment(analysis: ExperimentAnalysis, settings: ReportConfig, report_dir: Path | None = None,
-                   group: str | None = None) -> Path:
-    """One wandb run: per-step times of both timed runs, per-block tax, the tax, the gates; returns the run folder."""
+                   group: str | None = None, point: PointName | None = None) -> Path:
+    """One wandb run: per-step times, loss, grad norm and tokens/s of both timed runs, the per-block tax, the tax and
+    the gates; a sweep point is named and tagged by its overrides. Returns the run folder."""
     wandb = import_wandb()
-    summary, tax = analysis.summary, analysis.summary.tax
+    summary = analysis.summary
     root = Path(summary.root)
-    run = _init(wandb, settings, root, summary.experiment, "experiment", group, _experiment_config(analysis))
+    run = _init(wandb, settings, root, "experiment", point.name if point else summary.experiment, group,
+                _experiment_config(analysis), point.overrides if point else ())
     try:
-        run.define_metric("step")
-        run.define_metric("step_time/*", step_metric="step")
-        run.define_metric("block")
-        run.define_metric("block_tax/*", step_metric="block")
-        times = {arm: step_times(analysis.runs[f"{arm}-0"]).set_index("step")["time_s"] for arm in ARMS}
-        for step in sorted(set(times["baseline"].index) | set(times["deterministic"].index)):
-            row: dict[str, Any] = {"step": int(step)}
-            for arm, series in times.items():
-                if step in series.index:
-                    row[f"step_time/{arm}_s"] = float(series[step])
+        run.define_metric("step", summary="none")
+        run.define_metric("block", summary="none")
+        for pattern in STEP_SERIES:
+            run.define_metric(pattern, step_metric="step", summary="none")
+        for pattern in BLOCK_SERIES:
+            run.define_metric(pattern, step_metric="block", summary="none")
+        for row in _step_rows(analysis):
             run.log(row)
-        ratios = block_ratios(analysis.timed["baseline"], analysis.timed["deterministic"], tax.warmup_steps)
+        ratios = block_ratios(analysis.timed["baseline"], analysis.timed["deterministic"], summary.tax.warmup_steps)
         for block, ratio in ratios["ratio"].items():
             run.log({"block": int(block), "block_tax/ratio": float(ratio)})
-        values: dict[str, Any] = {f"tax/{key}": value for key, value in tax.to_dict().items()}
-        values["deterministic_ok"] = summary.deterministic_ok
-        values["outcome"] = summary.outcome
-        values["verdict"] = verdict_line(summary)[1]
-        values["exit_code"] = summary.exit_code
-        values["incomplete"] = "\n".join(summary.problems)
-        values["fault"] = "\n".join(summary.faults)
-        values["steps_needed"] = summary.steps_needed
-        values["headline"] = summary.headline()
-        values["conclusive"] = summary.conclusive
-        values["planted_tax"] = summary.planted_tax
-        values["calibration"] = summary.calibration
-        for verdict in summary.verdicts:
-            m = verdict.first_mismatch
-            values[f"gate/{verdict.gate}/outcome"] = verdict.outcome
-            values[f"gate/{verdict.gate}/agree"] = verdict.agree
-            values[f"gate/{verdict.gate}/compared_steps"] = verdict.compared_steps
-            values[f"gate/{verdict.gate}/first_mismatch"] = (
-                "" if m is None else f"step {m.step}, rank {m.rank}, {m.metric}")
-        rows, _ = gate_rows(summary)
-        media: dict[str, Any] = {"gates": wandb.Table(columns=GATE_HEADER, data=rows)}
+        media: dict[str, Any] = {"gates": wandb.Table(columns=GATE_COLUMNS, data=gate_table_rows(summary))}
         if report_dir is not None and (report_dir / STEP_TIME_PNG).is_file():
             media["plots/step_times"] = wandb.Image(str(report_dir / STEP_TIME_PNG))
         run.log(media)
-        run.summary.update(values)
+        run.summary.update(summary_values(summary))
         run_dir = Path(run.dir).parent
     finally:
         run.finish()
@@ -144,11 +233,11 @@ def log_sweep(sweep: SweepAnalysis, settings: ReportConfig, report_dir: Path | N
     wandb = import_wandb()
     points = sweep.points
     group = settings.wandb_group or sweep.root.name
-    run = _init(wandb, settings, sweep.root, f"{sweep.root.name}-summary", "sweep", group,
+    run = _init(wandb, settings, sweep.root, "sweep", f"{sweep.root.name}-summary", group,
                 {"sweep": str(sweep.root.name), "points": len(points)})
     try:
-        run.define_metric("world_size")
-        run.define_metric("sweep/*", step_metric="world_size")
+        run.define_metric("world_size", summary="none")
+        run.define_metric("sweep/*", step_metric="world_size", summary="none")
         analysed = points[points["error"].fillna("") == ""].sort_values("world_size")
         for row in analysed.to_dict("records"):
             run.log({"world_size": int(row["world_size"]), "sweep/tax": float(row["tax"]),

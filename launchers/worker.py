@@ -37,5 +37,10 @@ def run_rank(rank: int, world_size: int, local_rank: int, cfg_container: dict[st
              master_addr: str, master_port: int) -> None:
     cfg = to_typed(cfg_container)
     with rank_process([cfg], rank, world_size, local_rank, master_addr, master_port) as ctx:
-        with step_progress(total_steps(cfg), f"{cfg.experiment.name}", enabled=rank == 0) as progress:
-            Experiment(cfg, ctx, Path(root), progress).run()
+        run_schedule(cfg, ctx, Path(root))
+
+
+def run_schedule(cfg: TaxbenchConfig, ctx: DistContext, root: Path) -> None:
+    """This rank's share of the experiment schedule (rank 0 shows the progress)."""
+    with step_progress(total_steps(cfg), f"{cfg.experiment.name}", enabled=ctx.rank == 0) as progress:
+        Experiment(cfg, ctx, root, progress).run()

@@ -42,6 +42,10 @@ def prepare(raw: DictConfig) -> tuple[TaxbenchConfig, dict[str, Any]]:
     container = OmegaConf.to_container(raw, resolve=True)
     assert isinstance(container, dict)
     cfg = to_typed(container)
+    if cfg.cluster.dry_run and cfg.cluster.launcher is not Launcher.slurm:
+        raise ConfigError(f"cluster.dry_run=true writes a Slurm job script without submitting it, but "
+                          f"cluster={cfg.cluster.name} runs here; use cluster=slurm with it, or plan=true for the plan "
+                          "without running")
     check_before_launch(cfg)
     return cfg, container
 
@@ -51,9 +55,6 @@ def launch(cfg: TaxbenchConfig, container: dict[str, Any], root: Path) -> bool:
     sweep report waits), or a Slurm dry run (cluster.dry_run=true: the job script is written, nothing submitted)."""
     from taxbench.launchers.local import launch_inprocess, launch_local
 
-    if cfg.cluster.dry_run and cfg.cluster.launcher is not Launcher.slurm:
-        fail(f"cluster.dry_run=true writes a Slurm job script without submitting it, but cluster={cfg.cluster.name} "
-             "runs here; use cluster=slurm with it, or plan=true for the plan without running")
     if cfg.cluster.launcher is Launcher.local:
         launch_local(cfg, container, root)
     elif cfg.cluster.launcher is Launcher.inprocess:
@@ -106,6 +107,8 @@ def run_experiment(raw: DictConfig) -> int:
     from taxbench.launchers.local import RankFailed
 
     try:
+        if raw.cluster.launcher == Launcher.torchrun:
+            return run_as_started_rank(raw)
         cfg, container = prepare(raw)
         with claimed(cfg, experiment_root(cfg, _multirun_point())) as root:
             try:
@@ -118,6 +121,21 @@ def run_experiment(raw: DictConfig) -> int:
     except (ConfigError, RecordError) as exc:  # RecordError: results that cannot be read back or written
         fail(str(exc))
     return exit_codes.CONFIG_ERROR
+
+
+def run_as_started_rank(raw: DictConfig) -> int:
+    """cluster=torchrun: this process is one rank of a world that torchrun, srun or a PyTorchJob started."""
+    from taxbench.launchers.local import RankFailed
+    from taxbench.launchers.torchrun import run_started_rank
+
+    if _is_multirun():
+        raise ConfigError("cluster=torchrun runs one experiment per launch, but this is a multirun (-m); start one "
+                          "torchrun/srun launch per point instead")
+    try:
+        return run_started_rank(raw)
+    except RankFailed as exc:
+        fail(str(exc), exit_codes.FAILED)
+    return exit_codes.FAILED
 
 
 register_configs()

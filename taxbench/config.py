@@ -38,6 +38,7 @@ class Launcher(StrEnum):
     inprocess = "inprocess"
     local = "local"
     slurm = "slurm"
+    torchrun = "torchrun"  # ranks started by torchrun, srun or a Kubernetes PyTorchJob; read from the environment
 
 
 class DataParallel(StrEnum):
@@ -160,8 +161,8 @@ class ClusterConfig:
     name: str = "local"
     launcher: Launcher = Launcher.local
     device: Device = Device.cpu
-    cpu_ranks: int = 2  # world size when device=cpu
-    gpus: int = 8  # world size when device=cuda
+    cpu_ranks: int = 2  # world size when device=cpu (cluster=torchrun: 0 = the environment's WORLD_SIZE)
+    gpus: int = 8  # world size when device=cuda (cluster=torchrun: 0 = the environment's WORLD_SIZE)
     gpus_per_node: int = 8
     nodes: int = 1
     threads_per_rank: int = 1

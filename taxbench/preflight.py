@@ -60,7 +60,7 @@ def check_device(cfg: TaxbenchConfig) -> None:
             f"cluster.device=cuda but this machine has no usable CUDA GPU (torch {torch.__version__}); use "
             "cluster.device=cpu here, or cluster=slurm to run on GPU nodes"
         )
-    if cluster.launcher != Launcher.inprocess and cluster.gpus > available:
+    if cluster.launcher == Launcher.local and cluster.gpus > available:
         raise ConfigError(f"cluster.gpus={cluster.gpus} but this machine has {available} GPU(s); use "
                           f"cluster.gpus<={available}, or cluster=slurm for more")
 

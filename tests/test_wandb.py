@@ -70,6 +70,76 @@ def test_experiment_run_logs_step_times_tax_and_verdicts(tmp_path: Path, no_wand
     assert [row[0] for row in gates["data"]] == ["repeatability", "restart_replay", "baseline_sanity"]
 
 
+def test_summary_holds_results_only_and_history_holds_loss_grad_norm_and_tokens(tmp_path: Path,
+                                                                                no_wandb_mode: None) -> None:
+    root = write_experiment(tmp_path / "exp", SyntheticExperiment(ranks=2, seed=3),
+                            Injection("deterministic-1", step=7, rank=1, metric="params"))
+    analysis = analyse_experiment(root)
+    run_dir = log_experiment(analysis, SETTINGS)
+
+    summary = inspect(run_dir, "--summary")[0]["summary"]
+    ours = {key for key in summary if not key.startswith("_")}
+    assert not {key for key in ours if key.split("/")[0] in ("step_time", "block_tax", "loss", "grad_norm",
+                                                              "tokens_per_s")}
+    assert not ours & {"step", "block"}  # x axes are not results either
+    assert {"tax/tax", "tax/low", "tax/high", "outcome", "deterministic_ok", "gates"} <= ours
+    assert summary["outcome"] == "failed" and summary["gate/repeatability/first_mismatch"] == "step 7, rank 1, params"
+
+    table = json.loads(next((run_dir / "files" / "media" / "table").glob("gates_*.table.json")).read_text())
+    gates = {row[0]: dict(zip(table["columns"], row, strict=True)) for row in table["data"]}
+    repeat = gates["repeatability"]
+    assert repeat["strict"] is True and repeat["agree"] is False and repeat["outcome"] == "differs"
+    assert (repeat["mismatch_step"], repeat["mismatch_rank"], repeat["mismatch_metric"]) == (7, 1, "params")
+    assert type(repeat["compared_steps"]) is int and gates["baseline_sanity"]["strict"] is False
+    assert gates["restart_replay"]["mismatch_step"] is None and gates["restart_replay"]["agree"] is True
+
+    history = [r["history"]["item"] for r in inspect(run_dir) if r["type"] == "history"]
+    by_step = {row["step"]: row for row in history if "loss/baseline" in row}
+    frame = analysis.runs["baseline-0"]
+    rank0 = frame[frame["rank"] == 0].set_index("step")
+    assert sorted(by_step) == sorted(rank0.index)
+    assert by_step[5]["loss/baseline"] == pytest.approx(frame[frame["step"] == 5]["loss"].mean(), rel=1e-12)
+    assert by_step[5]["grad_norm/deterministic"] == pytest.approx(
+        analysis.runs["deterministic-0"].set_index(["step", "rank"]).loc[(5, 0), "grad_norm"], rel=1e-12)
+    dp = analysis.manifests["baseline-0"]["layout"].get("dp", 1)
+    slowest = frame[frame["step"] == 5]["time_s"].max()
+    assert by_step[5]["tokens_per_s/baseline"] == pytest.approx(rank0.loc[5, "tokens"] * dp / slowest, rel=1e-12)
+
+
+def write_multirun_sweep(sweep_root: Path) -> list[Path]:
+    """Two points as a `-m cluster.cpu_ranks=2,4` multirun leaves them: each manifest's provenance lists the point's
+    overrides."""
+    points = []
+    for number, ranks in enumerate((2, 4)):
+        root = write_experiment(sweep_root / f"point{number}", SyntheticExperiment(ranks=ranks, seed=ranks))
+        for manifest_path in root.glob("*/manifest.json"):
+            manifest = json.loads(manifest_path.read_text())
+            manifest["provenance"] = {"overrides": ["experiment.steps=60", f"cluster.cpu_ranks={ranks}",
+                                                    "+recipe=dense_tiny"]}
+            manifest_path.write_text(json.dumps(manifest))
+        points.append(root)
+    return points
+
+
+def test_report_twice_leaves_one_offline_run_per_point_named_by_its_overrides(tmp_path: Path,
+                                                                               no_wandb_mode: None) -> None:
+    sweep_root = tmp_path / "sweep-3"
+    points = write_multirun_sweep(sweep_root)
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-m", "taxbench", "report", str(sweep_root), "--wandb"],
+                              capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr[-2000:]
+    for point, ranks in zip(points, (2, 4), strict=True):
+        (run_dir,) = (point / "wandb").glob("offline-run-*")
+        header = next(r for r in inspect(run_dir) if r["type"] == "run")["run"]
+        assert header["display_name"] == f"cpu_ranks={ranks}" and header["tags"] == [f"cpu_ranks={ranks}"]
+        assert header["run_group"] == "sweep-3"
+    (summary_run,) = (sweep_root / "wandb").glob("offline-run-*")
+    table = json.loads(next((summary_run / "files" / "media" / "table").glob("sweep_*.table.json")).read_text())
+    assert [row[table["columns"].index("point")] for row in table["data"]] == ["cpu_ranks=2", "cpu_ranks=4"]
+
+
 def test_incomplete_experiment_and_fault_reach_the_wandb_summary(tmp_path: Path, no_wandb_mode: None) -> None:
     root = write_experiment(tmp_path / "exp", SyntheticExperiment(ranks=2, steps=12, block_steps=3, resume_step=6))
     stream = root / "deterministic-1" / "steps.rank1.jsonl"
