@@ -87,7 +87,7 @@ def training_curves_plot(runs: dict[str, pd.DataFrame]) -> bytes:
     return _png(figure)
 
 
-def sweep_tax_plot(points: pd.DataFrame) -> bytes:
+def sweep_tax_plot(points: pd.DataFrame, world: str = "GPUs") -> bytes:
     """Tax vs GPU count (world size) with the confidence interval of each point; red markers fail a gate, orange
     ones are incomplete (no verdict)."""
     figure, axis = plt.subplots(figsize=(8, 4.5), layout="constrained")
@@ -113,10 +113,10 @@ def sweep_tax_plot(points: pd.DataFrame) -> bytes:
     axis.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{int(v)}"))
     axis.minorticks_off()
     axis.yaxis.set_major_formatter(PercentFormatter(decimals=1))
-    axis.set_xlabel("GPUs (world size)")
+    axis.set_xlabel(f"{world} (world size)")
     axis.set_ylabel("determinism tax")
     level = int(round(float(ordered["confidence"].iloc[0]) * 100)) if "confidence" in ordered else 95
-    axis.set_title(f"Determinism tax vs GPU count ({level}% CI)")
+    axis.set_title(f"Determinism tax vs {world} ({level}% CI)")
     axis.grid(alpha=0.3)
     axis.legend(fontsize=9)
     return _png(figure)

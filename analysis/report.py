@@ -34,7 +34,7 @@ from taxbench.analysis.summary import (
     verdict_line,
     write_result,
 )
-from taxbench.analysis.sweep import GATE_LABELS, SweepAnalysis
+from taxbench.analysis.sweep import GATE_LABELS, SweepAnalysis, world_label
 from taxbench.analysis.tax import block_ratios
 from taxbench.analysis.throughput import mebibytes, si
 from taxbench.analysis.verdicts import INCOMPLETE, Verdict
@@ -397,27 +397,28 @@ def sweep_report(sweep: SweepAnalysis, point_reports: dict[str, Path] | None = N
     point_reports = point_reports or {}
     out_dir = sweep.root / REPORT_DIR
     analysed = sweep.points[sweep.points["error"].fillna("") == ""]
-    blocks: list[Block] = [Paragraph(f"{len(sweep.points)} sweep points under {sweep.root} · generated "
+    world = world_label(sweep.points)
+    blocks: list[Block] = [_sweep_verdict(sweep, analysed.empty),
+                           Paragraph(f"{len(sweep.points)} sweep points under {sweep.root} · generated "
                                      f"{datetime.now(UTC):%Y-%m-%d %H:%M UTC}")]
     if sweep.errors:
         blocks.append(Paragraph(f"{len(sweep.errors)} point(s) could not be analysed (listed in the table).",
                                 tone="warn"))
-    blocks.append(_sweep_verdict(sweep, analysed.empty))
     if not analysed.empty:
-        blocks.append(Figure(SWEEP_PNG, sweep_tax_plot(analysed), "determinism tax vs GPU count"))
-    header = ["experiment", "recipe", "GPUs", "tax", "CI", "HL", "baseline step", "deterministic step",
-              *(GATE_LABELS[g] for g, *_ in GATES)]
+        blocks.append(Figure(SWEEP_PNG, sweep_tax_plot(analysed, world), f"determinism tax vs {world}"))
+    header = ["experiment", "recipe", world, "tax", "CI", "HL", "baseline step", "deterministic step",
+              *(GATE_LABELS[g] for g, *_ in GATES), "code"]
     rows, highlight, links = [], [], {}
     for index, row in enumerate(sweep.points.to_dict("records")):
         if row["error"]:
             rows.append([str(row["experiment"]), "", "", "", "", "", "", "", "not analysed: " + str(row["error"]),
-                         "", ""])
+                         "", "", ""])
             highlight.append(True)
             continue
         rows.append([str(row["experiment"]), str(row["recipe"]), str(row["world_size"]), pct(row["tax"]),
                      f"[{pct(row['low'])}, {pct(row['high'])}]", pct(row["hl_tax"]),
                      ms(row["baseline_median_s"], 3), ms(row["deterministic_median_s"], 3),
-                     *(str(row[g]) for g, *_ in GATES)])
+                     *(str(row[g]) for g, *_ in GATES), str(row["code"])])
         highlight.append(row["outcome"] != PASSED)
         target = point_reports.get(str(sweep.root / str(row["path"])))
         if target is not None:

@@ -69,6 +69,7 @@ class ExperimentSummary:
     calibration: bool  # an A/A pair: both arms on the baseline policy; never a determinism result
     rank_median_s: list[float]  # each rank's median step time over the timed runs after warmup
     throughput: dict[str, ArmThroughput | None]  # arm -> tokens/s, TFLOP/s, MFU, memory (None: not recorded)
+    code: str  # taxbench version and git commit ("+dirty") of the runs, from their provenance
     cost: dict[str, float | None]  # what the tax costs: tokens/s lost, device-hours per day
     problems: list[str] = field(default_factory=list)  # what makes runs incomplete: run, ranks, steps
     faults: list[str] = field(default_factory=list)  # the injected fault: where it fired, or that it never did
@@ -154,6 +155,7 @@ class ExperimentSummary:
             "rank_spread": finite_or_none(self.rank_spread),
             "throughput": {arm: None if t is None else t.to_dict() for arm, t in self.throughput.items()},
             "cost": self.cost,
+            "code": self.code,
             "deterministic_ok": self.deterministic_ok,
             "outcome": self.outcome,
             "exit_code": self.exit_code,
@@ -223,6 +225,23 @@ def _load(root: Path, name: str, manifest: dict, steps: int) -> tuple[pd.DataFra
     world = int(manifest_value(manifest, run_dir, "layout.world_size"))
     frame = load_run(run_dir, empty_ok=True)
     return frame, check_run(name, run_dir, frame, steps, world)
+
+
+def recipe_label(recipe: dict[str, Any]) -> str:
+    """The recipe's name, and a custom model's factory (every custom model would otherwise read as its recipe)."""
+    model = recipe.get("model") or {}
+    target = (model.get("factory") or {}).get("_target_") if model.get("kind") == "custom" else None
+    return f"{recipe.get('name')} ({target})" if target else str(recipe.get("name"))
+
+
+def code_of(manifest: dict[str, Any]) -> str:
+    """'taxbench 0.1.0 @ 1a2b3c4d5e6f+dirty' from the manifest's provenance ('unknown' for older runs)."""
+    provenance = manifest.get("provenance") or {}
+    if not provenance:
+        return "unknown"
+    commit = provenance.get("commit")
+    where = f" @ {commit[:12]}{'+dirty' if provenance.get('dirty') else ''}" if commit else ""
+    return f"taxbench {provenance.get('version')}{where}"
 
 
 def timed_runs(runs: dict[str, pd.DataFrame], experiment: dict[str, Any]) -> dict[str, list[pd.DataFrame]]:
@@ -297,7 +316,7 @@ def analyse_experiment(root: Path) -> ExperimentAnalysis:
     summary = ExperimentSummary(
         experiment=root.name,
         root=str(root),
-        recipe=manifest_value(manifest, root / "deterministic-0", "config.recipe.name"),
+        recipe=recipe_label(manifest_value(manifest, root / "deterministic-0", "config.recipe")),
         world_size=manifest_value(manifest, root / "deterministic-0", "layout.world_size"),
         device=manifest_value(manifest, root / "deterministic-0", "policy_applied.device"),
         tax=tax,
@@ -312,6 +331,7 @@ def analyse_experiment(root: Path) -> ExperimentAnalysis:
         calibration=bool(experiment.get("calibration", False)),
         rank_median_s=rank_medians(timed, tax.warmup_steps),
         throughput=throughput,
+        code=code_of(manifest),
         cost=cost_of_tax(throughput["baseline"], throughput["deterministic"], tax.tax, world),
         problems=stop_problems + [line for name in RUN_NAMES for line in problems[name]],
         faults=faults,

@@ -115,8 +115,14 @@ class SweepAnalysis:
 
 
 POINT_COLUMNS = ("point", "experiment", "path", "recipe", "device", "world_size", "tax", "low", "high", "hl_tax",
-                 "pairs", "confidence", "baseline_median_s", "deterministic_median_s", "deterministic_ok", "outcome",
-                 *(gate for gate, *_ in GATES), "incomplete", "error")
+                 "half_width", "conclusive", "steps_needed", "pairs", "confidence", "baseline_median_s",
+                 "deterministic_median_s", "deterministic_ok", "outcome", *(gate for gate, *_ in GATES), "incomplete",
+                 "code", "error")
+
+
+def world_label(points: pd.DataFrame) -> str:
+    """What the sweep's world sizes count: "GPUs", or "ranks" when no point ran on CUDA."""
+    return "GPUs" if "device" in points and (points["device"] == "cuda").any() else "ranks"
 
 
 def point_row(summary: ExperimentSummary, root: Path, name: PointName) -> dict[str, object]:
@@ -132,6 +138,9 @@ def point_row(summary: ExperimentSummary, root: Path, name: PointName) -> dict[s
         "low": tax.low,
         "high": tax.high,
         "hl_tax": tax.hl_tax,
+        "half_width": tax.half_width,
+        "conclusive": summary.conclusive,
+        "steps_needed": summary.steps_needed,
         "pairs": tax.pairs,
         "confidence": tax.confidence,
         "baseline_median_s": tax.baseline_median_s,
@@ -139,6 +148,7 @@ def point_row(summary: ExperimentSummary, root: Path, name: PointName) -> dict[s
         "deterministic_ok": summary.deterministic_ok,
         "outcome": summary.outcome,
         "incomplete": "; ".join(summary.problems + [f for f in summary.faults if summary.fault_fired is False]),
+        "code": summary.code,
         "error": "",
     }
     for verdict in summary.verdicts:
@@ -191,7 +201,7 @@ def render_sweep(sweep: SweepAnalysis, console: Console | None = None, report_pa
     """Compact console table: one line per sweep point."""
     console = console or Console()
     table = Table(title=f"[bold]sweep[/bold] {sweep.root}", title_justify="left", show_edge=False, pad_edge=False)
-    for column, justify in (("recipe", "left"), ("GPUs", "right"), ("tax", "right"), ("CI", "right"),
+    for column, justify in (("recipe", "left"), (world_label(sweep.points), "right"), ("tax", "right"), ("CI", "right"),
                             ("gates", "left")):
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
     for row in sweep.points.to_dict("records"):
