@@ -1,15 +1,16 @@
 """Preemption-safe progress of the runs in an experiment: block-boundary checkpoints and which of them are complete.
 
-Every rank saves `<run>/checkpoints/step<S>.rank<R>.pt` and, beside it, `step<S>.rank<R>.sha256` (size and sha256 of
-the file as written); once all ranks have saved (a barrier), rank 0 records S in `<run>/checkpoints/progress.json`.
-Only recorded steps are resumed from, so a crash halfway through saving never leaves a run resuming from a checkpoint
-that some rank lacks. The last two complete checkpoints are kept: the two arms of the timed pair are committed
-together but recorded one after the other, so after a crash between the two records the pair resumes both arms from
-the older, common step. A finished run's checkpoints are deleted.
+A checkpoint of step S is the directory `<run>/checkpoints/step<S>/` that every rank writes its part of
+(taxbench.checkpoint_state: DCP's sharded files, its metadata and a small file of per-rank state). Each rank then
+records the size and sha256 of every file it wrote in `step<S>/rank<R>.sha256`; once all ranks have (a barrier),
+rank 0 records S in `<run>/checkpoints/progress.json`. Only recorded steps are resumed from, so a crash halfway through
+saving never leaves a run resuming from a checkpoint that some rank lacks. The last two complete checkpoints are kept:
+the two arms of the timed pair are committed together but recorded one after the other, so after a crash between the
+two records the pair resumes both arms from the older, common step. A finished run's checkpoints are deleted.
 
-Resuming is a collective decision (`resume_step`): every rank checks its own files against their checksums, and all
-ranks take the newest step whose files are intact on every rank, or start from scratch; a checkpoint passed over is
-named on stderr. Checkpoints newer than the chosen step are forgotten, since the run rewrites those steps.
+Resuming is a collective decision (`resume_step`): every rank checks the files it wrote against their checksums, and
+all ranks take the newest step whose files are intact on every rank, or start from scratch; a checkpoint passed over
+is named on stderr. Checkpoints newer than the chosen step are forgotten, since the run rewrites those steps.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ class CheckpointError(RuntimeError):
 
 
 class Checkpointed(Protocol):
-    def save_checkpoint(self, path: Path) -> None: ...
+    def save_checkpoint(self, directory: Path) -> list[Path]:
+        """Write this rank's part of the checkpoint into `directory` (a collective); the files this rank wrote."""
+        ...
 
 
 @dataclass
@@ -56,10 +59,11 @@ class RunCheckpoints:
         return self.dir.parent.name
 
     def path(self, step: int) -> Path:
-        return self.dir / f"step{step}.rank{self.rank}.pt"
+        """The checkpoint directory of `step` (shared by all ranks)."""
+        return self.dir / f"step{step}"
 
     def checksum_path(self, step: int) -> Path:
-        return self.dir / f"step{step}.rank{self.rank}{CHECKSUM_SUFFIX}"
+        return self.path(step) / f"rank{self.rank}{CHECKSUM_SUFFIX}"
 
     def _progress(self) -> Progress:
         file = self.dir / PROGRESS_FILE
@@ -94,51 +98,38 @@ class RunCheckpoints:
     def finished(self) -> bool:
         return self._progress().finished
 
-    def record_checksum(self, step: int) -> None:
-        """Record the size and sha256 of this rank's checkpoint file of `step`, as it lies on disk."""
-        path = self.path(step)
-        record = {"file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path)}
-        write_text_atomically(self.checksum_path(step), json.dumps(record) + "\n")
+    def record_checksums(self, step: int, files: Sequence[Path]) -> None:
+        """Record the size and sha256 of each file this rank wrote for `step`, as it lies on disk."""
+        records = [{"file": path.name, "bytes": path.stat().st_size, "sha256": _sha256(path)} for path in files]
+        write_text_atomically(self.checksum_path(step), json.dumps({"files": records}) + "\n")
 
     def problem(self, step: int) -> str | None:
-        """What is wrong with this rank's checkpoint of `step` (None: present and matching its checksum)."""
-        path, sidecar = self.path(step), self.checksum_path(step)
-        if not path.exists():
-            return f"{path}: missing"
+        """What is wrong with this rank's files of the checkpoint of `step` (None: present and matching their
+        checksums)."""
+        directory, sidecar = self.path(step), self.checksum_path(step)
+        if not directory.is_dir():
+            return f"{directory}: missing"
         try:
-            recorded = json.loads(sidecar.read_text(encoding="utf-8"))
-            size, digest = int(recorded["bytes"]), str(recorded["sha256"])
+            recorded = json.loads(sidecar.read_text(encoding="utf-8"))["files"]
+            files = [(directory / str(r["file"]), int(r["bytes"]), str(r["sha256"])) for r in recorded]
         except FileNotFoundError:
-            return f"{path}: no checksum recorded ({sidecar.name} missing)"
+            return f"{directory}: no checksum recorded ({sidecar.name} missing)"
         except (OSError, ValueError, KeyError, TypeError):
             return f"{sidecar}: unreadable checksum record"
-        try:
-            actual_size = path.stat().st_size
-            if actual_size < size:
-                return f"{path}: truncated ({actual_size} of {size} bytes)"
-            if actual_size != size:
-                return f"{path}: checksum mismatch ({actual_size} bytes, {size} recorded)"
-            if _sha256(path) != digest:
-                return f"{path}: checksum mismatch (sha256 differs from {sidecar.name})"
-        except OSError as exc:
-            return f"{path}: unreadable ({exc.strerror or exc})"
-        return None
+        return next((p for path, size, digest in files if (p := _file_problem(path, size, digest, sidecar))), None)
 
     def require_intact(self, step: int) -> Path:
-        """This rank's checkpoint file of `step`, verified against its checksum (CheckpointError otherwise)."""
+        """The checkpoint directory of `step`, this rank's files verified against their checksums (CheckpointError
+        otherwise)."""
         problem = self.problem(step)
         if problem is not None:
             raise CheckpointError(problem)
         return self.path(step)
 
     def _steps_on_disk(self) -> list[int]:
-        """Steps of which this rank holds a checkpoint file and its checksum record."""
-        steps = []
-        for file in self.dir.glob(f"step*.rank{self.rank}.pt"):
-            step = _step_of(file)
-            if step is not None and self.checksum_path(step).exists():
-                steps.append(step)
-        return sorted(steps)
+        """Steps of which this rank holds a checksum record."""
+        return sorted(step for file in self.dir.glob(f"step*/rank{self.rank}{CHECKSUM_SUFFIX}")
+                      if (step := _step_of(file.parent)) is not None)
 
     def _candidates(self) -> list[int]:
         """Steps to consider resuming from: those recorded complete or, when progress.json is unreadable, the
@@ -146,26 +137,48 @@ class RunCheckpoints:
         progress = self._progress()
         return self._steps_on_disk() if progress.problem else progress.complete
 
-    def _files(self) -> list[Path]:
-        return [*self.dir.glob(f"step*.rank{self.rank}.pt"), *self.dir.glob(f"step*.rank{self.rank}{CHECKSUM_SUFFIX}")]
+    def _files(self, directory: Path) -> list[Path]:
+        """This rank's files in a checkpoint directory: those its checksum record lists, and any a killed write left
+        (DCP names a rank's data files __<rank>_<n>.distcp; rank 0 writes the metadata)."""
+        mine = {*directory.glob(f"__{self.rank}_*"), *directory.glob(f"rank{self.rank}.*")}
+        try:
+            recorded = json.loads((directory / f"rank{self.rank}{CHECKSUM_SUFFIX}").read_text(encoding="utf-8"))
+            mine |= {directory / str(r["file"]) for r in recorded["files"]}
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        if self.rank == 0:
+            mine |= {*directory.glob(".metadata*")}
+        return sorted(mine)
+
+    def _remove(self, step: int) -> None:
+        """Delete this rank's files of `step`; the last rank to leave the directory removes it."""
+        directory = self.path(step)
+        for file in self._files(directory):
+            file.unlink(missing_ok=True)
+        try:
+            directory.rmdir()
+        except OSError:
+            pass  # another rank's files are still there (or it is gone): that rank removes it
 
     def _record(self, step: int) -> None:
         progress = self._progress()
         self._write_progress(sorted(set(progress.complete) | {step})[-KEEP:], False)
 
     def _prune(self, keep: set[int]) -> None:
-        for file in self._files():
-            if _step_of(file) not in keep:
-                file.unlink(missing_ok=True)
-        for file in self.dir.glob(f"step*.rank{self.rank}.*.tmp"):  # left by a process killed while writing
-            file.unlink(missing_ok=True)
+        for directory in self.dir.glob("step*"):
+            step = _step_of(directory)
+            if step is not None and step not in keep:
+                self._remove(step)
 
 
 def commit(step: int, runs: Sequence[tuple[RunCheckpoints, Checkpointed]]) -> None:
     """Save every run's state at `step` on this rank, then record the step once every rank has saved."""
     for checkpoints, trainer in runs:
-        trainer.save_checkpoint(checkpoints.path(step))
-        checkpoints.record_checksum(step)
+        try:
+            checkpoints.record_checksums(step, trainer.save_checkpoint(checkpoints.path(step)))
+        except BaseException:  # DCP reports a failed write as a BaseException (CheckpointException)
+            checkpoints._remove(step)
+            raise
     _barrier()
     if runs and runs[0][0].rank == 0:
         for checkpoints, _ in runs:
@@ -234,9 +247,25 @@ def _forget_after(runs: Sequence[RunCheckpoints], step: int | None) -> None:
         checkpoints._prune(keep)
 
 
-def _step_of(file: Path) -> int | None:
-    head = file.name.split(".")[0].removeprefix("step")
+def _step_of(directory: Path) -> int | None:
+    head = directory.name.removeprefix("step")
     return int(head) if head.isdigit() else None
+
+
+def _file_problem(path: Path, size: int, digest: str, sidecar: Path) -> str | None:
+    try:
+        actual_size = path.stat().st_size
+        if actual_size < size:
+            return f"{path}: truncated ({actual_size} of {size} bytes)"
+        if actual_size != size:
+            return f"{path}: checksum mismatch ({actual_size} bytes, {size} recorded)"
+        if _sha256(path) != digest:
+            return f"{path}: checksum mismatch (sha256 differs from {sidecar.name})"
+    except FileNotFoundError:
+        return f"{path}: missing"
+    except OSError as exc:
+        return f"{path}: unreadable ({exc.strerror or exc})"
+    return None
 
 
 def _sha256(path: Path) -> str:

@@ -139,15 +139,11 @@ class ModelParts:
                 if not isinstance(module, StagePlaceholder):
                     yield name, module
 
-    def state_dict(self) -> list[dict[str, Any]]:
-        return [part.state_dict() for part in self.parts]
+    def joined(self) -> nn.Module:
+        """All parts as one module with the unsplit model's names (what a checkpoint's state dict is read from)."""
+        from taxbench.pipeline import join_stages
 
-    def load_state_dict(self, state: list[dict[str, Any]]) -> None:
-        if not isinstance(state, list) or len(state) != len(self.parts):
-            raise ValueError(f"the checkpoint holds {len(state) if isinstance(state, list) else 'no'} model parts, "
-                             f"this rank has {len(self.parts)}")
-        for part, part_state in zip(self.parts, state, strict=True):
-            part.load_state_dict(part_state)
+        return join_stages(self.parts)
 
 
 class ParallelModel:
@@ -165,6 +161,30 @@ class ParallelModel:
         self._expert_ids = {id(p) for p in expert_params}
         self._generic_clip = (layout.ep > 1 or layout.pp > 1
                               or any(isinstance(p, DTensor) for part in parts for p in part.parameters()))
+
+    def expert_names(self) -> set[str]:
+        """Names of the expert-parallel parameters (in the unsplit model): each rank holds 1/ep of these experts."""
+        return {name for name, p in self.parts.named_parameters() if id(p) in self._expert_ids}
+
+    def expert_global(self, local: torch.Tensor) -> DTensor:
+        """This rank's slice of an expert tensor (a parameter, or optimizer state shaped like it) as a DTensor over
+        all experts: split over the ep ranks in ep-rank order (enable_expert_parallel), each slice split again over
+        its edp ranks when FSDP2 shards it (a DTensor on the edp mesh). The local data is shared, not copied."""
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        assert self.mesh is not None and self.layout.ep > 1
+        ep = self.layout.ep
+        if isinstance(local, DTensor):
+            if tuple(local.placements) != (Shard(0),):
+                raise ValueError(f"expert tensor sharded as {local.placements} over edp; checkpoints expect Shard(0)")
+            # ep splits the experts first, then edp splits each ep slice: edp's shard is strided over the ep slices.
+            mesh, placements = self.mesh["edp", "ep"], (_StridedShard(0, split_factor=ep), Shard(0))
+        else:
+            mesh, placements = self.mesh["ep"], (Shard(0),)
+        shape = (local.shape[0] * ep, *local.shape[1:])
+        data = local.to_local() if isinstance(local, DTensor) else local
+        return DTensor.from_local(data, mesh, placements, run_check=False, shape=torch.Size(shape),
+                                  stride=torch.empty(shape, device="meta").stride())
 
     @property
     def module(self) -> nn.Module:

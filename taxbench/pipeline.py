@@ -99,6 +99,24 @@ def split_model(model: nn.Module, split: StageSplit, stage: int) -> nn.Module:
     return part
 
 
+def join_stages(parts: list[nn.Module]) -> nn.Module:
+    """One module over a rank's stage parts (the inverse of split_model): each top-level module and each block taken
+    from the part that owns it, so that every parameter has its unsplit-model name exactly once. The modules are
+    shared, not copied: a state dict read or loaded through it reads or loads the parts."""
+    if len(parts) == 1:
+        return parts[0]
+    joined = nn.Module()
+    for name, first in parts[0]._modules.items():
+        held = [part._modules[name] for part in parts]
+        if isinstance(first, nn.ModuleList):
+            owners = [next((blocks[i] for blocks in held if not isinstance(blocks[i], StagePlaceholder)), first[i])
+                      for i in range(len(first))]
+            joined.add_module(name, nn.ModuleList(owners))
+        else:
+            joined.add_module(name, next((module for module in held if module is not None), None))
+    return joined
+
+
 def build_schedule(stages: list, micro_batches: int, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                    name: str):  # noqa: ANN201 (a torch pipelining schedule)
     """The torch.distributed.pipelining schedule over this rank's PipelineStages."""

@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
-from taxbench import fingerprint, policy
+from taxbench import checkpoint_state, fingerprint, policy
 from taxbench.activation_checkpoint import apply_activation_checkpointing
 from taxbench.checkpoints import CheckpointError
 from taxbench.config import FaultConfig, PolicyConfig, Precision, TaxbenchConfig
@@ -30,7 +31,7 @@ from taxbench.distributed import DistContext
 from taxbench.parallel import layout_for, parallelize
 from taxbench.pipeline import boundaries, split_model, stage_split
 from taxbench.planted import PlantedDelay
-from taxbench.records import FaultLog, StepWriter, run_name, step_record, steps_file, write_atomically
+from taxbench.records import FaultLog, StepWriter, run_name, step_record, steps_file
 from taxbench.step import PipelineStep, PlainStep, StepExecutor
 from taxbench.tracing.capture import tracer_for_run
 from taxbench.tracing.faults import STEP_FAULT_KINDS, flip_lowest_bit, step_fault
@@ -350,35 +351,25 @@ class Trainer:
             self.writer.write(record)  # flushed per line; fsync once per block (run_block), not per step
         self._pending.clear()
 
-    def save_checkpoint(self, path: Path) -> None:
+    def save_checkpoint(self, directory: Path) -> list[Path]:
+        """Write this rank's part of the checkpoint into `directory` (a collective); the files it wrote."""
         self._flush(None)
         self.writer.sync()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        state = {
-            "step": self.step,
-            "model": self.raw_model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "data": self.data.state_dict(),
-            "rng": self.rng.state_dict(),
-        }
-        # Through a Python file, so that a failed write surfaces as the OSError behind it (a full disk).
-        write_atomically(path, lambda handle: torch.save(state, handle))
+        extras = {"step": self.step, "data": self.data.state_dict(), "rng": self.rng.state_dict()}
+        return checkpoint_state.save(directory, self.parallel, self.optimizer, extras, self.ctx.rank)
 
-    def load_checkpoint(self, path: Path) -> None:
-        """Restore the state saved at `path`, then check it reproduces the step record written at that step."""
+    def load_checkpoint(self, directory: Path) -> None:
+        """Restore the state saved in `directory`, then check it reproduces the step record written at that step."""
         try:
-            state = torch.load(path, map_location=self.ctx.device, weights_only=False)
-            self.raw_model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.data.load_state_dict(state["data"])
-            self.rng = RngSnapshot.from_state_dict(state["rng"])
-            self.step = int(state["step"])
+            extras = checkpoint_state.load(directory, self.parallel, self.optimizer, self.ctx.rank, self.ctx.device)
+            self.data.load_state_dict(extras["data"])
+            self.rng = RngSnapshot.from_state_dict(extras["rng"])
+            self.step = int(extras["step"])
         except torch.OutOfMemoryError:
             raise
-        except (OSError, RuntimeError, KeyError, TypeError, ValueError, EOFError) as exc:
-            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise CheckpointError(f"{path}: unreadable checkpoint ({reason})") from exc
-        self._check_restored(path)
+        except (OSError, RuntimeError, KeyError, TypeError, ValueError, EOFError, CheckpointException) as exc:
+            raise CheckpointError(f"{directory}: unreadable checkpoint ({_first_line(exc)})") from exc
+        self._check_restored(directory)
         self.drop_records_after(self.step)
         if self.tracer is not None:
             self.tracer.checkpoint_loaded(self)
@@ -416,6 +407,12 @@ class Trainer:
             self.fault_log.close()
         if self.tracer is not None:
             self.tracer.close()
+
+
+def _first_line(exc: BaseException) -> str:
+    if isinstance(exc, CheckpointException) and exc.failures:  # DCP: the first failing rank's own error
+        exc = next(iter(exc.failures.values()))[0]
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _bits_to_float(bits: int) -> float:

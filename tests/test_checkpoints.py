@@ -24,12 +24,21 @@ from taxbench.trainer import Trainer
 
 
 class Saver:
-    def __init__(self, size: int = 4096) -> None:
-        self.size = size
+    """Writes what a rank writes into a checkpoint directory (a DCP data file; rank 0 also the metadata)."""
 
-    def save_checkpoint(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(os.urandom(self.size))
+    def __init__(self, rank: int = 0, size: int = 4096) -> None:
+        self.rank, self.size = rank, size
+
+    def save_checkpoint(self, directory: Path) -> list[Path]:
+        directory.mkdir(parents=True, exist_ok=True)
+        files = [directory / f"__{self.rank}_0.distcp"] + ([directory / ".metadata"] if self.rank == 0 else [])
+        for file in files:
+            file.write_bytes(os.urandom(self.size))
+        return files
+
+
+def shard(checkpoints: RunCheckpoints, step: int) -> Path:
+    return checkpoints.path(step) / f"__{checkpoints.rank}_0.distcp"
 
 
 def truncate(path: Path) -> None:
@@ -50,40 +59,45 @@ def committed(tmp_path: Path, steps: tuple[int, ...] = (6, 12)) -> RunCheckpoint
     return checkpoints
 
 
-def test_a_committed_checkpoint_carries_its_checksum_and_damage_is_named(tmp_path: Path) -> None:
+def test_a_committed_checkpoint_carries_its_checksums_and_damage_is_named(tmp_path: Path) -> None:
     checkpoints = committed(tmp_path)
     assert checkpoints.complete() == [6, 12]
-    record = json.loads(checkpoints.checksum_path(12).read_text())
-    assert record["file"] == "step12.rank0.pt" and record["bytes"] == 4096 and len(record["sha256"]) == 64
+    records = json.loads(checkpoints.checksum_path(12).read_text())["files"]
+    assert [r["file"] for r in records] == ["__0_0.distcp", ".metadata"]
+    assert all(r["bytes"] == 4096 and len(r["sha256"]) == 64 for r in records)
+    assert checkpoints.checksum_path(12) == checkpoints.path(12) / "rank0.sha256"
     assert checkpoints.problem(6) is None and checkpoints.problem(12) is None
 
-    truncate(checkpoints.path(12))
-    assert checkpoints.problem(12) == f"{checkpoints.path(12)}: truncated (2048 of 4096 bytes)"
-    flip_64_bytes(checkpoints.path(6))
-    expected = f"{checkpoints.path(6)}: checksum mismatch (sha256 differs from step6.rank0.sha256)"
+    truncate(shard(checkpoints, 12))
+    assert checkpoints.problem(12) == f"{shard(checkpoints, 12)}: truncated (2048 of 4096 bytes)"
+    flip_64_bytes(checkpoints.path(6) / ".metadata")
+    expected = f"{checkpoints.path(6) / '.metadata'}: checksum mismatch (sha256 differs from rank0.sha256)"
     assert checkpoints.problem(6) == expected
     with pytest.raises(CheckpointError, match="checksum mismatch"):
         checkpoints.require_intact(6)
+    shard(checkpoints, 12).unlink()
+    assert checkpoints.problem(12) == f"{shard(checkpoints, 12)}: missing"
     checkpoints.checksum_path(6).unlink()
     assert "no checksum recorded" in str(checkpoints.problem(6))
 
 
 def test_a_damaged_checkpoint_falls_back_to_the_previous_intact_one_and_says_so(tmp_path: Path, capsys) -> None:
     checkpoints = committed(tmp_path)
-    truncate(checkpoints.path(12))
+    truncate(shard(checkpoints, 12))
     assert resume_step([checkpoints]) == 6
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"taxbench: warning: {checkpoints.path(12)}: truncated (2048 of 4096 bytes); deterministic-1 resume "
-                   "from step 6"]
+    assert err == [f"taxbench: warning: {shard(checkpoints, 12)}: truncated (2048 of 4096 bytes); deterministic-1 "
+                   "resume from step 6"]
     # The damaged, newer checkpoint is forgotten: the run rewrites that step.
     assert checkpoints.complete() == [6]
-    assert sorted(p.name for p in checkpoints.dir.iterdir()) == [PROGRESS_FILE, "step6.rank0.pt", "step6.rank0.sha256"]
+    assert sorted(p.name for p in checkpoints.dir.iterdir()) == [PROGRESS_FILE, "step6"]
+    assert sorted(p.name for p in checkpoints.path(6).iterdir()) == [".metadata", "__0_0.distcp", "rank0.sha256"]
 
 
 def test_no_intact_checkpoint_left_means_starting_from_scratch(tmp_path: Path, capsys) -> None:
     checkpoints = committed(tmp_path)
-    truncate(checkpoints.path(12))
-    flip_64_bytes(checkpoints.path(6))
+    truncate(shard(checkpoints, 12))
+    flip_64_bytes(shard(checkpoints, 6))
     assert resume_step([checkpoints]) is None
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "truncated" in err[0] and "(and 1 more)" in err[0] and "from scratch" in err[0]
@@ -106,7 +120,7 @@ def test_the_timed_pair_resumes_both_arms_from_a_step_intact_in_both(tmp_path: P
     baseline, deterministic = (RunCheckpoints(tmp_path / name, rank=0) for name in ("baseline-0", "deterministic-0"))
     for step in (6, 12):
         commit(step, [(baseline, Saver()), (deterministic, Saver())])
-    flip_64_bytes(deterministic.path(12))
+    flip_64_bytes(shard(deterministic, 12))
     assert resume_step([baseline, deterministic]) == 6
     assert baseline.complete() == deterministic.complete() == [6]
 
@@ -228,13 +242,13 @@ def test_a_damaged_checkpoint_is_named_and_the_continued_experiment_still_agrees
     if damage == "progress":
         (checkpoints.dir / PROGRESS_FILE).write_text("{\"complete\": [3,")
     else:
-        DAMAGE[damage](checkpoints.path(6))
+        DAMAGE[damage](shard(checkpoints, 6))
     capfd.readouterr()
 
     run_schedule(cfg, root)
     err = capfd.readouterr().err
-    expected = {"truncated": f"{checkpoints.path(6)}: truncated (",
-                "flipped": f"{checkpoints.path(6)}: checksum mismatch",
+    expected = {"truncated": f"{shard(checkpoints, 6)}: truncated (",
+                "flipped": f"{shard(checkpoints, 6)}: checksum mismatch",
                 "progress": f"{checkpoints.dir / PROGRESS_FILE}: not valid JSON"}[damage]
     warnings = [line for line in err.splitlines() if line.startswith("taxbench: warning:")]
     assert len(warnings) == 1 and expected in warnings[0], err
@@ -254,10 +268,10 @@ def _rank_resumes(rank: int, root: str, port: int) -> None:
     try:
         checkpoints = RunCheckpoints(Path(root) / "deterministic-1", rank)
         for step in (6, 12):
-            commit(step, [(checkpoints, Saver())])
+            commit(step, [(checkpoints, Saver(rank))])
         dist.barrier()
         if rank == 1:
-            flip_64_bytes(checkpoints.path(12))
+            flip_64_bytes(shard(checkpoints, 12))
         dist.barrier()
         (Path(root) / f"chosen.rank{rank}").write_text(str(resume_step([checkpoints])))
     finally:
@@ -271,8 +285,10 @@ def test_every_rank_falls_back_to_the_same_step_when_one_rank_holds_a_damaged_fi
     mp.start_processes(_rank_resumes, args=(str(tmp_path), free_port()), nprocs=2, join=True, start_method="spawn")
     assert [(tmp_path / f"chosen.rank{r}").read_text() for r in (0, 1)] == ["6", "6"]
     warnings = [line for line in capfd.readouterr().err.splitlines() if line.startswith("taxbench: warning:")]
-    damaged = RunCheckpoints(tmp_path / "deterministic-1", 1).path(12)
-    assert warnings == [f"taxbench: warning: {damaged}: checksum mismatch (sha256 differs from step12.rank1.sha256); "
+    damaged = shard(RunCheckpoints(tmp_path / "deterministic-1", 1), 12)
+    assert warnings == [f"taxbench: warning: {damaged}: checksum mismatch (sha256 differs from rank1.sha256); "
                         "deterministic-1 resume from step 6"]
-    assert sorted(p.name for p in (tmp_path / "deterministic-1" / "checkpoints").iterdir()) == [
-        PROGRESS_FILE, "step6.rank0.pt", "step6.rank0.sha256", "step6.rank1.pt", "step6.rank1.sha256"]
+    checkpoints = tmp_path / "deterministic-1" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == [PROGRESS_FILE, "step6"]
+    assert sorted(p.name for p in (checkpoints / "step6").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "rank0.sha256", "rank1.sha256"]

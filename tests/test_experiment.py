@@ -218,13 +218,14 @@ def test_a_killed_rank_ends_in_one_line_with_the_command_that_continues(tmp_path
     checkpoints = RunCheckpoints(root / "deterministic-1", rank=0)
     newest = checkpoints.latest()
     assert newest is not None and len(checkpoints.complete()) == 2
-    data = checkpoints.path(newest).read_bytes()
-    checkpoints.path(newest).write_bytes(data[: len(data) // 3])
+    shard = checkpoints.path(newest) / "__0_0.distcp"  # rank 0's DCP data file
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 3])
 
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"{checkpoints.path(newest)}: truncated (" in result.stderr
+    assert f"{shard}: truncated (" in result.stderr
     summary = json.loads((root / "summary.json").read_text())
     assert summary["deterministic_ok"] and all(v["agree"] for v in summary["verdicts"])
     for run_name in ("baseline-0", "deterministic-0", "deterministic-1", "deterministic-resumed", "baseline-1"):

@@ -329,9 +329,10 @@ def test_replays_start_from_the_latest_complete_checkpoint_before_the_step(tmp_p
     from taxbench.tracing.localize import RunSpec
 
     class Saver:
-        def save_checkpoint(self, path: Path) -> None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(b"state")
+        def save_checkpoint(self, directory: Path) -> list[Path]:
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / "__0_0.distcp").write_bytes(b"state")
+            return [directory / "__0_0.distcp"]
 
     run = tmp_path / "deterministic-1"
     checkpoints = RunCheckpoints(run, rank=0)

@@ -48,11 +48,11 @@ def test_resume_from_checkpoint_is_bitwise_identical(tmp_path: Path) -> None:
     first = make(cfg, tmp_path / "resumed")
     first.run_block(3, 0)
     first.run_block(1, 0)  # extra records past the checkpoint, as a crash after it would leave
-    first.save_checkpoint(tmp_path / "ckpt.pt")
+    first.save_checkpoint(tmp_path / "ckpt")
     first.run_block(2, 0)
     first.close()
     second = make(cfg, tmp_path / "resumed")
-    second.load_checkpoint(tmp_path / "ckpt.pt")
+    second.load_checkpoint(tmp_path / "ckpt")
     second.run_block(4, 0)
     second.close()
 
@@ -110,11 +110,11 @@ def test_global_rng_streams_are_per_run_and_restored_by_checkpoints(tmp_path: Pa
     left, right = make(cfg, tmp_path / "left"), make(cfg, tmp_path / "right", arm="baseline")
     left.run_block(3, 0)
     right.run_block(3, 0)  # draws from the same global RNGs in between
-    left.save_checkpoint(tmp_path / "ckpt.pt")
+    left.save_checkpoint(tmp_path / "ckpt")
     left.close()
     random.random(), np.random.rand(), torch.rand(1)  # anything else the process does meanwhile
     resumed = make(cfg, tmp_path / "left")
-    resumed.load_checkpoint(tmp_path / "ckpt.pt")
+    resumed.load_checkpoint(tmp_path / "ckpt")
     resumed.run_block(3, 1)
     resumed.close()
     right.close()
@@ -140,19 +140,16 @@ def test_a_restore_that_does_not_reproduce_the_recorded_step_is_an_error_naming_
     cfg = tiny_config()
     first = make(cfg, tmp_path / "run")
     first.run_block(3, 0)
-    first.save_checkpoint(tmp_path / "ckpt.pt")
-    first.close()
-    # A checkpoint file that loads fine but holds other parameters than the run had at that step.
-    state = torch.load(tmp_path / "ckpt.pt", weights_only=False)
-    (part,) = state["model"]  # one model part (no pipeline stages)
-    name = next(iter(part))
-    part[name] = part[name].clone()
-    part[name].view(-1)[0] += 1
-    torch.save(state, tmp_path / "ckpt.pt")
+    first.save_checkpoint(tmp_path / "ckpt")
+    # A checkpoint that loads fine but holds other parameters than the run had at that step.
+    with torch.no_grad():
+        next(first.raw_model.parameters()).view(-1)[0] += 1
+    first.save_checkpoint(tmp_path / "ckpt")
     before = (tmp_path / "run" / "steps.rank0.jsonl").read_text()
-    with pytest.raises(CheckpointError, match=r"ckpt.pt: restored state does not reproduce the record of step 3 in "
+    with pytest.raises(CheckpointError, match=r"ckpt: restored state does not reproduce the record of step 3 in "
                                               r".*steps.rank0.jsonl \(params "):
-        make(cfg, tmp_path / "run").load_checkpoint(tmp_path / "ckpt.pt")
+        make(cfg, tmp_path / "run").load_checkpoint(tmp_path / "ckpt")
+    first.close()
     assert (tmp_path / "run" / "steps.rank0.jsonl").read_text() == before  # nothing was dropped
 
 
@@ -160,12 +157,13 @@ def test_an_unreadable_checkpoint_is_named(tmp_path: Path) -> None:
     cfg = tiny_config()
     first = make(cfg, tmp_path / "run")
     first.run_block(1, 0)
-    first.save_checkpoint(tmp_path / "ckpt.pt")
+    first.save_checkpoint(tmp_path / "ckpt")
     first.close()
-    data = (tmp_path / "ckpt.pt").read_bytes()
-    (tmp_path / "ckpt.pt").write_bytes(data[: len(data) // 2])
-    with pytest.raises(CheckpointError, match=r"ckpt.pt: unreadable checkpoint \("):
-        make(cfg, tmp_path / "run").load_checkpoint(tmp_path / "ckpt.pt")
+    (shards,) = (tmp_path / "ckpt").glob("*.distcp")
+    data = shards.read_bytes()
+    shards.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"ckpt: unreadable checkpoint \("):
+        make(cfg, tmp_path / "run").load_checkpoint(tmp_path / "ckpt")
 
 
 def faulty(cfg: TaxbenchConfig, run_dir: Path, **fault: object) -> Trainer:
@@ -207,12 +205,12 @@ def test_a_resumed_run_drops_fault_events_past_its_checkpoint(tmp_path: Path) ->
     cfg = tiny_config()
     first = faulty(cfg, tmp_path / "run", step=3)
     first.run_block(2, 0)
-    first.save_checkpoint(tmp_path / "ckpt.pt")
+    first.save_checkpoint(tmp_path / "ckpt")
     first.run_block(2, 0)  # the fault fires at step 3, after the checkpoint
     first.close()
     assert [e["step"] for e in fault_events(tmp_path / "run")] == [3]
     resumed = faulty(cfg, tmp_path / "run", step=3)
-    resumed.load_checkpoint(tmp_path / "ckpt.pt")
+    resumed.load_checkpoint(tmp_path / "ckpt")
     assert fault_events(tmp_path / "run") == []
     resumed.run_block(2, 0)  # fires again
     resumed.close()

@@ -173,7 +173,7 @@ class Tracer:
         if not (self.scope.wants_rank(self.rank) and self.scope.wants_step(trainer.step + 1)):
             return
         self.step = trainer.step + 1
-        model = [t for t in trainer.raw_model.state_dict().values() if isinstance(t, torch.Tensor)]
+        model = [t for t in trainer.raw_model.joined().state_dict().values() if isinstance(t, torch.Tensor)]
         optim = list(trainer._optimizer_tensors())
         self.record("checkpoint", "checkpoint.load", "checkpoint", [],
                     [self.labelled("model", model), self.labelled("optimizer", optim)])
