@@ -353,7 +353,7 @@ def verdict_line(summary: ExperimentSummary) -> tuple[str, str]:
     strict = [(v, gate) for v, gate in zip(summary.verdicts, GATES, strict=True) if gate[3]]
     if summary.outcome == PASSED:
         steps = " and ".join(f"{v.gate} {v.compared_steps} steps" for v, _ in strict)
-        return "good", f"deterministic: yes (bitwise identical: {steps})"
+        return "good", f"deterministic: yes (every fingerprint agrees bit for bit: {steps})"
     if summary.outcome == FAILED:
         failed, gate = next((v, g) for v, g in strict if v.outcome == DIFFERS)
         m = failed.first_mismatch

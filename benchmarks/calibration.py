@@ -47,7 +47,7 @@ def main() -> int:
                for p in args.planted}
     configs[f"before@{args.planted[-1]:g}"] = [
         f"experiment.planted_tax={args.planted[-1]}", "experiment.interleave=pair", "experiment.block_steps=6",
-        "experiment.checkpoint_every_blocks=1", "experiment.manual_gc=false"]
+        "experiment.manual_gc=false"]
     results: dict[str, list[dict]] = {name: [] for name in configs}
     with tempfile.TemporaryDirectory(prefix="calibration-") as tmp:
         for repeat in range(args.repeats):
@@ -58,16 +58,19 @@ def main() -> int:
             print(f"repeat {repeat + 1}/{args.repeats} done", file=sys.stderr, flush=True)
 
     print(f"{args.repeats} repeats, {args.steps} steps per run, {args.ranks} rank(s), A/A calibration pair")
-    print(f"{'config':<12} {'planted':>8} {'median est':>11} {'bias':>8} {'coverage':>9} {'median +/-':>11}")
+    print(f"{'config':<12} {'planted':>8} {'median est':>11} {'bias':>8} {'coverage':>9} {'median +/-':>11} "
+          f"{'HL coverage':>12}")
     half_widths = {}
     for name, summaries in results.items():
         planted = float(name.split("@")[1])
         taxes = [s["tax"]["tax"] for s in summaries]
         held = [s["tax"]["low"] <= planted <= s["tax"]["high"] for s in summaries]
+        held_hl = [s["tax"]["hl_low"] <= planted <= s["tax"]["hl_high"] for s in summaries]
         half_widths[name] = statistics.median(s["tax"]["half_width"] for s in summaries)
         median = statistics.median(taxes)
         print(f"{name:<12} {planted * 100:>7.2f}% {median * 100:>+10.2f}% {(median - planted) * 100:>+7.2f}p "
-              f"{sum(held) / len(held) * 100:>8.0f}% {half_widths[name] * 100:>10.2f}%")
+              f"{sum(held) / len(held) * 100:>8.0f}% {half_widths[name] * 100:>10.2f}% "
+              f"{sum(held_hl) / len(held_hl) * 100:>11.0f}%")
     last = args.planted[-1]
     ratio = half_widths[f"before@{last:g}"] / half_widths[f"all@{last:g}"]
     print(f"half-width before (the *-0 pair timed, 6-step blocks) / now (every run timed, {args.block}-step blocks), "

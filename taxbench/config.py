@@ -233,8 +233,9 @@ class ExperimentConfig:
     # resume from their last complete checkpoint.
     continue_existing: bool = False
     confidence: float = 0.95
-    # Preemption safety: every run checkpoints every N blocks (0: never) and a restarted experiment resumes from there.
-    checkpoint_every_blocks: int = 10
+    # Preemption safety: every run checkpoints at the end of the block that reaches each multiple of N steps (0: never),
+    # and a restarted experiment resumes from there.
+    checkpoint_every_steps: int = 10
     # Which runs are timed: "all" interleaves baseline-0, deterministic-0, deterministic-1 and baseline-1 in rounds
     # (four models in memory at once); "pair" interleaves only the two *-0 runs (two models, half the timed steps).
     interleave: str = "all"
@@ -514,8 +515,8 @@ def validate(cfg: TaxbenchConfig) -> None:
         recipe.model.d_model % recipe.model.n_heads == 0,
         f"recipe.model.d_model={recipe.model.d_model} is not divisible by recipe.model.n_heads={recipe.model.n_heads}",
     )
-    _require(exp.checkpoint_every_blocks >= 0,
-             f"experiment.checkpoint_every_blocks={exp.checkpoint_every_blocks} must be >= 0 (0: no checkpoints)")
+    _require(exp.checkpoint_every_steps >= 0,
+             f"experiment.checkpoint_every_steps={exp.checkpoint_every_steps} must be >= 0 (0: no checkpoints)")
     ws = world_size(cluster)
     problems = layout_problems(recipe, ws)
     _require(not problems, "; ".join(problems))

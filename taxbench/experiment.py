@@ -162,10 +162,10 @@ class Experiment:
         for _ in range(steps):
             self.progress.advance()
 
-    def _checkpoint_due(self, step: int, last: int) -> bool:
-        exp = self.cfg.experiment
-        every = exp.checkpoint_every_blocks * exp.block_steps
-        return every > 0 and step < last and step % every == 0
+    def _checkpoint_due(self, step: int, last: int, block_steps: int) -> bool:
+        """Whether the block of `block_steps` just ended at `step` reached a multiple of the checkpoint interval."""
+        every = self.cfg.experiment.checkpoint_every_steps
+        return every > 0 and step < last and step // every > (step - block_steps) // every
 
     def _run_interleaved(self, runs: Sequence[RunRef]) -> Stop:
         exp = self.cfg.experiment
@@ -197,7 +197,7 @@ class Experiment:
                 break
             if step >= exp.steps:  # one more round than planned
                 self.progress.grow_to(len(ALL_RUNS) * (step + exp.block_steps))
-            if self._checkpoint_due(step, cap):
+            if self._checkpoint_due(step, cap, exp.block_steps):
                 commit(step, [(progress[ref], trainers[ref]) for ref in runs])
         assert stop is not None, "the step cap always stops the rounds"
         for trainer in trainers.values():
@@ -213,7 +213,7 @@ class Experiment:
         while trainer.step < until:
             n = min(exp.block_steps - trainer.step % exp.block_steps, until - trainer.step)
             trainer.run_block(n, trainer.step // exp.block_steps, self.progress.advance)
-            if self._checkpoint_due(trainer.step, last):
+            if self._checkpoint_due(trainer.step, last, n):
                 commit(trainer.step, [(checkpoints, trainer)])
 
     def _run_whole(self, ref: RunRef, steps: int) -> None:
@@ -241,7 +241,7 @@ class Experiment:
         if start is None or start < exp.resume_step:
             first = self._start(RESUMED, start)
             self._advance(RESUMED, first, exp.resume_step, steps)
-            if not self._checkpoint_due(exp.resume_step, steps):  # else _advance has just committed it
+            if checkpoints.latest() != exp.resume_step:  # else _advance has just committed it
                 commit(exp.resume_step, [(checkpoints, first)])
             first.close()
             del first

@@ -15,7 +15,7 @@ from taxbench.records import STOP_FILE
 from tests.conftest import compose_config
 from tests.test_checkpoints import Crash, crash_after, run_schedule, tiny_config
 
-CALIBRATED = ("experiment.calibration=true", "experiment.block_steps=1", "experiment.checkpoint_every_blocks=10")
+CALIBRATED = ("experiment.calibration=true", "experiment.block_steps=1", "experiment.checkpoint_every_steps=10")
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -64,7 +64,7 @@ def test_the_step_cap_stops_an_unreachable_target_and_says_so(tmp_path: Path) ->
 
 def test_an_adaptive_schedule_continued_after_a_crash_completes_without_duplicates(tmp_path: Path) -> None:
     cfg = tiny_config(*CALIBRATED, "experiment.steps=12", "experiment.target_half_width=0.0001",
-                      "experiment.max_steps=36", "experiment.checkpoint_every_blocks=6")
+                      "experiment.max_steps=36", "experiment.checkpoint_every_steps=6")
     with pytest.raises(Crash):
         run_schedule(cfg, tmp_path, crash_after(4 * 20 + 2))  # past `steps`, in the added rounds
     assert not (tmp_path / STOP_FILE).exists()  # the rounds never finished: analysis has no length to pass

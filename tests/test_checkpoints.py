@@ -190,7 +190,7 @@ def tiny_config(*extra: str) -> TaxbenchConfig:
                             "recipe.model.n_heads=2", "recipe.model.seq_len=16", "recipe.model.d_ff=64",
                             "experiment.name=ckpt", "experiment.steps=12", "experiment.block_steps=3",
                             "experiment.warmup_steps=2", "experiment.resume_step=6",
-                            "experiment.checkpoint_every_blocks=1", *extra)
+                            "experiment.checkpoint_every_steps=3", *extra)
     return cfg
 
 
