@@ -80,3 +80,10 @@ def test_cli_reports_bad_config_without_a_traceback(
 def test_cli_lists_allowed_values_for_enums(taxbench_cli, tmp_path: Path) -> None:
     result = taxbench_cli("recipe.precision=fp8", cwd=tmp_path, timeout=120)
     assert "fp32" in result.stderr and "bf16" in result.stderr
+
+
+def test_zbv_with_fsdp_is_refused_because_its_last_stage_went_untrained() -> None:
+    with pytest.raises(ConfigError, match="ZBVZeroBubble with recipe.parallel.data_parallel=fsdp leaves the last stage "
+                                          "untrained"):
+        compose_config("+recipe=moe_1t_proxy", "recipe.parallel.pp_schedule=ZBVZeroBubble",
+                       "recipe.parallel.virtual_stages=2", "experiment.name=x")
