@@ -1,6 +1,6 @@
 """The moe_1t proxy's tax and step time per pipeline schedule, measured side by side in one run.
 
-    python benchmarks/pipeline_schedules.py [--steps 24] [--schedules 1F1B GPipe Interleaved1F1B InterleavedZeroBubble]
+    python benchmarks/pipeline_schedules.py [--steps 24] [--schedules 1F1B GPipe Interleaved1F1B]
 
 Each schedule runs the proxy (4 gloo ranks: pp=2 x dp=2 with ep=2, FSDP2, bf16, full recompute) as one taxbench
 experiment; the table gives the baseline's median step time, its ratio to 1F1B's, the tax with its interval and the
@@ -36,7 +36,7 @@ def run(schedule: str, steps: int, out: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--schedules", nargs="+", default=["1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble"])
+    parser.add_argument("--schedules", nargs="+", default=["1F1B", "GPipe", "Interleaved1F1B"])
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         results = {schedule: run(schedule, args.steps, Path(tmp)) for schedule in args.schedules}

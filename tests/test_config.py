@@ -82,8 +82,9 @@ def test_cli_lists_allowed_values_for_enums(taxbench_cli, tmp_path: Path) -> Non
     assert "fp32" in result.stderr and "bf16" in result.stderr
 
 
-def test_zbv_with_fsdp_is_refused_because_its_last_stage_went_untrained() -> None:
-    with pytest.raises(ConfigError, match="ZBVZeroBubble with recipe.parallel.data_parallel=fsdp leaves the last stage "
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "InterleavedZeroBubble"])
+def test_zero_bubble_with_fsdp_is_refused_because_its_last_stage_went_untrained(schedule: str) -> None:
+    with pytest.raises(ConfigError, match=f"{schedule} with recipe.parallel.data_parallel=fsdp leaves the last stage "
                                           "untrained"):
-        compose_config("+recipe=moe_1t_proxy", "recipe.parallel.pp_schedule=ZBVZeroBubble",
+        compose_config("+recipe=moe_1t_proxy", f"recipe.parallel.pp_schedule={schedule}",
                        "recipe.parallel.virtual_stages=2", "experiment.name=x")
