@@ -32,6 +32,7 @@ TINY = [
     "experiment.block_steps=6",
     "experiment.warmup_steps=2",
     "experiment.resume_step=6",
+    "experiment.checkpoint_every_steps=6",  # a checkpoint at every block boundary, for the preemption tests
     "cluster.cpu_ranks=2",
     "cluster.threads_per_rank=1",
 ]
