@@ -34,7 +34,7 @@ from taxbench.analysis.tax import PRECISE_HALF_WIDTH, TaxEstimate, estimate_tax,
 from taxbench.analysis.throughput import ArmThroughput, arm_throughput, cost_of_tax, mebibytes, si
 from taxbench.analysis.verdicts import DIFFERS, INCOMPLETE, Verdict, compare_runs
 from taxbench.oserrors import describe_os_error
-from taxbench.records import INTERLEAVED, RunWriteError, write_atomically
+from taxbench.records import INTERLEAVED, RunRef, RunWriteError, write_atomically
 from taxbench.stopping import TARGET, read_stop
 
 SUMMARY_FILE = "summary.json"
@@ -244,9 +244,14 @@ def code_of(manifest: dict[str, Any]) -> str:
     return f"taxbench {provenance.get('version')}{where}"
 
 
+def interleaved_runs(experiment: dict[str, Any]) -> tuple[RunRef, ...]:
+    """The runs that were timed (an experiment without experiment.interleave timed the *-0 pair only)."""
+    return INTERLEAVED[experiment.get("interleave", "pair")]
+
+
 def timed_runs(runs: dict[str, pd.DataFrame], experiment: dict[str, Any]) -> dict[str, list[pd.DataFrame]]:
-    """Each arm's interleaved runs (an experiment without experiment.interleave timed the *-0 pair only)."""
-    interleaved = INTERLEAVED[experiment.get("interleave", "pair")]
+    """Each arm's interleaved (timed) runs."""
+    interleaved = interleaved_runs(experiment)
     return {arm: [runs[ref.name] for ref in interleaved if ref.arm == arm] for arm in ("baseline", "deterministic")}
 
 
@@ -296,8 +301,8 @@ def analyse_experiment(root: Path) -> ExperimentAnalysis:
     runs = {name: frame for name, (frame, _) in loaded.items()}
     problems = {name: found for name, (_, found) in loaded.items()}
     timed = timed_runs(runs, experiment)
-    timed_names = [ref.name for ref in INTERLEAVED[experiment.get("interleave", "pair")]]
-    tax = _tax(timed, experiment, any(problems[name] for name in timed_names) or bool(stop_problems))
+    timed_incomplete = any(problems[ref.name] for ref in interleaved_runs(experiment)) or bool(stop_problems)
+    tax = _tax(timed, experiment, timed_incomplete)
     verdicts = []
     for gate, reference, candidate, _ in GATES:
         from_step = experiment["resume_step"] if gate == "restart_replay" else 0
@@ -317,7 +322,7 @@ def analyse_experiment(root: Path) -> ExperimentAnalysis:
         experiment=root.name,
         root=str(root),
         recipe=recipe_label(manifest_value(manifest, root / "deterministic-0", "config.recipe")),
-        world_size=manifest_value(manifest, root / "deterministic-0", "layout.world_size"),
+        world_size=world,
         device=manifest_value(manifest, root / "deterministic-0", "policy_applied.device"),
         tax=tax,
         verdicts=verdicts,

@@ -192,6 +192,24 @@ def _rank_pids(launcher: int) -> list[int]:
     return sorted(ranks)
 
 
+def _kill_rank_mid_run(tmp_path: Path, args: list[str], records: Path, lines: int, world: int,
+                       victim_rank: int) -> tuple[str, list[str]]:
+    """Launch `python -m taxbench *args`, SIGKILL one rank once `records` holds `lines` records, and return the
+    launch's one error line (it must exit 1 without a traceback) and the continue command it prints."""
+    victim = subprocess.Popen([sys.executable, "-m", "taxbench", *args], cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    _wait_for_records(victim, records, lines)
+    ranks = _rank_pids(victim.pid)
+    assert len(ranks) == world, ranks
+    os.kill(ranks[victim_rank], signal.SIGKILL)
+    _, stderr = victim.communicate(timeout=120)
+    assert victim.returncode == 1, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    error = [line for line in stderr.splitlines() if line.startswith("taxbench: error:")]
+    assert len(error) == 1, stderr[-3000:]
+    return error[0], shlex.split(error[0].split("continue the experiment with: ", 1)[1])
+
+
 def test_a_killed_rank_ends_in_one_line_with_the_command_that_continues(tmp_path: Path) -> None:
     """SIGKILL one rank: the launch ends with exit 1 and one line naming the rank and the continue command; a damaged
     checkpoint on top is passed over with a warning, and the printed command finishes the experiment bitwise."""
@@ -199,19 +217,9 @@ def test_a_killed_rank_ends_in_one_line_with_the_command_that_continues(tmp_path
             "experiment.checkpoint_every_steps=6", f"experiment.out_dir={tmp_path}", "experiment.name=killed",
             "report.wandb=false", "report.html=false"]
     root = tmp_path / "killed"
-    victim = subprocess.Popen([sys.executable, "-m", "taxbench", *args], cwd=tmp_path, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    _wait_for_records(victim, root / "deterministic-1" / "steps.rank0.jsonl", 14)
-    ranks = _rank_pids(victim.pid)
-    assert len(ranks) == 2, ranks
-    os.kill(ranks[1], signal.SIGKILL)
-    _, stderr = victim.communicate(timeout=120)
-    assert victim.returncode == 1, stderr[-3000:]
-    assert "Traceback" not in stderr, stderr[-3000:]
-    error = [line for line in stderr.splitlines() if line.startswith("taxbench: error:")]
-    assert len(error) == 1 and re.match(r"taxbench: error: rank 1 died \(SIGKILL\); continue the experiment with: ",
-                                        error[0]), stderr[-3000:]
-    command = shlex.split(error[0].split("continue the experiment with: ", 1)[1])
+    error, command = _kill_rank_mid_run(tmp_path, args, root / "deterministic-1" / "steps.rank0.jsonl", 14, world=2,
+                                        victim_rank=1)
+    assert re.match(r"taxbench: error: rank 1 died \(SIGKILL\); continue the experiment with: ", error), error
     assert command[-2:] == ["experiment.name=killed", "experiment.continue_existing=true"]
 
     # Damage the newest checkpoint of the interrupted run: the continue falls back to the one before it.
@@ -244,17 +252,9 @@ def test_killed_rank_of_the_moe_1t_proxy_continues_with_every_fingerprint_intact
             "experiment.resume_step=6", f"experiment.out_dir={tmp_path}", "experiment.name=proxy",
             "report.wandb=false", "report.html=false"]
     root = tmp_path / "proxy"
-    victim = subprocess.Popen([sys.executable, "-m", "taxbench", *args], cwd=tmp_path, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    _wait_for_records(victim, root / "deterministic-1" / "steps.rank0.jsonl", 8)
-    ranks = _rank_pids(victim.pid)
-    assert len(ranks) == 4, ranks
-    os.kill(ranks[3], signal.SIGKILL)
-    _, stderr = victim.communicate(timeout=120)
-    assert victim.returncode == 1 and "Traceback" not in stderr, stderr[-3000:]
-    error = [line for line in stderr.splitlines() if line.startswith("taxbench: error:")]
-    assert len(error) == 1 and "rank 3 died (SIGKILL)" in error[0], stderr[-3000:]
-    command = shlex.split(error[0].split("continue the experiment with: ", 1)[1])
+    error, command = _kill_rank_mid_run(tmp_path, args, root / "deterministic-1" / "steps.rank0.jsonl", 8, world=4,
+                                        victim_rank=3)
+    assert "rank 3 died (SIGKILL)" in error, error
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
