@@ -332,7 +332,9 @@ def test_preempted_job_requeues_and_resumes_from_its_checkpoint_bitwise(tmp_path
 @needs_slurm
 def test_cancelled_job_fails_clearly_and_keeps_its_records(tmp_path: Path) -> None:
     cfg, container = compose_config(*["cluster=slurm_cpu", f"experiment.out_dir={tmp_path}", "experiment.name=c",
-                                     *TINY, *SLOWER_MODEL, "experiment.steps=24"])
+                                     *TINY, *SLOWER_MODEL, "experiment.steps=240"])
+    # 240 steps: minutes of work left after the first checkpoint, so a cancel that a loaded machine delivers late
+    # still lands before the job could finish (at 24 steps one CI run finished the experiment first).
     root = tmp_path / "c"
     job = slurm.submit(cfg, container, root)
     job._results_timeout_s = 2
@@ -340,6 +342,8 @@ def test_cancelled_job_fails_clearly_and_keeps_its_records(tmp_path: Path) -> No
     wait_until(lambda: timed.latest() is not None, 120, "the timed pair's first checkpoint")
     # scancel: SIGTERM (which submitit ignores), then SIGKILL after KillWait (1 s on the localhost cluster).
     job.cancel(check=True)
+    wait_until(lambda: job.watcher.get_state(job.job_id, mode="force").startswith("CANCELLED"), 60,
+               "Slurm to report the job cancelled")
     with pytest.raises(slurm.SlurmJobFailed, match=rf"Slurm job {job.job_id} .* logs: "):
         slurm.wait(job, root)
     # Everything up to the last complete checkpoint is kept; a pair that finished before the kill keeps every step.
