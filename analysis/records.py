@@ -94,15 +94,9 @@ def _diagnose(path: Path, data: bytes) -> RecordError:
     return RecordError(f"{path}: records have inconsistent field types; was it written by taxbench?")
 
 
-def _whole_records(data: bytes) -> bytes:
-    if data and not data.endswith(b"\n"):
-        data = data[: data.rfind(b"\n") + 1]  # torn final record of a crashed run: everything before it stands
-    return data
-
-
-def _parse(data: bytes) -> pa.Table:
+def _parse(data: pa.Buffer) -> pa.Table:
     options = pa_json.ReadOptions(block_size=4 << 20)  # blocks are parsed in parallel; 4 MiB measured best here
-    return pa_json.read_json(io.BytesIO(data), read_options=options, parse_options=_PARSE)
+    return pa_json.read_json(pa.BufferReader(data), read_options=options, parse_options=_PARSE)
 
 
 def _version_ok(table: pa.Table) -> bool:
@@ -110,24 +104,77 @@ def _version_ok(table: pa.Table) -> bool:
     return versions.null_count == 0 and bool((versions.to_numpy() == SCHEMA_VERSION).all())
 
 
-def _read_streams(files: list[Path], contents: list[bytes]) -> pa.Table | None:
+_NOT_BLANK = re.compile(rb"\S")
+
+
+@dataclass
+class _Streams:
+    """A run's streams read into one buffer: each stream's whole records, back to back, ready for one parse."""
+
+    files: list[Path]
+    buffer: bytearray
+    spans: list[tuple[int, int]]  # where each stream's whole records lie in `buffer`
+    key: list[list[Any]]  # each file as read: name, size, SHA-256 (the parquet cache's key)
+
+    @property
+    def end(self) -> int:
+        return self.spans[-1][1] if self.spans else 0
+
+    def blank(self) -> bool:
+        return _NOT_BLANK.search(self.buffer, 0, self.end) is None
+
+
+def _read_into_one_buffer(files: list[Path]) -> _Streams:
+    """Each stream straight into one preallocated buffer (no per-file bytes, no join). A torn final record of a
+    crashed run is dropped (everything before it stands) by letting the next stream overwrite it."""
+    sizes = [_size(f) for f in files]
+    buffer = bytearray(sum(sizes))
+    view = memoryview(buffer)
+    spans: list[tuple[int, int]] = []
+    key: list[list[Any]] = []
+    position = 0
+    for path, size in zip(files, sizes, strict=True):
+        try:
+            with path.open("rb", buffering=0) as handle:
+                read = 0
+                while read < size and (n := handle.readinto(view[position + read: position + size])):
+                    read += n
+        except OSError as exc:
+            raise RecordError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
+        key.append([path.name, read, hashlib.sha256(view[position: position + read]).hexdigest()])
+        end = position + read
+        if read and buffer[end - 1] != ord("\n"):
+            end = buffer.rfind(b"\n", position, end) + 1 or position
+        spans.append((position, end))
+        position = end
+    view.release()
+    return _Streams(files, buffer, spans, key)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError as exc:
+        raise RecordError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
+
+
+def _read_streams(streams: _Streams) -> pa.Table | None:
     """All streams parsed in one pass (records carry their rank); a failure is traced back to its file and line."""
-    chunks = [_whole_records(data) for data in contents]
-    data = b"".join(chunks)
-    if not data.strip():
+    if streams.blank():
         return None
     try:
-        table = _parse(data)
+        table = _parse(pa.py_buffer(streams.buffer).slice(0, streams.end))
     except pa.ArrowInvalid:
         table = None
     if table is not None and _version_ok(table):
         return table
-    for path, chunk in zip(files, chunks, strict=True):
+    chunks = [bytes(streams.buffer[start:end]) for start, end in streams.spans]
+    for path, chunk in zip(streams.files, chunks, strict=True):
         if chunk.strip():
             error = _diagnose(path, chunk)
             if not str(error).endswith("was it written by taxbench?"):
                 raise error
-    raise _diagnose(files[0], chunks[0])
+    raise _diagnose(streams.files[0], chunks[0])
 
 
 def stream_files(run_dir: Path) -> list[Path]:
@@ -135,18 +182,7 @@ def stream_files(run_dir: Path) -> list[Path]:
     return sorted(run_dir.glob("steps.rank*.jsonl"))
 
 
-def _read_bytes(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as exc:
-        raise RecordError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
-
-
 # ------------------------------------------------------------------------------------------------- parquet cache
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def _file_sha256(path: Path) -> str:
     with path.open("rb") as handle:
         return hashlib.file_digest(handle, "sha256").hexdigest()
@@ -180,10 +216,6 @@ def table_digest(table: pa.Table) -> str:
     for column in table.columns:
         _column_digest(digest, column)
     return digest.hexdigest()
-
-
-def _streams_key(files: list[Path], contents: list[bytes]) -> list[list[Any]]:
-    return [[f.name, len(data), _sha256(data)] for f, data in zip(files, contents, strict=True)]
 
 
 def _streams_unchanged(files: list[Path], stored: Any) -> bool:
@@ -221,7 +253,7 @@ def _write_cache(run_dir: Path, table: pa.Table, streams: list[list[Any]]) -> No
     tmp = run_dir / (CACHE_FILE + ".tmp")
     try:
         pq.write_table(table.replace_schema_metadata({_CACHE_KEY: json.dumps(key).encode()}), tmp,
-                       write_page_checksum=True)
+                       write_page_checksum=True, compression="none")  # 15% larger, written 1.6x and read 2x faster
         tmp.replace(run_dir / CACHE_FILE)
     except OSError:
         tmp.unlink(missing_ok=True)  # a read-only results folder: analyse without caching
@@ -239,15 +271,16 @@ def load_run(run_dir: Path, cache: bool = True, empty_ok: bool = False) -> pd.Da
         raise RecordError(f"{run_dir}: no steps.rank<R>.jsonl files; is this a taxbench run directory?")
     if cache and (frame := _read_cache(run_dir, files)) is not None:
         return frame
-    contents = [_read_bytes(f) for f in files]
-    table = _read_streams(files, contents)
+    streams = _read_into_one_buffer(files)
+    table = _read_streams(streams)
     if table is None:
         if empty_ok:
             return empty_run()
         raise RecordError(f"{run_dir}: the step record files are empty")
-    table = table.sort_by([("step", "ascending"), ("rank", "ascending")])
+    # One chunk per column first: sorting a table of many parse blocks takes about 3x longer.
+    table = table.combine_chunks().sort_by([("step", "ascending"), ("rank", "ascending")])
     if cache:
-        _write_cache(run_dir, table, _streams_key(files, contents))
+        _write_cache(run_dir, table, streams.key)
     return table.to_pandas()
 
 
@@ -461,7 +494,8 @@ def load_fault_events(run_dir: Path) -> list[FaultEvent]:
     for path in sorted(run_dir.glob("faults.rank*.jsonl")):
         if not _FAULTS_NAME.fullmatch(path.name):
             continue
-        text = _whole_records(_read_bytes(path)).decode("utf-8", errors="replace")
+        streams = _read_into_one_buffer([path])
+        text = streams.buffer[: streams.end].decode("utf-8", errors="replace")
         for number, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 continue

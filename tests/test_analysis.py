@@ -148,6 +148,21 @@ def test_reader_tolerates_a_torn_last_record_but_not_corruption_in_the_middle(tm
         load_run(run)
 
 
+def test_a_torn_record_of_one_rank_does_not_swallow_the_next_ranks_records(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    for rank in (0, 1, 2):
+        writer = StepWriter(steps_file(run, rank))
+        for step in (1, 2):
+            writer.write({"schema_version": SCHEMA_VERSION, "step": step, "rank": rank})
+        writer.close()
+    with steps_file(run, 0).open("a") as handle:
+        handle.write('{"schema_version": 2, "step": 3, "ra')  # rank 0 crashed mid-write; ranks 1 and 2 did not
+    steps_file(run, 3).write_text("\n \n")  # a rank that wrote nothing but blank lines
+    frame = load_run(run)
+    assert list(zip(frame["step"], frame["rank"])) == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]
+    assert load_run(run).equals(frame)  # the cache, keyed on the files as they lie (torn tail included)
+
+
 def test_truncate_after_drops_records_past_the_checkpoint(tmp_path: Path) -> None:
     run = tmp_path / "run"
     _write(run, [{"step": s, "rank": 0} for s in range(1, 9)])
