@@ -43,11 +43,12 @@ class Stop:
 
 
 def read_stop(root: Path) -> Stop | None:
-    """The stored stop of an experiment whose interleaved rounds finished (None before that)."""
+    """The stored stop of an experiment whose interleaved rounds finished (None before that, or when the record is
+    damaged: the rounds then run again from their newest checkpoint)."""
     try:
         stored = json.loads((root / STOP_FILE).read_text(encoding="utf-8"))
         return Stop(int(stored["steps"]), str(stored["stopped_by"]), stored.get("half_width"))
-    except FileNotFoundError:
+    except (OSError, ValueError, KeyError, TypeError):  # missing, unreadable, not JSON, or not a stop record
         return None
 
 

@@ -73,6 +73,17 @@ def test_an_adaptive_schedule_continued_after_a_crash_completes_without_duplicat
     assert summary.steps == 36 and not summary.problems and summary.exit_code == exit_codes.OK
 
 
+def test_a_damaged_stop_record_on_continue_reruns_the_rounds_instead_of_failing(tmp_path: Path) -> None:
+    cfg = tiny_config(*CALIBRATED, "experiment.steps=12", "experiment.checkpoint_every_steps=6")
+    with pytest.raises(Crash):
+        run_schedule(cfg, tmp_path, crash_after(4 * 12 + 2))  # the rounds finished, the resumed run had begun
+    (tmp_path / STOP_FILE).write_text('{"steps": 12, "stopp')  # torn by a full disk, say
+    run_schedule(cfg, tmp_path)
+    assert json.loads((tmp_path / STOP_FILE).read_text())["steps"] == 12
+    summary = analyse(tmp_path)
+    assert summary.steps == 12 and not summary.problems and summary.exit_code == exit_codes.OK
+
+
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
