@@ -270,8 +270,29 @@ def _unknown_word(argv: list[str]) -> str | None:
     return None if first.startswith(("-", "+", "~")) or "=" in first else first
 
 
+def _completion_query(argv: list[str]) -> bool:
+    """Whether Hydra is asked for shell completions (`-sc query=bash`: what `eval "$(taxbench -sc install=bash)"`
+    installs calls on every <TAB>, with the command line in COMP_LINE)."""
+    return len(argv) == 2 and argv[0] in ("-sc", "--shell-completion") and argv[1].startswith("query=")
+
+
+def _complete_subcommands(comp_line: str) -> bool:
+    """Print the subcommands that complete the first argument of COMP_LINE; True when the line is a subcommand's, so
+    Hydra's config completion does not apply (the shell then falls back to file names)."""
+    words = comp_line.split()[1:]  # drop the program name
+    if comp_line[-1:].isspace():
+        words.append("")
+    if len(words) == 1:
+        for name in SUBCOMMANDS:
+            if name.startswith(words[0]):
+                print(name)
+    return len(words) > 1 and words[0] in SUBCOMMANDS
+
+
 def main() -> None:
     argv = sys.argv[1:]
+    if _completion_query(argv) and _complete_subcommands(os.environ.get("COMP_LINE", "")):
+        return
     if argv and argv[0] in SUBCOMMANDS:
         raise SystemExit(subcommand(argv))
     word = _unknown_word(argv)

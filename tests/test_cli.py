@@ -1,0 +1,51 @@
+"""The command line as a person uses it: shell completion, diagnostics' verbosity, multirun output."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from taxbench.cli import SUBCOMMANDS
+
+
+@pytest.fixture
+def taxbench_on_path(tmp_path: Path) -> dict[str, str]:
+    """An environment whose PATH holds a `taxbench` console script like the one pip installs (Hydra's completion
+    script is bound to the executable's name and calls it on every <TAB>)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "taxbench"
+    script.write_text(f"#!{sys.executable}\nfrom taxbench.cli import main\nmain()\n")
+    script.chmod(0o755)
+    repo = str(Path(__file__).resolve().parents[1])
+    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+            "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+
+
+def bash_completions(line: str, env: dict[str, str], cwd: Path) -> list[str]:
+    """What bash offers in cwd for <TAB> at the end of `line` after `eval "$(taxbench -sc install=bash)"`."""
+    words = line.split()
+    cword = len(words) if line.endswith(" ") else len(words) - 1
+    script = ('eval "$(taxbench -sc install=bash)"\n'
+              f'COMP_LINE="{line}"; COMP_POINT={len(line)}; COMP_WORDS=({line}); COMP_CWORD={cword}\n'
+              'hydra_bash_completion\nprintf "%s\\n" "${COMPREPLY[@]}"\n')
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, cwd=cwd,
+                          timeout=120)
+    assert done.returncode == 0 and not done.stderr, done.stderr
+    return [word for word in done.stdout.splitlines() if word]
+
+
+def test_bash_completion_offers_subcommands_and_hydra_overrides(
+    taxbench_on_path: dict[str, str], tmp_path: Path
+) -> None:
+    (tmp_path / "runs").mkdir()
+    first = bash_completions("taxbench ", taxbench_on_path, tmp_path)
+    assert set(SUBCOMMANDS) <= set(first) and "cluster=" in first and "experiment." in first
+    assert bash_completions("taxbench loc", taxbench_on_path, tmp_path) == ["localize"]
+    assert bash_completions("taxbench clu", taxbench_on_path, tmp_path) == ["cluster.", "cluster="]
+    # A subcommand's arguments are paths, not overrides: bash completes file names.
+    assert bash_completions("taxbench report r", taxbench_on_path, tmp_path) == ["runs"]
