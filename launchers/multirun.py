@@ -16,8 +16,10 @@ from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from taxbench.diagnostics import logger
 from taxbench.redaction import redact
 
+log = logger(__name__)
 MULTIRUN_YAML = "multirun.yaml"
 
 
@@ -59,7 +61,7 @@ class MultirunReport(Callback):
             try:
                 report(root)
             except Exception as exc:  # one broken point must not hide the rest of the sweep
-                print(f"taxbench: {root}: not analysed: {exc}", file=sys.stderr)
+                log.error("%s: not analysed: %s", root, exc)
         if config.cluster.get("dry_run", False):
             return  # nothing ran: each point printed its job and wrote its script
         for root in self.sweep_roots:
@@ -78,7 +80,7 @@ def wait_for_queued_points() -> list[Path]:
         try:
             launcher.wait(job, root)
         except launcher.SlurmJobFailed as exc:
-            print(f"taxbench: {exc}", file=sys.stderr)
+            log.error("%s", exc)
             continue
         finished.append(root)
     return finished
@@ -91,6 +93,6 @@ def print_sweep(root: Path) -> None:
     try:
         sweep = analyse_sweep(root)
     except RecordError as exc:
-        print(f"taxbench: no sweep table: {exc}", file=sys.stderr)
+        log.warning("no sweep table: %s", exc)
         return
     render_sweep(sweep)

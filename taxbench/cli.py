@@ -25,9 +25,12 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from taxbench import exit_codes
-from taxbench.config import ConfigError, Launcher, ReportConfig, TaxbenchConfig, register_configs, to_typed
+from taxbench.config import ConfigError, Launcher, ReportConfig, TaxbenchConfig, register_configs, to_typed, world_size
+from taxbench.diagnostics import logger
 from taxbench.experiment_folder import claimed, experiment_root
 from taxbench.provenance import capture_launch
+
+log = logger(__name__)
 
 
 def fail(message: str, code: int = exit_codes.CONFIG_ERROR) -> None:
@@ -111,6 +114,7 @@ def run_experiment(raw: DictConfig) -> int:
             return run_as_started_rank(raw)
         cfg, container = prepare(raw)
         with claimed(cfg, experiment_root(cfg, _multirun_point())) as root:
+            log.debug("experiment folder %s: cluster=%s, %d ranks", root, cfg.cluster.name, world_size(cfg.cluster))
             try:
                 capture_launch()
                 if not launch(cfg, container, root):

@@ -49,3 +49,24 @@ def test_bash_completion_offers_subcommands_and_hydra_overrides(
     assert bash_completions("taxbench clu", taxbench_on_path, tmp_path) == ["cluster.", "cluster="]
     # A subcommand's arguments are paths, not overrides: bash completes file names.
     assert bash_completions("taxbench report r", taxbench_on_path, tmp_path) == ["runs"]
+
+
+TINY_RUN = ("experiment.steps=4", "experiment.block_steps=2", "experiment.warmup_steps=1", "experiment.resume_step=2",
+            "report.wandb=false", "report.html=false")
+
+
+@pytest.mark.slow
+def test_debug_messages_show_on_stderr_only_with_hydra_verbose(tmp_path: Path, taxbench_cli) -> None:
+    # One spawned rank: its debug messages must follow the launcher's level too.
+    args = ("cluster.cpu_ranks=1", *TINY_RUN, f"experiment.out_dir={tmp_path}")
+    verbose = taxbench_cli(*args, "experiment.name=verbose", "hydra.verbose=taxbench", cwd=tmp_path, timeout=300)
+    assert verbose.returncode == 0, verbose.stderr
+    debug = [line for line in verbose.stderr.splitlines() if line.startswith("taxbench: debug: ")]
+    assert f"taxbench: debug: experiment folder {tmp_path / 'verbose'}: cluster=local, 1 ranks" in debug
+    assert any(line.endswith("deterministic-resumed start from scratch") for line in debug), debug  # from the rank
+    assert "taxbench: debug:" not in verbose.stdout  # the results stay clean
+
+    quiet = taxbench_cli(*args, "experiment.name=quiet", cwd=tmp_path, timeout=300)
+    assert quiet.returncode == 0, quiet.stderr
+    assert "taxbench: debug:" not in quiet.stderr + quiet.stdout
+
