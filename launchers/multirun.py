@@ -1,4 +1,5 @@
-"""End of a Hydra multirun: wait for sweep points queued on Slurm, then print the sweep table (tax vs GPU count).
+"""Hydra multirun: name each point's overrides as it starts; at the end wait for points queued on Slurm, then print
+the sweep table (tax vs GPU count).
 
 Registered in conf/config.yaml under `hydra.callbacks`, so it runs for every multirun, local or Slurm. Each point
 lands in `<out_dir>/<experiment.name>/point<N>/` (taxbench.cli.experiment_root); the sweep folder is their parent.
@@ -14,9 +15,11 @@ from typing import Any
 
 from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from taxbench.diagnostics import logger
+from taxbench.provenance import hydra_overrides
 from taxbench.redaction import redact
 
 log = logger(__name__)
@@ -39,6 +42,9 @@ class MultirunReport(Callback):
         self.sweep_config = path, redact(OmegaConf.to_container(config, resolve=False))
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if config.hydra.mode == RunMode.MULTIRUN:
+            # Which point runs which overrides, redacted (Hydra's own "#0 : ..." line would show secrets).
+            print(f"point{config.hydra.job.num}: {' '.join(hydra_overrides())}", flush=True)
         if self.sweep_config is None:
             return
         path, redacted = self.sweep_config

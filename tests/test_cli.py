@@ -70,3 +70,17 @@ def test_debug_messages_show_on_stderr_only_with_hydra_verbose(tmp_path: Path, t
     assert quiet.returncode == 0, quiet.stderr
     assert "taxbench: debug:" not in quiet.stderr + quiet.stdout
 
+
+@pytest.mark.slow
+def test_a_multirun_names_each_points_overrides_before_it_runs(tmp_path: Path, taxbench_cli) -> None:
+    done = taxbench_cli("-m", "cluster=inprocess", "experiment.order_seed=0,1", *TINY_RUN, "experiment.name=sweep",
+                        f"experiment.out_dir={tmp_path}", "cluster.setup=['export MY_TOKEN=abc123secret']",
+                        cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    named = [line for line in lines if line.startswith(("point0:", "point1:"))]
+    assert len(named) == 2 and "experiment.order_seed=0" in named[0] and "experiment.order_seed=1" in named[1]
+    assert all("experiment.steps=4" in line and "MY_TOKEN=<redacted>" in line for line in named), named
+    # Each point's line comes before that point's own summary.
+    assert lines.index(named[1]) < next(i for i, line in enumerate(lines) if line.startswith("point1  "))
+    assert "abc123secret" not in done.stdout + done.stderr
