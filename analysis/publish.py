@@ -6,7 +6,6 @@ below it (see taxbench.analysis.sweep).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -17,6 +16,9 @@ from taxbench.analysis.report import write_experiment_report, write_sweep_report
 from taxbench.analysis.summary import ExperimentAnalysis, render
 from taxbench.analysis.sweep import PointName, analyse_sweep, is_experiment, render_sweep
 from taxbench.config import ReportConfig
+from taxbench.diagnostics import logger
+
+log = logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -29,10 +31,6 @@ class Published:
     exit_code: int
 
 
-def _warn(message: str) -> None:
-    print(f"taxbench: warning: {message}", file=sys.stderr)
-
-
 def _say_wandb(runs: list[Path], console: Console | None) -> None:
     if runs:
         offline = " offline (upload with `wandb sync <run folder>`)" if runs[-1].name.startswith("offline-") else ""
@@ -40,15 +38,15 @@ def _say_wandb(runs: list[Path], console: Console | None) -> None:
         (console or Console()).print(f"wandb{offline}{many}: {runs[-1]}")
 
 
-def _wandb(strict: bool, log: Callable[..., Path], *args: object) -> Path | None:
+def _wandb(strict: bool, log_to_wandb: Callable[..., Path], *args: object) -> Path | None:
     """Run one wandb logging call. After an experiment (strict=False) a wandb problem is a warning: the results and
     the report are already on disk. When the user asked for wandb explicitly (strict=True) it is an error."""
     try:
-        return log(*args)
+        return log_to_wandb(*args)
     except Exception as exc:  # wandb raises many types (UsageError, CommError, ...); none may cost the results
         if strict:
             raise
-        _warn(f"wandb logging failed ({type(exc).__name__}: {exc}); the report and results are on disk")
+        log.warning("wandb logging failed (%s: %s); the report and results are on disk", type(exc).__name__, exc)
     return None
 
 
@@ -65,7 +63,7 @@ def publish(root: Path, settings: ReportConfig, group: str | None = None, strict
         except WandbUnavailable as exc:
             if strict_wandb:
                 raise
-            _warn(f"wandb logging skipped: {exc}")
+            log.warning("wandb logging skipped: %s", exc)
             settings = replace(settings, wandb=False)
     return (_publish_experiment if is_experiment(root) else _publish_sweep)(root, settings, group, strict_wandb,
                                                                             console)

@@ -108,15 +108,19 @@ th{background:#f3f3f3;font-family:inherit}
 tr.hl td{background:#fff3c4}tr.bad td{background:#f8d0cc}
 .box{padding:.6em 1em;border-radius:4px;margin:.6em 0;border-left:5px solid #999;background:#f6f6f6}
 .good{border-color:#2e7d32;background:#edf7ed}.bad{border-color:#c62828;background:#fdecea}
-.warn{border-color:#ed6c02;background:#fff4e5}
+.warn{border-color:#ed6c02;background:#fff4e5}code{font-family:ui-monospace,monospace;font-size:.9em}
 img{max-width:100%;border:1px solid #eee}details summary{cursor:pointer;margin:.4em 0}
 """
 _MARKDOWN_TONE = {"good": "✅ ", "bad": "❌ ", "warn": "⚠️ ", "": ""}
 
 
 def _inline_html(text: str) -> str:
-    parts = html.escape(text).split("**")
-    return "".join(f"<b>{p}</b>" if i % 2 else p for i, p in enumerate(parts))
+    """**bold** and `code` spans (markdown's own syntax, so report.md shows them the same)."""
+    def bold(span: str) -> str:
+        return "".join(f"<b>{p}</b>" if i % 2 else p for i, p in enumerate(span.split("**")))
+
+    spans = html.escape(text).split("`")
+    return "".join(f"<code>{p}</code>" if i % 2 else bold(p) for i, p in enumerate(spans))
 
 
 def to_html(report: Report) -> str:
@@ -284,7 +288,7 @@ def _gate_row(verdict: Verdict, strict: bool) -> list[str]:
 def _verdict_paragraph(summary: ExperimentSummary) -> Paragraph:
     tone, line = verdict_line(summary)
     command = localize_command(summary)
-    return Paragraph(f"**{line}**" + (f"; find the op: {command}" if command else ""), tone=tone)
+    return Paragraph(f"**{line}**" + (f"; find the op: `{command}`" if command else ""), tone=tone)
 
 
 def _evidence_blocks(summary: ExperimentSummary) -> list[Block]:
@@ -339,6 +343,10 @@ def experiment_report(analysis: ExperimentAnalysis) -> Report:
         Paragraph(f"recipe **{summary.recipe}** · {summary.world_size} ranks · device {summary.device} · "
                   f"results {summary.root} · generated {datetime.now(UTC):%Y-%m-%d %H:%M UTC}"),
         _verdict_paragraph(summary),
+        # The gates right under the verdict: a failing gate's row (red) is on the first screen.
+        Heading("Bitwise gates"),
+        TableBlock(GATE_HEADER, *gate_rows(summary), highlight_class="bad"),
+        *_evidence_blocks(summary),
         Heading("Determinism tax"),
         Paragraph(
             ("**CALIBRATION** (A/A pair: both arms on the baseline policy; not a determinism result). " if
@@ -368,12 +376,6 @@ def experiment_report(analysis: ExperimentAnalysis) -> Report:
                          "step time per arm with the warmup cut, and the per-block tax"))
 
     blocks += _training_blocks(analysis)
-
-    blocks.append(Heading("Bitwise gates"))
-    blocks.append(_verdict_paragraph(summary))
-    rows, failing = gate_rows(summary)
-    blocks.append(TableBlock(GATE_HEADER, rows, failing, highlight_class="bad"))
-    blocks += _evidence_blocks(summary)
 
     blocks.append(Heading("Recipe and stack, side by side"))
     comparison = manifest_comparison(analysis.manifests["baseline-0"], analysis.manifests["deterministic-0"])

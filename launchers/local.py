@@ -22,10 +22,12 @@ import torch.multiprocessing as mp
 
 from taxbench.checkpoints import CheckpointError
 from taxbench.config import TaxbenchConfig, world_size
+from taxbench.diagnostics import NAMESPACE, logger
 from taxbench.distributed import free_port
 from taxbench.launchers.worker import run_rank
 from taxbench.records import RunWriteError
 
+log = logger(__name__)
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 # Overrides that the continue command sets itself (with or without Hydra's + / ++ prefixes).
 _CONTINUE_KEYS = ("experiment.name", "experiment.continue_existing")
@@ -50,9 +52,10 @@ def die_with_parent(parent_pid: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _spawned(local_rank: int, launcher_pid: int, world: int, cfg_container: dict[str, Any], root: str, addr: str,
-             port: int) -> None:
+def _spawned(local_rank: int, launcher_pid: int, log_level: int, world: int, cfg_container: dict[str, Any], root: str,
+             addr: str, port: int) -> None:
     die_with_parent(launcher_pid)
+    logging.getLogger(NAMESPACE).setLevel(log_level)  # the launcher's, e.g. DEBUG under hydra.verbose=taxbench
     run_rank(local_rank, world, local_rank, cfg_container, root, addr, port)
 
 
@@ -62,9 +65,11 @@ def launch_local(cfg: TaxbenchConfig, cfg_container: dict[str, Any], root: Path)
     port = cfg.cluster.master_port or free_port(addr)
     # torch logs a warning per surviving rank it terminates after a failure; RankFailed already says what happened.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    log.debug("starting %d rank processes (gloo/NCCL rendezvous at %s:%d)", world, addr, port)
     try:
-        mp.start_processes(_spawned, args=(os.getpid(), world, cfg_container, str(root), addr, port), nprocs=world,
-                           join=True, start_method="spawn")
+        mp.start_processes(_spawned, args=(os.getpid(), logging.getLogger(NAMESPACE).getEffectiveLevel(), world,
+                                           cfg_container, str(root), addr, port),
+                           nprocs=world, join=True, start_method="spawn")
     except (mp.ProcessExitedException, mp.ProcessRaisedException) as exc:
         raise rank_failed(rank_failure(exc), cfg.experiment.name) from None
 

@@ -1,4 +1,5 @@
-"""End of a Hydra multirun: wait for sweep points queued on Slurm, then print the sweep table (tax vs GPU count).
+"""Hydra multirun: name each point's overrides as it starts; at the end wait for points queued on Slurm, then print
+the sweep table (tax vs GPU count).
 
 Registered in conf/config.yaml under `hydra.callbacks`, so it runs for every multirun, local or Slurm. Each point
 lands in `<out_dir>/<experiment.name>/point<N>/` (taxbench.cli.experiment_root); the sweep folder is their parent.
@@ -14,10 +15,14 @@ from typing import Any
 
 from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from taxbench.diagnostics import logger
+from taxbench.provenance import hydra_overrides
 from taxbench.redaction import redact
 
+log = logger(__name__)
 MULTIRUN_YAML = "multirun.yaml"
 
 
@@ -37,6 +42,9 @@ class MultirunReport(Callback):
         self.sweep_config = path, redact(OmegaConf.to_container(config, resolve=False))
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if config.hydra.mode == RunMode.MULTIRUN:
+            # Which point runs which overrides, redacted (Hydra's own "#0 : ..." line would show secrets).
+            print(f"point{config.hydra.job.num}: {' '.join(hydra_overrides())}", flush=True)
         if self.sweep_config is None:
             return
         path, redacted = self.sweep_config
@@ -59,7 +67,7 @@ class MultirunReport(Callback):
             try:
                 report(root)
             except Exception as exc:  # one broken point must not hide the rest of the sweep
-                print(f"taxbench: {root}: not analysed: {exc}", file=sys.stderr)
+                log.error("%s: not analysed: %s", root, exc)
         if config.cluster.get("dry_run", False):
             return  # nothing ran: each point printed its job and wrote its script
         for root in self.sweep_roots:
@@ -78,7 +86,7 @@ def wait_for_queued_points() -> list[Path]:
         try:
             launcher.wait(job, root)
         except launcher.SlurmJobFailed as exc:
-            print(f"taxbench: {exc}", file=sys.stderr)
+            log.error("%s", exc)
             continue
         finished.append(root)
     return finished
@@ -91,6 +99,6 @@ def print_sweep(root: Path) -> None:
     try:
         sweep = analyse_sweep(root)
     except RecordError as exc:
-        print(f"taxbench: no sweep table: {exc}", file=sys.stderr)
+        log.warning("no sweep table: %s", exc)
         return
     render_sweep(sweep)

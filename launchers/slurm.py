@@ -28,7 +28,6 @@ import json
 import os
 import shutil
 import socket
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,9 +36,11 @@ import submitit
 from submitit.core.utils import FailedJobError, UncompletedJobError
 
 from taxbench.config import ClusterConfig, ConfigError, Device, TaxbenchConfig, world_size
+from taxbench.diagnostics import logger
 from taxbench.launchers.worker import run_rank
 from taxbench.redaction import redact, redact_text
 
+log = logger(__name__)
 # cluster.master_addr value meaning "the first node of the allocation" (submitit's TorchDistributedEnvironment).
 ALLOCATION_MASTER = "slurm"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -241,7 +242,7 @@ def submit(cfg: TaxbenchConfig, cfg_container: dict[str, Any], root: Path) -> su
         raise ConfigError(f"cluster=slurm: sbatch refused the job: {last.strip()}") from exc
     make_job_files_private(job)
     for warning in secret_warnings(cfg.cluster, job.paths.submission_file):
-        print(f"taxbench: warning: {warning}", file=sys.stderr, flush=True)
+        log.warning(warning)
     root.mkdir(parents=True, exist_ok=True)
     (root / JOB_FILE).write_text(
         json.dumps({"job_id": job.job_id, "submitit_folder": str(submitit_folder(cfg, root))}, indent=2),
@@ -328,5 +329,5 @@ def dry_run_slurm(cfg: TaxbenchConfig, root: Path) -> Path:
     write_private(script, executor.submission_script())
     print(render_job(cfg, shape, script), flush=True)
     for warning in secret_warnings(cfg.cluster, script):
-        print(f"taxbench: warning: {warning}", file=sys.stderr, flush=True)
+        log.warning(warning)
     return script

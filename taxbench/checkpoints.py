@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,8 +24,10 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from taxbench.diagnostics import logger
 from taxbench.records import write_text_atomically
 
+log = logger(__name__)
 PROGRESS_FILE = "progress.json"
 CHECKSUM_SUFFIX = ".sha256"
 KEEP = 2
@@ -215,6 +216,8 @@ def resume_step(runs: Sequence[RunCheckpoints]) -> int | None:
     chosen = max((s for s in common if all(view[s] is None for view in views)), default=None)
     if runs[0].rank == 0:
         _warn_fallback(runs, views, chosen)
+        log.debug("%s start from %s", " and ".join(sorted({r.run for r in runs})),
+                  "scratch" if chosen is None else f"the checkpoint of step {chosen}")
     _forget_after(runs, chosen)
     return chosen
 
@@ -223,7 +226,7 @@ def _warn_fallback(runs: Sequence[RunCheckpoints], views: list[dict[int, str | N
     for checkpoints in runs:
         problem = checkpoints._progress().problem
         if problem is not None:
-            print(f"taxbench: warning: {problem}; using the checkpoints present instead", file=sys.stderr, flush=True)
+            log.warning("%s; using the checkpoints present instead", problem)
     passed_over = sorted(((step, problem) for view in views for step, problem in view.items()
                           if problem is not None and (chosen is None or step > chosen)), reverse=True)
     if not passed_over:
@@ -231,7 +234,7 @@ def _warn_fallback(runs: Sequence[RunCheckpoints], views: list[dict[int, str | N
     names = " and ".join(sorted({r.run for r in runs}))
     target = f"step {chosen}" if chosen is not None else "scratch (no intact checkpoint left)"
     more = f" (and {len(passed_over) - 1} more)" if len(passed_over) > 1 else ""
-    print(f"taxbench: warning: {passed_over[0][1]}{more}; {names} resume from {target}", file=sys.stderr, flush=True)
+    log.warning("%s%s; %s resume from %s", passed_over[0][1], more, names, target)
 
 
 def _forget_after(runs: Sequence[RunCheckpoints], step: int | None) -> None:

@@ -25,9 +25,12 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from taxbench import exit_codes
-from taxbench.config import ConfigError, Launcher, ReportConfig, TaxbenchConfig, register_configs, to_typed
+from taxbench.config import ConfigError, Launcher, ReportConfig, TaxbenchConfig, register_configs, to_typed, world_size
+from taxbench.diagnostics import logger
 from taxbench.experiment_folder import claimed, experiment_root
 from taxbench.provenance import capture_launch
+
+log = logger(__name__)
 
 
 def fail(message: str, code: int = exit_codes.CONFIG_ERROR) -> None:
@@ -111,6 +114,7 @@ def run_experiment(raw: DictConfig) -> int:
             return run_as_started_rank(raw)
         cfg, container = prepare(raw)
         with claimed(cfg, experiment_root(cfg, _multirun_point())) as root:
+            log.debug("experiment folder %s: cluster=%s, %d ranks", root, cfg.cluster.name, world_size(cfg.cluster))
             try:
                 capture_launch()
                 if not launch(cfg, container, root):
@@ -270,8 +274,29 @@ def _unknown_word(argv: list[str]) -> str | None:
     return None if first.startswith(("-", "+", "~")) or "=" in first else first
 
 
+def _completion_query(argv: list[str]) -> bool:
+    """Whether Hydra is asked for shell completions (`-sc query=bash`: what `eval "$(taxbench -sc install=bash)"`
+    installs calls on every <TAB>, with the command line in COMP_LINE)."""
+    return len(argv) == 2 and argv[0] in ("-sc", "--shell-completion") and argv[1].startswith("query=")
+
+
+def _complete_subcommands(comp_line: str) -> bool:
+    """Print the subcommands that complete the first argument of COMP_LINE; True when the line is a subcommand's, so
+    Hydra's config completion does not apply (the shell then falls back to file names)."""
+    words = comp_line.split()[1:]  # drop the program name
+    if comp_line[-1:].isspace():
+        words.append("")
+    if len(words) == 1:
+        for name in SUBCOMMANDS:
+            if name.startswith(words[0]):
+                print(name)
+    return len(words) > 1 and words[0] in SUBCOMMANDS
+
+
 def main() -> None:
     argv = sys.argv[1:]
+    if _completion_query(argv) and _complete_subcommands(os.environ.get("COMP_LINE", "")):
+        return
     if argv and argv[0] in SUBCOMMANDS:
         raise SystemExit(subcommand(argv))
     word = _unknown_word(argv)

@@ -113,6 +113,11 @@ def test_experiment_report_is_self_contained_and_shows_tax_gates_and_differences
     tax = summary["tax"]
     assert f"{tax['tax'] * 100:+.2f}%" in page and f"{tax['low'] * 100:+.2f}%" in page
     assert "step 30, rank 2, params" in page and "ffffffffffffffff" in page
+    # First screen: the verdict with the localize command to copy, then the gates with the failing one in red.
+    root = failing_experiment
+    localize = f"<code>taxbench localize {root / 'deterministic-0'} {root / 'deterministic-1'}</code>"
+    assert page.index("deterministic: NO") < page.index(localize) < page.index("<tr class='bad'><td>repeatability")
+    assert page.index("<tr class='bad'><td>repeatability") < page.index("<h2>Determinism tax</h2>")
     assert "data:image/png;base64," in page
     assert not re.search(r"(src|href)=['\"](https?:|//)", page)  # nothing fetched from elsewhere
     # the arms' differing settings are highlighted, identical ones are not
