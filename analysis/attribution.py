@@ -3,11 +3,14 @@ profiles (taxbench.op_profile), and what share of the measured step-time differe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import pandas as pd
 
+from taxbench.analysis.records import RecordError
 from taxbench.op_profile import OP_COLUMNS, OpTable
+from taxbench.records import PROFILE_REPLICA, op_table_file, run_name
 
 # Growths below this fraction of the baseline step's total self time are left out of the list (see attribute).
 NOISE_FLOOR_FRACTION = 0.001
@@ -79,3 +82,37 @@ def _scaled(ops: pd.DataFrame, factor: int) -> pd.DataFrame:
     scaled = ops.copy()
     scaled[["self_us_per_step", "calls_per_step"]] *= factor
     return scaled
+
+
+def load_profile(root: Path, arm: str, world: int) -> tuple[OpTable | None, list[str]]:
+    """An arm's op table (its <arm>-profile run), averaged over every rank; what keeps it from being read."""
+    run_dir = root / run_name(arm, PROFILE_REPLICA)
+    tables, problems = [], []
+    for rank in range(world):
+        try:
+            tables.append(OpTable.read(op_table_file(run_dir, rank)))
+        except RecordError as exc:
+            problems.append(f"{run_dir.name}: {exc}")
+    if problems:
+        return None, problems
+    try:
+        return mean_over_ranks(tables), []
+    except ValueError as exc:
+        return None, [f"{run_dir.name}: {exc}"]
+
+
+def attribute_arms(root: Path, step_deltas_us: Mapping[str, float | None], world: int,
+                   top: int = 10) -> tuple[dict[str, pd.DataFrame], list[str]]:
+    """Each arm's ops against the baseline's (arm -> the attribute() table), given each arm's measured step-time
+    growth over the baseline; and the problems that left an arm out (missing or damaged op tables)."""
+    baseline, problems = load_profile(root, "baseline", world)
+    if baseline is None:
+        return {}, problems
+    tables = {}
+    for arm, delta_us in step_deltas_us.items():
+        candidate, found = load_profile(root, arm, world)
+        problems += found
+        if candidate is not None:
+            # A step that did not measurably grow has no tax to share out: the ops then share their summed growth.
+            tables[arm] = attribute(baseline, candidate, delta_us if delta_us and delta_us > 0 else None, top)
+    return tables, problems

@@ -403,6 +403,13 @@ def stream_ranks(run_dir: Path) -> tuple[list[int], list[str]]:
     return sorted(ranks), odd
 
 
+def load_checked_run(run_dir: Path, manifest: dict, steps: int) -> tuple[pd.DataFrame, list[str]]:
+    """One run's records and what keeps them from covering `steps` x its manifest's ranks."""
+    world = int(manifest_value(manifest, run_dir, "layout.world_size"))
+    frame = load_run(run_dir, empty_ok=True)
+    return frame, check_run(run_dir.name, run_dir, frame, steps, world)
+
+
 def check_run(run: str, run_dir: Path, frame: pd.DataFrame, steps: int, world: int) -> list[str]:
     """What keeps `frame` from being the full grid of steps 1..steps x ranks 0..world-1, one line per finding.
 

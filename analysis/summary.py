@@ -21,13 +21,15 @@ from rich.markup import escape
 from rich.table import Table
 
 from taxbench import exit_codes
+from taxbench.ablation import MEASURED, WITH
+from taxbench.analysis.ablation import KnobResult, analyse_ablation, measured_first
+from taxbench.analysis.attribution import attribute_arms
 from taxbench.analysis.records import (
     RecordError,
     ResultWriteError,
-    check_run,
+    load_checked_run,
     load_fault_events,
     load_manifest,
-    load_run,
     manifest_value,
 )
 from taxbench.analysis.tax import PRECISE_HALF_WIDTH, TaxEstimate, estimate_tax, no_estimate, steps_for_half_width
@@ -76,6 +78,9 @@ class ExperimentSummary:
     fault_fired: bool | None = None  # None: no fault configured
     # The gates' own cost: median seconds per step spent on fingerprints (outside the timed step); NaN if unrecorded.
     fingerprint_s: float = math.nan
+    ablation: list[KnobResult] = field(default_factory=list)  # per knob (experiment.ablation=true), KNOBS order
+    # arm -> its ops against the baseline's, by growth per step (experiment.ablation=true; analysis.attribution)
+    attribution: dict[str, pd.DataFrame] = field(default_factory=dict)
 
     @property
     def deterministic_ok(self) -> bool:
@@ -163,6 +168,8 @@ class ExperimentSummary:
             "faults": self.faults,
             "fault_fired": self.fault_fired,
             "fingerprint_s": finite_or_none(self.fingerprint_s),
+            "ablation": [k.to_dict() for k in self.ablation],
+            "attribution": {arm: ops.to_dict(orient="records") for arm, ops in self.attribution.items()},
         }
 
 
@@ -206,25 +213,15 @@ def expected_steps(root: Path, experiment: dict[str, Any]) -> tuple[int, str, li
     steps = int(experiment["steps"])
     if float(experiment.get("target_half_width", 0)) <= 0:
         return steps, "steps", []
-    try:
-        stop = read_stop(root)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return steps, "unknown", [f"{root / 'stop.json'}: unreadable ({exc}); the runs' length is unknown"]
+    stop = read_stop(root)
     if stop is None:
-        return steps, "unknown", [f"{root / 'stop.json'}: missing: the interleaved rounds never finished, so the runs' "
-                                  "length is unknown; continue the experiment (experiment.continue_existing=true)"]
+        return steps, "unknown", [f"{root / 'stop.json'}: missing or damaged: the interleaved rounds never finished, "
+                                  "so the runs' length is unknown; continue the experiment "
+                                  "(experiment.continue_existing=true)"]
     if stop.steps < steps or stop.steps % int(experiment["block_steps"]):
         return steps, "unknown", [f"{root / 'stop.json'}: steps={stop.steps} is not a whole number of blocks at "
                                   f"or above experiment.steps={steps}"]
     return stop.steps, stop.stopped_by, []
-
-
-def _load(root: Path, name: str, manifest: dict, steps: int) -> tuple[pd.DataFrame, list[str]]:
-    """One run's records and what keeps them from covering `steps` x its manifest's ranks."""
-    run_dir = root / name
-    world = int(manifest_value(manifest, run_dir, "layout.world_size"))
-    frame = load_run(run_dir, empty_ok=True)
-    return frame, check_run(name, run_dir, frame, steps, world)
 
 
 def recipe_label(recipe: dict[str, Any]) -> str:
@@ -286,6 +283,19 @@ def _tax(timed: dict[str, list[pd.DataFrame]], experiment: dict[str, Any], incom
         raise RecordError(str(exc)) from exc
 
 
+def step_deltas_us(tax: TaxEstimate, knobs: list[KnobResult]) -> dict[str, float | None]:
+    """Each profiled arm's measured step-time growth over the baseline (microseconds; None: not measured)."""
+    def delta(estimate: TaxEstimate | None) -> float | None:
+        if estimate is None:
+            return None
+        value = (estimate.deterministic_median_s - estimate.baseline_median_s) * 1e6
+        return value if math.isfinite(value) else None
+
+    deltas = {"deterministic": delta(tax)}
+    deltas.update({f"{WITH}_{k.knob}": delta(k.tax) for k in knobs if k.cost_status == MEASURED})
+    return deltas
+
+
 def _median_fingerprint_s(frames: Iterable[pd.DataFrame]) -> float:
     times = [frame["fingerprint_s"].dropna() for frame in frames if "fingerprint_s" in frame]
     times = [t for t in times if not t.empty]
@@ -297,7 +307,7 @@ def analyse_experiment(root: Path) -> ExperimentAnalysis:
     manifest = manifests["deterministic-0"]
     experiment = manifest_value(manifest, root / "deterministic-0", "config.experiment")
     steps, stopped_by, stop_problems = expected_steps(root, experiment)
-    loaded = {name: _load(root, name, manifests[name], steps) for name in RUN_NAMES}
+    loaded = {name: load_checked_run(root / name, manifests[name], steps) for name in RUN_NAMES}
     runs = {name: frame for name, (frame, _) in loaded.items()}
     problems = {name: found for name, (_, found) in loaded.items()}
     timed = timed_runs(runs, experiment)
@@ -309,6 +319,11 @@ def analyse_experiment(root: Path) -> ExperimentAnalysis:
         verdicts.append(compare_runs(gate, reference, runs[reference], candidate, runs[candidate], from_step,
                                      tuple(problems[reference] + problems[candidate])))
     faults, fired = fault_outcome(root, experiment)
+    config = manifest_value(manifest, root / "deterministic-0", "config")
+    device = manifest_value(manifest, root / "deterministic-0", "policy_applied.device")
+    knobs = analyse_ablation(root, config, device, timed["baseline"], steps)
+    attribution, attribution_problems = ({}, []) if not experiment.get("ablation") else attribute_arms(
+        root, step_deltas_us(tax, knobs), int(manifest_value(manifest, root / "deterministic-0", "layout.world_size")))
     steps_needed = steps_for_half_width(tax)
     # The whole experiment at that length: every run (timed or not) at its arm's median step.
     arm_runs = {arm: sum(1 for name in RUN_NAMES if name.startswith(arm)) for arm in ("baseline", "deterministic")}
@@ -323,7 +338,7 @@ def analyse_experiment(root: Path) -> ExperimentAnalysis:
         root=str(root),
         recipe=recipe_label(manifest_value(manifest, root / "deterministic-0", "config.recipe")),
         world_size=world,
-        device=manifest_value(manifest, root / "deterministic-0", "policy_applied.device"),
+        device=device,
         tax=tax,
         verdicts=verdicts,
         steps_needed=steps_needed,
@@ -338,10 +353,13 @@ def analyse_experiment(root: Path) -> ExperimentAnalysis:
         throughput=throughput,
         code=code_of(manifest),
         cost=cost_of_tax(throughput["baseline"], throughput["deterministic"], tax.tax, world),
-        problems=stop_problems + [line for name in RUN_NAMES for line in problems[name]],
+        problems=(stop_problems + [line for name in RUN_NAMES for line in problems[name]]
+                  + [line for knob in knobs for line in knob.problems] + attribution_problems),
         faults=faults,
         fault_fired=fired,
         fingerprint_s=_median_fingerprint_s(runs.values()),
+        ablation=knobs,
+        attribution=attribution,
     )
     write_result(root / SUMMARY_FILE, json.dumps(summary.to_dict(), indent=2))
     return ExperimentAnalysis(summary, runs, timed, manifests)
@@ -412,6 +430,53 @@ def gate_outcome(verdict: Verdict, strict: bool) -> str:
     return where + (" (among the records both runs hold)" if verdict.problems else "")
 
 
+SHOWN_KNOBS = 3  # the console's costliest knobs; summary.json and the report hold every knob
+
+
+def knob_line(result: KnobResult) -> str:
+    """One knob as the console and the report show it: its tax and whether determinism needs it."""
+    if result.problems:
+        cost = "incomplete (see incomplete)"
+    elif result.tax is None:
+        cost = result.cost_status
+    elif not math.isfinite(result.tax.tax):
+        cost = "no estimate"
+    else:
+        cost = f"{pct(result.tax.tax)} [{pct(result.tax.low)}, {pct(result.tax.high)}]"
+    if result.needed is not None:
+        needed = "needed" if result.needed else "not needed"
+    elif result.needed_status == MEASURED:
+        needed = "needed: open"
+    else:
+        needed = f"needed: n/a ({result.needed_status})"
+    return f"{cost}; {needed}"
+
+
+def knob_rows(knobs: list[KnobResult]) -> list[tuple[str, str]]:
+    """The console's ablation rows: the costliest measured knobs, then the knobs that got no arm, in one line."""
+    measured = [k for k in measured_first(knobs) if k.cost_status == MEASURED]
+    rows = []
+    if measured:
+        lines = [f"{k.knob}: {knob_line(k)}" for k in measured[:SHOWN_KNOBS]]
+        if len(measured) > SHOWN_KNOBS:
+            lines.append(f"... {len(measured) - SHOWN_KNOBS} more in {SUMMARY_FILE}")
+        rows.append(("knobs", "\n".join(lines)))
+    idle = [f"{k.knob} ({k.cost_status})" for k in knobs if k.cost_status != MEASURED]
+    if idle:
+        rows.append(("knobs not run", "; ".join(idle)))
+    return rows
+
+
+def top_ops_lines(ops: pd.DataFrame, shown: int = SHOWN_KNOBS) -> str:
+    """The ops whose self time grew most in an arm, one per line: growth per step, share of the tax, calls."""
+    grown = ops[ops["delta_us"] > 0].head(shown)
+    if grown.empty:
+        return "no op grew above the profile's noise floor"
+    return "\n".join(
+        f"{row.op} {row.delta_us / 1e3:+.2f} ms/step ({pct_plain(row.share_of_tax)} of the tax; calls "
+        f"{row.calls_baseline:g} -> {row.calls_candidate:g})" for row in grown.itertuples())
+
+
 def _shown_problems(problems: list[str]) -> str:
     lines = [escape(p) for p in problems[:SHOWN_PROBLEMS]]
     if len(problems) > SHOWN_PROBLEMS:
@@ -440,6 +505,10 @@ def render(summary: ExperimentSummary, console: Console | None = None, report_pa
                                f"(CV {pct_plain(tax.deterministic_cv)}){spread}")
     for verdict, (_, _, _, strict) in zip(summary.verdicts, GATES, strict=True):
         table.add_row(verdict.gate, gate_outcome(verdict, strict))
+    for label, line in knob_rows(summary.ablation):
+        table.add_row(label, escape(line))
+    if "deterministic" in summary.attribution:
+        table.add_row("top ops", escape(top_ops_lines(summary.attribution["deterministic"])))
     if summary.problems:
         table.add_row("[red]incomplete[/red]", _shown_problems(summary.problems))
     for line in summary.faults:

@@ -252,6 +252,11 @@ class ExperimentConfig:
     calibration: bool = False
     # Python's garbage collector off inside timed blocks and run between them (Megatron's --manual-gc).
     manual_gc: bool = True
+    # Where the tax goes (taxbench.ablation): one timed arm per determinism knob (the baseline with that knob on),
+    # two untimed replicas per knob left out of the deterministic policy (is it needed?), and torch.profiler op
+    # tables of profile_steps steps per arm, taken after the rounds in runs of their own (<arm>-profile).
+    ablation: bool = False
+    profile_steps: int = 4
     fault: FaultConfig = field(default_factory=FaultConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
 
@@ -523,6 +528,10 @@ def validate(cfg: TaxbenchConfig) -> None:
         recipe.model.d_model % recipe.model.n_heads == 0,
         f"recipe.model.d_model={recipe.model.d_model} is not divisible by recipe.model.n_heads={recipe.model.n_heads}",
     )
+    _require(exp.profile_steps >= 1, f"experiment.profile_steps={exp.profile_steps} must be >= 1")
+    _require(not (exp.ablation and exp.calibration),
+             "experiment.ablation=true with experiment.calibration=true: an A/A pair has no knob that differs; "
+             "drop one of them")
     _require(exp.checkpoint_every_steps >= 0,
              f"experiment.checkpoint_every_steps={exp.checkpoint_every_steps} must be >= 0 (0: no checkpoints)")
     ws = world_size(cluster)

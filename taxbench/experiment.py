@@ -8,6 +8,10 @@
    after them.
 2. deterministic-resumed: runs to experiment.resume_step, checkpoints, is torn down, and a fresh trainer resumes from
    the checkpoint (restart-replay gate); it runs as many steps as the interleaved runs took.
+3. With experiment.ablation (taxbench.ablation): the with_<knob> arms are timed in the rounds beside the pair, the
+   without_<knob> replicas run whole after the resumed run, and last each timed arm runs experiment.warmup_steps +
+   experiment.profile_steps steps in a run of its own (<arm>-profile) whose last steps torch.profiler records
+   (taxbench.op_profile), so that profiling never touches a timed step.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import os
 import random
 import uuid
 from collections.abc import Sequence
+from typing import Any
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -23,29 +28,43 @@ import torch
 from omegaconf import OmegaConf
 
 from taxbench import manifest, policy, provenance
+from taxbench.ablation import KNOBS, KnobPlan, knob_of, knob_policies, plan_ablation, repeated_knob_runs, timed_knob_runs
 from taxbench.checkpoints import RunCheckpoints, commit, finish, resume_step
-from taxbench.config import TaxbenchConfig, max_steps
+from taxbench.config import PolicyConfig, TaxbenchConfig, max_steps
 from taxbench.distributed import DistContext
+from taxbench.op_profile import profile_steps
 from taxbench.progress import IDLE, StepProgress
-from taxbench.records import ALL_RUNS, INTERLEAVED, MANIFEST, RESUMED, RunRef, write_manifest
+from taxbench.records import (
+    ALL_RUNS,
+    INTERLEAVED,
+    MANIFEST,
+    PROFILE_REPLICA,
+    RESUMED,
+    RunRef,
+    op_table_file,
+    write_manifest,
+)
 from taxbench.stopping import Stop, StoppingRule, read_stop
 from taxbench.throughput import throughput_manifest
 from taxbench.trainer import Trainer
 
 
 def round_orders(order_seed: int, runs: Sequence[RunRef], rounds: int) -> list[list[RunRef]]:
-    """Each round's order of the interleaved runs (each arm holds as many runs as the other).
+    """Each round's order of the interleaved runs.
 
-    The arms follow one another as A B B A A B B A ... over the whole schedule, cut into rounds of every run once
-    (A B B A with two runs per arm; A B, then B A with one). Every arm is then preceded by each arm equally often:
-    a step runs measurably slower right after some other steps (after a planted busy wait, 3-6% here), and a
-    shuffled order, which puts an arm more often after the other arm than after itself, turned that carryover into
-    a bias. The seed picks which arm is A and which run of an arm takes which of its slots in each round.
+    Two arms holding as many runs each: the arms follow one another as A B B A A B B A ... over the whole schedule,
+    cut into rounds of every run once (A B B A with two runs per arm; A B, then B A with one). Every arm is then
+    preceded by each arm equally often: a step runs measurably slower right after some other steps (after a planted
+    busy wait, 3-6% here), and a shuffled order, which puts an arm more often after the other arm than after itself,
+    turned that carryover into a bias. The seed picks which arm is A and which run of an arm takes which of its slots
+    in each round. Any other set of runs (the ablation's knob arms beside the pair) gets a Williams design instead.
     """
     rng = random.Random(order_seed)
     by_arm: dict[str, list[RunRef]] = {}
     for ref in runs:
         by_arm.setdefault(ref.arm, []).append(ref)
+    if len(by_arm) != 2 or len({len(refs) for refs in by_arm.values()}) != 1:
+        return _williams_orders(rng, runs, rounds)
     first, second = rng.sample(sorted(by_arm), 2)
     size = len(runs)
     orders = []
@@ -56,9 +75,52 @@ def round_orders(order_seed: int, runs: Sequence[RunRef], rounds: int) -> list[l
     return orders
 
 
+def _williams_orders(rng: random.Random, runs: Sequence[RunRef], rounds: int) -> list[list[RunRef]]:
+    """Rounds of a Williams design: over each cycle of n rounds (2n for an odd number n of runs) every run takes
+    every position once and follows every other run equally often, so carryover from one run into the next lands on
+    every run alike. The seed assigns the runs to the design's slots."""
+    n = len(runs)
+    first = [0]
+    low, high = 1, n - 1
+    for i in range(1, n):
+        if i % 2:
+            first.append(low)
+            low += 1
+        else:
+            first.append(high)
+            high -= 1
+    cycle = [[(slot + r) % n for slot in first] for r in range(n)]
+    if n % 2:
+        cycle += [row[::-1] for row in cycle]
+    slots = rng.sample(list(runs), n)
+    return [[slots[i] for i in cycle[r % len(cycle)]] for r in range(rounds)]
+
+
+def knob_plans(cfg: TaxbenchConfig) -> list[KnobPlan]:
+    return plan_ablation(cfg.arms, cfg.cluster.device) if cfg.experiment.ablation else []
+
+
+def experiment_runs(cfg: TaxbenchConfig) -> tuple[RunRef, ...]:
+    """Every run that takes the experiment's steps: the pair's five, then the ablation's knob arms."""
+    plans = knob_plans(cfg)
+    return ALL_RUNS + timed_knob_runs(plans) + repeated_knob_runs(plans)
+
+
+def profiled_runs(cfg: TaxbenchConfig) -> tuple[RunRef, ...]:
+    """The ablation's op-profile runs: one per timed arm (none without experiment.ablation)."""
+    if not cfg.experiment.ablation:
+        return ()
+    arms = ("baseline", "deterministic", *(ref.arm for ref in timed_knob_runs(knob_plans(cfg))))
+    return tuple(RunRef(arm, PROFILE_REPLICA) for arm in arms)
+
+
+def profile_run_steps(cfg: TaxbenchConfig) -> int:
+    return cfg.experiment.warmup_steps + cfg.experiment.profile_steps
+
+
 def total_steps(cfg: TaxbenchConfig) -> int:
     """Steps of the whole experiment; with a precision target, the least it may take (the progress bar grows)."""
-    return len(ALL_RUNS) * cfg.experiment.steps
+    return len(experiment_runs(cfg)) * cfg.experiment.steps + len(profiled_runs(cfg)) * profile_run_steps(cfg)
 
 
 class Experiment:
@@ -66,12 +128,13 @@ class Experiment:
         self.cfg, self.ctx, self.root, self.progress = cfg, ctx, root, progress
         self.attempt_id = uuid.uuid4().hex[:12]  # this start of the schedule (rank 0 names it in the manifests)
         self._throughput: dict | None = None  # counted once, on rank 0 (see taxbench.throughput)
+        self.plans = knob_plans(cfg)
+        self.policies: dict[str, PolicyConfig] = {**cfg.arms, **knob_policies(self.plans)}
 
     def _trainer(self, ref: RunRef) -> Trainer:
         run_dir = self.root / ref.name
         fault = self.cfg.experiment.fault
-        arm_policy = self.cfg.arms[ref.arm]
-        trainer = Trainer(self.cfg, ref.arm, ref.replica, arm_policy, self.ctx, run_dir,
+        trainer = Trainer(self.cfg, ref.arm, ref.replica, self.policies[ref.arm], self.ctx, run_dir,
                           fault if fault.applies_to(ref.arm, ref.replica) else None)
         self._write_manifest(ref, trainer)
         return trainer
@@ -97,7 +160,7 @@ class Experiment:
         stack = manifest.gather_stack(self.ctx)
         if self.ctx.rank != 0:
             return
-        arm_policy = self.cfg.arms[ref.arm]
+        arm_policy = self.policies[ref.arm]
         with policy.active(arm_policy):
             applied = policy.applied_state(self.cfg.cluster.device)
         if self._throughput is None:
@@ -132,19 +195,39 @@ class Experiment:
                 "throughput": self._throughput,
                 "attempts": self._attempts(ref, stack),
                 "provenance": provenance.manifest_provenance(config),
+                **self._ablation_manifest(ref),
             },
         )
+
+    def _ablation_manifest(self, ref: RunRef) -> dict[str, Any]:
+        """Which knob a knob arm switches, and which arm a profile run profiles (nothing for the pair's runs)."""
+        found = knob_of(ref.arm)
+        entry: dict[str, Any] = {}
+        if found is not None:
+            direction, name = found
+            knob = next(k for k in KNOBS if k.name == name)
+            entry["knob"] = {"direction": direction, "name": name, "fields": list(knob.fields)}
+        if ref.replica == PROFILE_REPLICA:
+            entry["profile"] = {"warmup_steps": self.cfg.experiment.warmup_steps,
+                                "profiled_steps": self.cfg.experiment.profile_steps}
+        return entry
 
     def run(self) -> None:
         """Run the schedule. Restarted after a preemption, it skips finished runs and resumes unfinished ones from
         their newest complete checkpoint that is intact on every rank (records written past it are dropped, so
         nothing is duplicated)."""
-        interleaved = INTERLEAVED[self.cfg.experiment.interleave]
+        interleaved = INTERLEAVED[self.cfg.experiment.interleave] + timed_knob_runs(self.plans)
         stop = self._run_interleaved(interleaved)
-        self.progress.grow_to(len(ALL_RUNS) * stop.steps)
+        profiled = profiled_runs(self.cfg)
+        self.progress.grow_to(len(experiment_runs(self.cfg)) * stop.steps
+                              + len(profiled) * profile_run_steps(self.cfg))
         for ref in (r for r in ALL_RUNS if r not in interleaved and r != RESUMED):
             self._run_whole(ref, stop.steps)
         self._run_resumed(stop.steps)
+        for ref in repeated_knob_runs(self.plans):
+            self._run_whole(ref, stop.steps)
+        for ref in profiled:
+            self._run_profiled(ref)
 
     def _checkpoints(self, ref: RunRef) -> RunCheckpoints:
         return RunCheckpoints(self.root / ref.name, self.ctx.rank)
@@ -196,7 +279,8 @@ class Experiment:
             if stop is not None:
                 break
             if step >= exp.steps:  # one more round than planned
-                self.progress.grow_to(len(ALL_RUNS) * (step + exp.block_steps))
+                self.progress.grow_to(len(experiment_runs(self.cfg)) * (step + exp.block_steps)
+                                      + len(profiled_runs(self.cfg)) * profile_run_steps(self.cfg))
             if self._checkpoint_due(step, cap, exp.block_steps):
                 commit(step, [(progress[ref], trainers[ref]) for ref in runs])
         assert stop is not None, "the step cap always stops the rounds"
@@ -226,6 +310,21 @@ class Experiment:
         trainer = self._start(ref, start)
         self._skip(start or 0)
         self._advance(ref, trainer, steps, steps)
+        trainer.close()
+        finish([checkpoints])
+
+    def _run_profiled(self, ref: RunRef) -> None:
+        """Warm a fresh trainer of the arm up, then record its op table over experiment.profile_steps steps."""
+        exp = self.cfg.experiment
+        checkpoints = self._checkpoints(ref)
+        if checkpoints.finished:
+            self._skip(profile_run_steps(self.cfg))
+            return
+        self.progress.describe(f"{ref.name}: op profile")
+        trainer = self._start(ref, None)
+        trainer.run_block(exp.warmup_steps, 0, self.progress.advance)
+        table = profile_steps(trainer, exp.profile_steps, 1, self.progress.advance)
+        table.write(op_table_file(self.root / ref.name, self.ctx.rank))
         trainer.close()
         finish([checkpoints])
 

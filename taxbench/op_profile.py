@@ -142,8 +142,8 @@ def profile_ops(run: Callable[[], None], steps: int, device: str) -> OpTable:
     return OpTable(table, steps, device)
 
 
-def profile_steps(trainer: Trainer, steps: int, block: int) -> OpTable:
-    """Run `trainer.run_block(steps, block)` under torch.profiler: per-op self time and calls per step (see
+def profile_steps(trainer: Trainer, steps: int, block: int, on_step: Callable[[], None] | None = None) -> OpTable:
+    """Run `trainer.run_block(steps, block, on_step)` under torch.profiler: per-op self time and calls per step (see
     the module docstring for what the table covers)."""
     device = trainer.ctx.device.type
-    return profile_ops(lambda: trainer.run_block(steps, block), steps, device)
+    return profile_ops(lambda: trainer.run_block(steps, block, on_step), steps, device)

@@ -53,11 +53,17 @@ INTERLEAVED = {
     "all": (TIMED["baseline"], TIMED["deterministic"], REPEAT, BASELINE_REPEAT),
     "pair": (TIMED["baseline"], TIMED["deterministic"]),
 }
+PROFILE_REPLICA = "profile"  # <arm>-profile: an arm's op-profile run (experiment.ablation; never timed or gated)
 STOP_FILE = "stop.json"  # <experiment>/stop.json: how many steps every run took and what stopped the timed rounds
 
 
 def steps_file(run_dir: Path, rank: int) -> Path:
     return run_dir / f"steps.rank{rank}.jsonl"
+
+
+def op_table_file(run_dir: Path, rank: int) -> Path:
+    """A profile run's op table (taxbench.op_profile.OpTable) of one rank."""
+    return run_dir / f"ops.rank{rank}.json"
 
 
 def faults_file(run_dir: Path, rank: int) -> Path:

@@ -1,0 +1,108 @@
+"""The knob table of an ablation experiment (experiment.ablation=true; see taxbench.ablation for the arms).
+
+Per knob: its tax (the with_<knob> arm against the baseline runs, the same estimator and interval as the pair's
+tax) and whether determinism needs it (its without_<knob> replicas compared bit for bit: if they differ, it is
+needed). A knob without an arm says why (no-op on this device, set alike by both policies, acts only with another
+knob). Missing or incomplete knob runs leave that knob's numbers open and count as incomplete evidence.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from taxbench.ablation import KnobPlan, plan_ablation
+from taxbench.analysis.records import RecordError, load_checked_run, load_manifest
+from taxbench.analysis.tax import TaxEstimate, estimate_tax, no_estimate
+from taxbench.analysis.verdicts import DIFFERS, IDENTICAL, Verdict, compare_runs
+from taxbench.config import Device, PolicyConfig
+
+NEEDED_GATE = "knob_needed"
+
+
+@dataclass
+class KnobResult:
+    knob: str
+    description: str
+    cost_status: str  # "measured", or why the knob has no with_<knob> arm
+    needed_status: str  # "measured", or why the knob has no without_<knob> replicas
+    tax: TaxEstimate | None = None
+    repeat: Verdict | None = None  # without_<knob>-0 against without_<knob>-1
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def needed(self) -> bool | None:
+        """True: without the knob the deterministic recipe is not repeatable; None: not known."""
+        if self.repeat is None or self.repeat.outcome not in (IDENTICAL, DIFFERS):
+            return None
+        return self.repeat.outcome == DIFFERS
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "knob": self.knob,
+            "description": self.description,
+            "cost_status": self.cost_status,
+            "needed_status": self.needed_status,
+            "tax": None if self.tax is None else self.tax.to_dict(),
+            "needed": self.needed,
+            "repeat": None if self.repeat is None else self.repeat.to_dict(),
+            "problems": self.problems,
+        }
+
+
+def plans_from_config(config: dict[str, Any], device: str) -> list[KnobPlan]:
+    arms = {arm: PolicyConfig(**policy) for arm, policy in config["arms"].items()}
+    return plan_ablation(arms, Device(device))
+
+
+def _load(root: Path, name: str, steps: int) -> tuple[pd.DataFrame | None, list[str]]:
+    run_dir = root / name
+    try:
+        return load_checked_run(run_dir, load_manifest(run_dir), steps)
+    except RecordError as exc:
+        return None, [str(exc)]
+
+
+def _knob_tax(baselines: list[pd.DataFrame], frame: pd.DataFrame, experiment: dict[str, Any]) -> TaxEstimate:
+    try:
+        return estimate_tax(baselines, [frame], experiment["warmup_steps"], experiment["confidence"])
+    except ValueError:
+        return no_estimate(experiment["confidence"], experiment["warmup_steps"])
+
+
+def analyse_ablation(root: Path, config: dict[str, Any], device: str, baselines: list[pd.DataFrame],
+                     steps: int) -> list[KnobResult]:
+    """Every knob's row (empty unless the experiment ran with experiment.ablation=true)."""
+    experiment = config["experiment"]
+    if not experiment.get("ablation"):
+        return []
+    results = []
+    for plan in plans_from_config(config, device):
+        result = KnobResult(plan.knob.name, plan.knob.description, plan.with_status, plan.without_status)
+        if plan.with_run is not None:
+            frame, problems = _load(root, plan.with_run.name, steps)
+            result.problems += problems
+            if frame is not None and not problems:
+                result.tax = _knob_tax(baselines, frame, experiment)
+        if plan.without_runs:
+            (first, first_problems), (second, second_problems) = (_load(root, ref.name, steps)
+                                                                  for ref in plan.without_runs)
+            result.problems += first_problems + second_problems
+            if first is not None and second is not None:
+                a, b = (ref.name for ref in plan.without_runs)
+                result.repeat = compare_runs(NEEDED_GATE, a, first, b, second, 0,
+                                             tuple(first_problems + second_problems))
+        results.append(result)
+    return results
+
+
+def measured_first(results: list[KnobResult]) -> list[KnobResult]:
+    """Knobs with a tax first, costliest first; then the rest in KNOBS order."""
+    def cost(result: KnobResult) -> float:
+        return result.tax.tax if result.tax is not None and math.isfinite(result.tax.tax) else -math.inf
+
+    return sorted(results, key=cost, reverse=True)

@@ -1,0 +1,89 @@
+"""Per-knob ablation: which arms run on which device, that each differs from its pair arm in one knob only, and that
+the rounds stay carryover-balanced with knob arms beside the pair."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from itertools import pairwise
+
+import pytest
+
+from taxbench.ablation import KNOBS, MEASURED, knob_of, knob_policies, plan_ablation
+from taxbench.config import ConfigError, Device
+from taxbench.experiment import round_orders
+from taxbench.records import RunRef
+from tests.conftest import compose_config
+
+
+def pair_policies():
+    cfg, _ = compose_config("experiment.name=x")
+    return cfg.arms
+
+
+def test_on_cpu_only_the_knobs_that_act_there_get_arms() -> None:
+    plans = {p.knob.name: p for p in plan_ablation(pair_policies(), Device.cpu)}
+    assert plans["deterministic_algorithms"].with_status == MEASURED
+    assert plans["deterministic_kernels"].with_status == MEASURED
+    for name in ("tf32_off", "cudnn_benchmark_off", "nccl_ring"):
+        assert plans[name].with_status == plans[name].without_status == "no-op on cpu"
+        assert plans[name].with_run is None and plans[name].without_runs == ()
+    # The deterministic mode leaves fill_uninitialized_memory off, as the baseline does.
+    assert plans["fill_uninitialized_memory"].with_status == "same in both policies"
+
+
+def test_on_cuda_the_cuda_knobs_get_arms_and_fill_alone_is_a_no_op() -> None:
+    arms = pair_policies()
+    arms["deterministic"] = dataclasses.replace(arms["deterministic"], fill_uninitialized_memory=True)
+    plans = {p.knob.name: p for p in plan_ablation(arms, Device.cuda)}
+    for name in ("tf32_off", "cudnn_benchmark_off", "nccl_ring"):
+        assert plans[name].with_status == plans[name].without_status == MEASURED
+    fill = plans["fill_uninitialized_memory"]
+    assert fill.with_status == "no-op alone (acts only with deterministic=true)"
+    assert fill.without_status == MEASURED  # left out of the deterministic policy, where it does act
+
+
+@pytest.mark.parametrize("device", [Device.cpu, Device.cuda])
+def test_every_knob_arm_differs_from_its_pair_arm_in_that_knob_only(device: Device) -> None:
+    arms = pair_policies()
+    plans = plan_ablation(arms, device)
+    policies = knob_policies(plans)
+    assert policies  # something runs on either device
+    for plan in plans:
+        for ref, source in ((plan.with_run, arms["baseline"]), *((r, arms["deterministic"]) for r in plan.without_runs)):
+            if ref is None:
+                continue
+            policy = policies[ref.arm]
+            changed = {f.name for f in dataclasses.fields(policy)
+                       if getattr(policy, f.name) != getattr(source, f.name)}
+            assert changed == {"name", *plan.knob.fields}, (ref, changed)
+            assert knob_of(ref.arm) == (ref.arm.split("_", 1)[0], plan.knob.name)
+    assert knob_of("baseline") is None and knob_of("with_nothing") is None
+
+
+def test_knob_arms_keep_the_rounds_carryover_balanced() -> None:
+    pair = [RunRef("baseline", "0"), RunRef("deterministic", "0"), RunRef("deterministic", "1"),
+            RunRef("baseline", "1")]
+    for knobs in (1, 2):  # an odd and an even number of runs
+        runs = pair + [RunRef(f"with_{k.name}", "0") for k in KNOBS[:knobs]]
+        n = len(runs)
+        cycle = 2 * n if n % 2 else n
+        orders = round_orders(3, runs, 2 * cycle)
+        assert all(sorted(map(str, order)) == sorted(map(str, runs)) for order in orders)
+        positions = Counter((ref, i) for order in orders[:cycle] for i, ref in enumerate(order))
+        assert set(positions.values()) == {cycle // n}  # every run in every position equally often
+        follows = Counter(pair_ for order in orders[:cycle] for pair_ in pairwise(order))
+        assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1  # every run after every other alike
+
+
+def test_the_pair_alone_keeps_its_a_b_b_a_rounds() -> None:
+    pair = [RunRef("baseline", "0"), RunRef("deterministic", "0"), RunRef("deterministic", "1"),
+            RunRef("baseline", "1")]
+    for order in round_orders(0, pair, 8):
+        arms = [ref.arm for ref in order]
+        assert arms[0] == arms[3] != arms[1] == arms[2]
+
+
+def test_ablation_of_a_calibration_pair_is_refused() -> None:
+    with pytest.raises(ConfigError, match="experiment.ablation=true with experiment.calibration=true"):
+        compose_config("experiment.name=x", "experiment.ablation=true", "experiment.calibration=true")
