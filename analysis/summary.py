@@ -21,6 +21,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from taxbench import exit_codes
+from taxbench.analysis.equivalence import COMPARED_RUNS, EQUIVALENT, Equivalence, baseline_equivalence
 from taxbench.analysis.records import (
     RecordError,
     ResultWriteError,
@@ -71,6 +72,8 @@ class ExperimentSummary:
     throughput: dict[str, ArmThroughput | None]  # arm -> tokens/s, TFLOP/s, MFU, memory (None: not recorded)
     code: str  # taxbench version and git commit ("+dirty") of the runs, from their provenance
     cost: dict[str, float | None]  # what the tax costs: tokens/s lost, device-hours per day
+    # The deterministic loss curve against the baseline pair's noise: statistical, never part of the outcome
+    equivalence: Equivalence
     problems: list[str] = field(default_factory=list)  # what makes runs incomplete: run, ranks, steps
     faults: list[str] = field(default_factory=list)  # the injected fault: where it fired, or that it never did
     fault_fired: bool | None = None  # None: no fault configured
@@ -163,6 +166,8 @@ class ExperimentSummary:
             "faults": self.faults,
             "fault_fired": self.fault_fired,
             "fingerprint_s": finite_or_none(self.fingerprint_s),
+            "equivalence": {key: finite_or_none(value) if isinstance(value, float) else value
+                            for key, value in self.equivalence.to_dict().items()},
         }
 
 
@@ -309,6 +314,8 @@ def analyse_experiment(root: Path) -> ExperimentAnalysis:
         verdicts.append(compare_runs(gate, reference, runs[reference], candidate, runs[candidate], from_step,
                                      tuple(problems[reference] + problems[candidate])))
     faults, fired = fault_outcome(root, experiment)
+    equivalence = baseline_equivalence(runs, int(experiment["warmup_steps"]),
+                                       stop_problems + [line for name in COMPARED_RUNS for line in problems[name]])
     steps_needed = steps_for_half_width(tax)
     # The whole experiment at that length: every run (timed or not) at its arm's median step.
     arm_runs = {arm: sum(1 for name in RUN_NAMES if name.startswith(arm)) for arm in ("baseline", "deterministic")}
@@ -338,6 +345,7 @@ def analyse_experiment(root: Path) -> ExperimentAnalysis:
         throughput=throughput,
         code=code_of(manifest),
         cost=cost_of_tax(throughput["baseline"], throughput["deterministic"], tax.tax, world),
+        equivalence=equivalence,
         problems=stop_problems + [line for name in RUN_NAMES for line in problems[name]],
         faults=faults,
         fault_fired=fired,
@@ -412,6 +420,13 @@ def gate_outcome(verdict: Verdict, strict: bool) -> str:
     return where + (" (among the records both runs hold)" if verdict.problems else "")
 
 
+def equivalence_outcome(equivalence: Equivalence) -> str:
+    """The equivalence line, coloured like a non-strict gate (it never decides the outcome)."""
+    colour = "green" if equivalence.verdict == EQUIVALENT else "yellow"
+    verdict, _, rest = equivalence.describe().partition(":")
+    return f"[{colour}]{escape(verdict)}[/{colour}]{escape(':' + rest) if rest else ''}"
+
+
 def _shown_problems(problems: list[str]) -> str:
     lines = [escape(p) for p in problems[:SHOWN_PROBLEMS]]
     if len(problems) > SHOWN_PROBLEMS:
@@ -440,6 +455,7 @@ def render(summary: ExperimentSummary, console: Console | None = None, report_pa
                                f"(CV {pct_plain(tax.deterministic_cv)}){spread}")
     for verdict, (_, _, _, strict) in zip(summary.verdicts, GATES, strict=True):
         table.add_row(verdict.gate, gate_outcome(verdict, strict))
+    table.add_row("equivalence", equivalence_outcome(summary.equivalence))
     if summary.problems:
         table.add_row("[red]incomplete[/red]", _shown_problems(summary.problems))
     for line in summary.faults:

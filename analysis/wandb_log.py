@@ -29,7 +29,7 @@ from typing import Any
 
 import pandas as pd
 
-from taxbench.analysis.records import step_times
+from taxbench.analysis.records import step_losses, step_times
 from taxbench.analysis.report import STEP_TIME_PNG, SWEEP_PNG
 from taxbench.analysis.summary import GATES, ExperimentAnalysis, ExperimentSummary, verdict_line
 from taxbench.analysis.sweep import PointName, SweepAnalysis
@@ -130,7 +130,7 @@ def step_series(frame: pd.DataFrame, dp: int) -> pd.DataFrame:
     first_rank = frame[frame["rank"] == frame["rank"].min()].drop_duplicates("step").set_index("step")
     return pd.DataFrame({
         "step_time": times,
-        "loss": frame.groupby("step")["loss"].mean(),
+        "loss": step_losses(frame),
         "grad_norm": first_rank["grad_norm"],
         "tokens_per_s": first_rank["tokens"] * dp / times,
     }).sort_index()
