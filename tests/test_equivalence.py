@@ -21,6 +21,7 @@ from taxbench.analysis.equivalence import (
     REQUIRED_SHARE,
     compare_loss_curves,
 )
+from taxbench.analysis.report import EQUIVALENCE_PNG, HTML_FILE, MARKDOWN_FILE, write_experiment_report
 from taxbench.analysis.summary import analyse_experiment
 from taxbench.analysis.synthetic import SyntheticExperiment, write_experiment
 
@@ -149,3 +150,23 @@ def test_incomplete_runs_are_not_evaluated_and_a_calibration_pair_still_is(tmp_p
     stored = json.loads((root / "summary.json").read_text())["equivalence"]
     assert stored["verdict"] == NOT_EVALUATED and stored["statistic"] is None and stored["median_band"] is None
 
+
+
+def test_report_shows_the_equivalence_under_where_the_tax_goes(tmp_path: Path) -> None:
+    spec = SyntheticExperiment(ranks=2, steps=30, block_steps=3, seed=2, loss_noise=0.01, loss_offset=0.03)
+    root = write_experiment(tmp_path / "exp", spec)
+    out = write_experiment_report(analyse_experiment(root)).parent
+    page = (out / HTML_FILE).read_text()
+    headings = [page.index(h) for h in ("<h2>Determinism tax</h2>", "<h2>Where the tax goes</h2>",
+                                        "<h3>Baseline equivalence</h3>", "<h2>Bitwise gates</h2>")]
+    assert headings == sorted(headings)
+    section = page[headings[1]:headings[3]]
+    assert "differs beyond baseline noise" in section and "data:image/png;base64," in section
+    assert f"]({EQUIVALENCE_PNG})" in (out / MARKDOWN_FILE).read_text()
+    assert (out / EQUIVALENCE_PNG).read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+    (root / "deterministic-0" / "steps.rank0.jsonl").unlink()
+    write_experiment_report(analyse_experiment(root))
+    markdown = (out / MARKDOWN_FILE).read_text()
+    assert "not evaluated: incomplete records: deterministic-0 rank 0" in markdown
+    assert EQUIVALENCE_PNG not in markdown
