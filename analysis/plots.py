@@ -15,7 +15,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import FuncFormatter, MaxNLocator, PercentFormatter  # noqa: E402
 
-from taxbench.analysis.equivalence import Equivalence  # noqa: E402
+from taxbench.analysis.equivalence import BAND_FACTOR, RELATIVE_FLOOR, Equivalence  # noqa: E402
 from taxbench.analysis.tax import TaxEstimate  # noqa: E402
 
 ARM_COLORS = {"baseline": "#1f77b4", "deterministic": "#d62728"}
@@ -96,7 +96,8 @@ def equivalence_plot(equivalence: Equivalence) -> bytes:
     )
     steps, center, band = equivalence.steps, equivalence.center, equivalence.band
     baseline, deterministic = ARM_COLORS["baseline"], ARM_COLORS["deterministic"]
-    curves.fill_between(steps, center - band, center + band, color=baseline, alpha=0.2, lw=0, label="baseline band")
+    band_label = f"baseline band ({BAND_FACTOR:g}x RMS gap, at least {RELATIVE_FLOOR:.2%} of the loss)"
+    curves.fill_between(steps, center - band, center + band, color=baseline, alpha=0.2, lw=0, label=band_label)
     curves.plot(steps, equivalence.baseline_0, "-", lw=0.9, color=baseline, alpha=0.8, label="baseline-0")
     curves.plot(steps, equivalence.baseline_1, "--", lw=0.9, color=baseline, alpha=0.8, label="baseline-1")
     curves.plot(steps, equivalence.deterministic, "-", lw=1.1, color=deterministic, label="deterministic-0")
@@ -105,7 +106,7 @@ def equivalence_plot(equivalence: Equivalence) -> bytes:
     curves.legend(loc="upper right", fontsize=9, framealpha=0.9)
     curves.grid(alpha=0.3)
 
-    residuals.fill_between(steps, -band, band, color=baseline, alpha=0.2, lw=0, label="baseline band")
+    residuals.fill_between(steps, -band, band, color=baseline, alpha=0.2, lw=0, label=band_label)
     residuals.plot(steps, equivalence.baseline_0 - center, "-", lw=0.9, color=baseline, alpha=0.8,
                    label="baseline-0 (baseline-1 mirrors it)")
     residuals.plot(steps, equivalence.deterministic - center, "-", lw=1.1, color=deterministic,
