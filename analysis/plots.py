@@ -15,6 +15,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import FuncFormatter, MaxNLocator, PercentFormatter  # noqa: E402
 
+from taxbench.analysis.equivalence import BAND_FACTOR, RELATIVE_FLOOR, Equivalence  # noqa: E402
 from taxbench.analysis.tax import TaxEstimate  # noqa: E402
 
 ARM_COLORS = {"baseline": "#1f77b4", "deterministic": "#d62728"}
@@ -84,6 +85,43 @@ def training_curves_plot(runs: dict[str, pd.DataFrame]) -> bytes:
         axis.set_title(title)
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
+    return _png(figure)
+
+
+def equivalence_plot(equivalence: Equivalence) -> bytes:
+    """The deterministic loss curve over the baseline band (top), and its deviation from the baselines' center against
+    the band's half-width (bottom: at the scale of the loss the band is usually too thin to see)."""
+    figure, (curves, residuals) = plt.subplots(
+        2, 1, figsize=(9, 6.2), sharex=True, gridspec_kw={"height_ratios": [3, 2]}, layout="constrained"
+    )
+    steps, center, band = equivalence.steps, equivalence.center, equivalence.band
+    baseline, deterministic = ARM_COLORS["baseline"], ARM_COLORS["deterministic"]
+    band_label = f"baseline band ({BAND_FACTOR:g}x RMS gap, at least {RELATIVE_FLOOR:.2%} of the loss)"
+    curves.fill_between(steps, center - band, center + band, color=baseline, alpha=0.2, lw=0, label=band_label)
+    curves.plot(steps, equivalence.baseline_0, "-", lw=0.9, color=baseline, alpha=0.8, label="baseline-0")
+    curves.plot(steps, equivalence.baseline_1, "--", lw=0.9, color=baseline, alpha=0.8, label="baseline-1")
+    curves.plot(steps, equivalence.deterministic, "-", lw=1.1, color=deterministic, label="deterministic-0")
+    curves.set_ylabel("loss (mean over ranks)")
+    curves.set_title("Deterministic loss over the baseline band")
+    curves.legend(loc="upper right", fontsize=9, framealpha=0.9)
+    curves.grid(alpha=0.3)
+
+    residuals.fill_between(steps, -band, band, color=baseline, alpha=0.2, lw=0, label=band_label)
+    residuals.plot(steps, equivalence.baseline_0 - center, "-", lw=0.9, color=baseline, alpha=0.8,
+                   label="baseline-0 (baseline-1 mirrors it)")
+    residuals.plot(steps, equivalence.deterministic - center, "-", lw=1.1, color=deterministic,
+                   label="deterministic-0")
+    outside = ~equivalence.inside & np.isfinite(equivalence.deterministic)
+    if outside.any():
+        residuals.scatter(steps[outside], (equivalence.deterministic - center)[outside], marker="x", s=30,
+                          color=deterministic, zorder=5, label=f"outside the band ({int(outside.sum())} steps)")
+    residuals.axhline(0, color="black", lw=0.8)
+    residuals.xaxis.set_major_locator(MaxNLocator(integer=True))
+    residuals.set_xlabel("step")
+    residuals.set_ylabel("loss - baseline center")
+    residuals.set_title(f"Deviation per step ({equivalence.n_steps} steps after step {equivalence.from_step})")
+    residuals.legend(loc="best", fontsize=8, framealpha=0.9, ncols=2)
+    residuals.grid(alpha=0.3)
     return _png(figure)
 
 

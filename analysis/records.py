@@ -318,6 +318,12 @@ def step_times(frame: pd.DataFrame) -> pd.DataFrame:
     return grouped.reset_index()
 
 
+def step_losses(frame: pd.DataFrame) -> pd.Series:
+    """Per-step loss of the whole job (the mean over ranks: data-parallel ranks each record their own batch's loss),
+    indexed by step."""
+    return frame.groupby("step", sort=True)["loss"].mean()
+
+
 def empty_run() -> pd.DataFrame:
     """The frame of a run that recorded no step (every known column, no rows)."""
     return pa.schema(_FIELD_TYPES).empty_table().to_pandas()

@@ -14,13 +14,22 @@ import base64
 import html
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from taxbench import exit_codes
-from taxbench.analysis.plots import step_time_plot, sweep_tax_plot, training_curves_plot
+from taxbench.analysis.equivalence import (
+    BAND_FACTOR,
+    COMPARED_RUNS,
+    EQUIVALENT,
+    NOISE_WINDOW,
+    RELATIVE_FLOOR,
+    Equivalence,
+)
+from taxbench.analysis.plots import equivalence_plot, step_time_plot, sweep_tax_plot, training_curves_plot
 from taxbench.analysis.records import ResultWriteError, step_times
 from taxbench.analysis.summary import (
     GATES,
@@ -46,6 +55,7 @@ HTML_FILE = "report.html"
 MARKDOWN_FILE = "report.md"
 STEP_TIME_PNG = "step_times.png"
 TRAINING_PNG = "training.png"
+EQUIVALENCE_PNG = "equivalence.png"
 SWEEP_PNG = "tax_vs_gpus.png"
 
 # Manifest parts shown side by side, in this order; config.arms holds both policies in both manifests (identical),
@@ -334,6 +344,51 @@ def _training_blocks(analysis: ExperimentAnalysis) -> list[Block]:
     return blocks
 
 
+def _equivalence_rows(equivalence: Equivalence) -> list[list[str]]:
+    values = equivalence.to_dict()
+    return [
+        ["compared steps", f"{values['n_steps']} (after step {values['from_step']})"],
+        ["steps inside the band", f"{values['steps_inside']} ({pct_plain(values['statistic'])}; "
+                                  f"{values['threshold']:.0%} needed)"],
+        ["median / max |Δloss|", f"{values['median_deviation']:.4g} / {values['max_deviation']:.4g}"],
+        ["median baseline gap", f"{values['median_baseline_gap']:.4g}"],
+        ["median band half-width", f"{values['median_band']:.4g}"],
+    ]
+
+
+def _equivalence_blocks(analysis: ExperimentAnalysis) -> list[Block]:
+    """Baseline equivalence: does the deterministic recipe train like the baseline, within the baseline's noise?"""
+    equivalence = analysis.summary.equivalence
+    tone = "good" if equivalence.verdict == EQUIVALENT else "warn"
+    first, second, deterministic = COMPARED_RUNS
+    blocks: list[Block] = [
+        Heading("Baseline equivalence", level=3),
+        Paragraph(f"**{equivalence.describe()}**", tone=tone),
+        Paragraph(f"Statistical, not a bitwise gate: it changes neither the verdict nor the exit code. Per step, "
+                  f"{deterministic}'s loss (mean over ranks) is compared with the center of {first} and {second}: "
+                  f"when the baseline is nondeterministic, those two differ by run-to-run noise only. The band is "
+                  f"{BAND_FACTOR:g}x their RMS gap over {NOISE_WINDOW} steps (at least {RELATIVE_FLOOR:.2%} of the "
+                  f"loss); the curve is equivalent when at least {equivalence.threshold:.0%} of its steps lie inside "
+                  "(Megatron-LM's determinism proposal, #5785: determinism must not change what the recipe learns)."),
+    ]
+    if equivalence.evaluated:
+        blocks.append(TableBlock(["", "value"], _equivalence_rows(equivalence)))
+        blocks.append(Figure(EQUIVALENCE_PNG, equivalence_plot(equivalence),
+                             "deterministic loss curve over the baseline band, and its deviation per step"))
+    return blocks
+
+
+# The subsections of "Where the tax goes", in order: each gives its blocks, a level-3 heading first.
+TAX_BREAKDOWN: tuple[Callable[[ExperimentAnalysis], list[Block]], ...] = (_equivalence_blocks,)
+
+
+def where_the_tax_goes(analysis: ExperimentAnalysis) -> list[Block]:
+    blocks: list[Block] = [Heading("Where the tax goes")]
+    for subsection in TAX_BREAKDOWN:
+        blocks += subsection(analysis)
+    return blocks
+
+
 GATE_HEADER = ["gate", "runs", "verdict", "compared", "first mismatch", "reference value", "candidate value"]
 
 
@@ -376,6 +431,7 @@ def experiment_report(analysis: ExperimentAnalysis) -> Report:
                          "step time per arm with the warmup cut, and the per-block tax"))
 
     blocks += _training_blocks(analysis)
+    blocks += where_the_tax_goes(analysis)
 
     blocks.append(Heading("Recipe and stack, side by side"))
     comparison = manifest_comparison(analysis.manifests["baseline-0"], analysis.manifests["deterministic-0"])

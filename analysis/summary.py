@@ -24,6 +24,7 @@ from taxbench import exit_codes
 from taxbench.ablation import MEASURED, WITH
 from taxbench.analysis.ablation import KnobResult, analyse_ablation, measured_first
 from taxbench.analysis.attribution import attribute_arms
+from taxbench.analysis.equivalence import COMPARED_RUNS, EQUIVALENT, Equivalence, baseline_equivalence
 from taxbench.analysis.records import (
     RecordError,
     ResultWriteError,
@@ -73,6 +74,8 @@ class ExperimentSummary:
     throughput: dict[str, ArmThroughput | None]  # arm -> tokens/s, TFLOP/s, MFU, memory (None: not recorded)
     code: str  # taxbench version and git commit ("+dirty") of the runs, from their provenance
     cost: dict[str, float | None]  # what the tax costs: tokens/s lost, device-hours per day
+    # The deterministic loss curve against the baseline pair's noise: statistical, never part of the outcome
+    equivalence: Equivalence
     problems: list[str] = field(default_factory=list)  # what makes runs incomplete: run, ranks, steps
     faults: list[str] = field(default_factory=list)  # the injected fault: where it fired, or that it never did
     fault_fired: bool | None = None  # None: no fault configured
@@ -170,6 +173,8 @@ class ExperimentSummary:
             "fingerprint_s": finite_or_none(self.fingerprint_s),
             "ablation": [k.to_dict() for k in self.ablation],
             "attribution": {arm: ops.to_dict(orient="records") for arm, ops in self.attribution.items()},
+            "equivalence": {key: finite_or_none(value) if isinstance(value, float) else value
+                            for key, value in self.equivalence.to_dict().items()},
         }
 
 
@@ -322,13 +327,15 @@ def analyse_experiment(root: Path) -> ExperimentAnalysis:
     config = manifest_value(manifest, root / "deterministic-0", "config")
     device = manifest_value(manifest, root / "deterministic-0", "policy_applied.device")
     knobs = analyse_ablation(root, config, device, timed["baseline"], steps)
+    world = int(manifest_value(manifest, root / "deterministic-0", "layout.world_size"))
     attribution, attribution_problems = ({}, []) if not experiment.get("ablation") else attribute_arms(
-        root, step_deltas_us(tax, knobs), int(manifest_value(manifest, root / "deterministic-0", "layout.world_size")))
+        root, step_deltas_us(tax, knobs), world)
+    equivalence = baseline_equivalence(runs, int(experiment["warmup_steps"]),
+                                       stop_problems + [line for name in COMPARED_RUNS for line in problems[name]])
     steps_needed = steps_for_half_width(tax)
     # The whole experiment at that length: every run (timed or not) at its arm's median step.
     arm_runs = {arm: sum(1 for name in RUN_NAMES if name.startswith(arm)) for arm in ("baseline", "deterministic")}
     step_cost = arm_runs["baseline"] * tax.baseline_median_s + arm_runs["deterministic"] * tax.deterministic_median_s
-    world = int(manifest_value(manifest, root / "deterministic-0", "layout.world_size"))
     medians = {"baseline": tax.baseline_median_s, "deterministic": tax.deterministic_median_s}
     throughput = {arm: arm_throughput([f[f["step"] > tax.warmup_steps] for f in frames], medians[arm], world,
                                       manifest.get("throughput"))
@@ -353,6 +360,7 @@ def analyse_experiment(root: Path) -> ExperimentAnalysis:
         throughput=throughput,
         code=code_of(manifest),
         cost=cost_of_tax(throughput["baseline"], throughput["deterministic"], tax.tax, world),
+        equivalence=equivalence,
         problems=(stop_problems + [line for name in RUN_NAMES for line in problems[name]]
                   + [line for knob in knobs for line in knob.problems] + attribution_problems),
         faults=faults,
@@ -477,6 +485,13 @@ def top_ops_lines(ops: pd.DataFrame, shown: int = SHOWN_KNOBS) -> str:
         f"{row.calls_baseline:g} -> {row.calls_candidate:g})" for row in grown.itertuples())
 
 
+def equivalence_outcome(equivalence: Equivalence) -> str:
+    """The equivalence line, coloured like a non-strict gate (it never decides the outcome)."""
+    colour = "green" if equivalence.verdict == EQUIVALENT else "yellow"
+    verdict, _, rest = equivalence.describe().partition(":")
+    return f"[{colour}]{escape(verdict)}[/{colour}]{escape(':' + rest) if rest else ''}"
+
+
 def _shown_problems(problems: list[str]) -> str:
     lines = [escape(p) for p in problems[:SHOWN_PROBLEMS]]
     if len(problems) > SHOWN_PROBLEMS:
@@ -505,6 +520,7 @@ def render(summary: ExperimentSummary, console: Console | None = None, report_pa
                                f"(CV {pct_plain(tax.deterministic_cv)}){spread}")
     for verdict, (_, _, _, strict) in zip(summary.verdicts, GATES, strict=True):
         table.add_row(verdict.gate, gate_outcome(verdict, strict))
+    table.add_row("equivalence", equivalence_outcome(summary.equivalence))
     for label, line in knob_rows(summary.ablation):
         table.add_row(label, escape(line))
     if "deterministic" in summary.attribution:

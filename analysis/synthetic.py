@@ -41,7 +41,9 @@ class SyntheticExperiment:
     cv: float = 0.01
     recipe: str = "synthetic"
     seed: int = 0
-    baseline_deterministic: bool = False  # baseline-1 repeats baseline-0's fingerprints
+    baseline_deterministic: bool = False  # baseline-1 repeats baseline-0's fingerprints (and loss)
+    loss_noise: float = 0.0  # loss scatter between trajectories (the deterministic runs share one), growing with steps
+    loss_offset: float = 0.0  # added to the deterministic runs' loss
 
 
 def _hex(values: np.ndarray) -> np.ndarray:
@@ -57,6 +59,14 @@ def _fingerprints(steps: np.ndarray, ranks: np.ndarray, salt: int) -> dict[str, 
     return out
 
 
+def _loss(spec: SyntheticExperiment, arm: str, replica: str, steps: np.ndarray) -> np.ndarray:
+    """5/sqrt(step), plus the noise of the run's trajectory (its own generator, so step times do not change)."""
+    trajectory = 0 if arm == "deterministic" else 1 if spec.baseline_deterministic or replica == "0" else 2
+    scatter = np.random.default_rng([spec.seed, trajectory]).standard_normal(spec.steps)[steps - 1]
+    offset = spec.loss_offset if arm == "deterministic" else 0.0
+    return 5.0 / np.sqrt(steps) + spec.loss_noise * np.sqrt(steps / spec.steps) * scatter + offset
+
+
 def _run_frame(spec: SyntheticExperiment, arm: str, replica: str, rng: np.random.Generator,
                injection: Injection | None) -> pd.DataFrame:
     steps = np.repeat(np.arange(1, spec.steps + 1), spec.ranks)
@@ -70,7 +80,8 @@ def _run_frame(spec: SyntheticExperiment, arm: str, replica: str, rng: np.random
     frame = pd.DataFrame({
         "schema_version": SCHEMA_VERSION, "arm": arm, "replica": replica, "rank": ranks, "step": steps,
         "block": (steps - 1) // spec.block_steps, "data_s": 1e-4, "tokens": 4096, "time_s": time_s,
-        "window_s": time_s * 1.02, "device_s": time_s * 0.98, "loss": 5.0 / np.sqrt(steps), "grad_norm": 1.0,
+        "window_s": time_s * 1.02, "device_s": time_s * 0.98, "loss": _loss(spec, arm, replica, steps),
+        "grad_norm": 1.0,
         **_fingerprints(steps, ranks, salt),
     })
     if injection is not None and injection.run == f"{arm}-{replica}":

@@ -29,9 +29,10 @@ from typing import Any
 
 import pandas as pd
 
-from taxbench.analysis.records import step_times
-from taxbench.analysis.report import STEP_TIME_PNG, SWEEP_PNG
-from taxbench.analysis.summary import GATES, ExperimentAnalysis, ExperimentSummary, verdict_line
+from taxbench.analysis.equivalence import Equivalence
+from taxbench.analysis.records import step_losses, step_times
+from taxbench.analysis.report import EQUIVALENCE_PNG, STEP_TIME_PNG, SWEEP_PNG
+from taxbench.analysis.summary import GATES, ExperimentAnalysis, ExperimentSummary, finite_or_none, verdict_line
 from taxbench.analysis.sweep import PointName, SweepAnalysis
 from taxbench.analysis.tax import block_ratios
 from taxbench.config import ReportConfig
@@ -44,6 +45,10 @@ STEP_SERIES = ("step_time/*", "loss/*", "grad_norm/*", "tokens_per_s/*")
 BLOCK_SERIES = ("block_tax/*",)
 GATE_COLUMNS = ["gate", "strict", "outcome", "agree", "reference", "candidate", "compared_steps", "from_step",
                 "mismatch_step", "mismatch_rank", "mismatch_metric", "reference_value", "candidate_value"]
+# Baseline equivalence: its results in the run summary, and one typed row per compared step in a table.
+EQUIVALENCE_RESULTS = ("verdict", "equivalent", "statistic", "threshold", "n_steps", "steps_inside", "basis",
+                       "from_step", "max_deviation", "median_deviation", "median_band", "median_baseline_gap")
+EQUIVALENCE_COLUMNS = ["step", "baseline_0", "baseline_1", "deterministic", "center", "band", "deviation", "inside"]
 MAX_TAG_LENGTH = 64  # wandb refuses longer tags
 
 
@@ -130,7 +135,7 @@ def step_series(frame: pd.DataFrame, dp: int) -> pd.DataFrame:
     first_rank = frame[frame["rank"] == frame["rank"].min()].drop_duplicates("step").set_index("step")
     return pd.DataFrame({
         "step_time": times,
-        "loss": frame.groupby("step")["loss"].mean(),
+        "loss": step_losses(frame),
         "grad_norm": first_rank["grad_norm"],
         "tokens_per_s": first_rank["tokens"] * dp / times,
     }).sort_index()
@@ -166,6 +171,14 @@ def gate_table_rows(summary: ExperimentSummary) -> list[list[Any]]:
     return rows
 
 
+def equivalence_table_rows(equivalence: Equivalence) -> list[list[Any]]:
+    """Per compared step (EQUIVALENCE_COLUMNS): an int step, float losses (None where not finite), a bool."""
+    columns = (equivalence.baseline_0, equivalence.baseline_1, equivalence.deterministic, equivalence.center,
+               equivalence.band, equivalence.deviation)
+    return [[int(step), *(finite_or_none(float(column[i])) for column in columns), bool(equivalence.inside[i])]
+            for i, step in enumerate(equivalence.steps)]
+
+
 def summary_values(summary: ExperimentSummary) -> dict[str, Any]:
     """The results of an experiment as wandb summary keys: tax and interval, verdicts, outcome, throughput."""
     values: dict[str, Any] = {f"tax/{key}": value for key, value in summary.tax.to_dict().items()}
@@ -187,6 +200,8 @@ def summary_values(summary: ExperimentSummary) -> dict[str, Any]:
         values[f"gate/{verdict.gate}/compared_steps"] = verdict.compared_steps
         values[f"gate/{verdict.gate}/first_mismatch"] = (
             "" if m is None else f"step {m.step}, rank {m.rank}, {m.metric}")
+    equivalence = summary.equivalence.to_dict()
+    values.update({f"equivalence/{key}": equivalence[key] for key in EQUIVALENCE_RESULTS})
     # Throughput (tokens/s, MFU, memory) and what the tax costs.
     for arm, measured in summary.throughput.items():
         if measured is not None:
@@ -220,6 +235,11 @@ def log_experiment(analysis: ExperimentAnalysis, settings: ReportConfig, report_
         media: dict[str, Any] = {"gates": wandb.Table(columns=GATE_COLUMNS, data=gate_table_rows(summary))}
         if report_dir is not None and (report_dir / STEP_TIME_PNG).is_file():
             media["plots/step_times"] = wandb.Image(str(report_dir / STEP_TIME_PNG))
+        if summary.equivalence.evaluated:  # (an earlier report's plot may still lie in report_dir otherwise)
+            media["equivalence"] = wandb.Table(columns=EQUIVALENCE_COLUMNS,
+                                               data=equivalence_table_rows(summary.equivalence))
+            if report_dir is not None and (report_dir / EQUIVALENCE_PNG).is_file():
+                media["plots/equivalence"] = wandb.Image(str(report_dir / EQUIVALENCE_PNG))
         run.log(media)
         run.summary.update(summary_values(summary))
         run_dir = Path(run.dir).parent

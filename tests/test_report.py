@@ -386,6 +386,9 @@ def test_experiment_run_writes_report_and_respects_report_wandb_false(tmp_path: 
     assert (root / REPORT_DIR / HTML_FILE).is_file() and (root / REPORT_DIR / STEP_TIME_PNG).is_file()
     assert not (root / "wandb").exists()
     assert "report.html" in result.stdout and "baseline_sanity" in result.stdout
+    equivalence = json.loads((root / "summary.json").read_text())["equivalence"]
+    assert equivalence["verdict"] != "not evaluated" and equivalence["n_steps"] == 10  # steps after the warmup
+    assert "equivalence" in result.stdout
 
 
 @pytest.mark.slow

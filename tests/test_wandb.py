@@ -106,6 +106,24 @@ def test_summary_holds_results_only_and_history_holds_loss_grad_norm_and_tokens(
     assert by_step[5]["tokens_per_s/baseline"] == pytest.approx(rank0.loc[5, "tokens"] * dp / slowest, rel=1e-12)
 
 
+def test_equivalence_reaches_the_summary_and_a_typed_per_step_table(tmp_path: Path, no_wandb_mode: None) -> None:
+    root = write_experiment(tmp_path / "exp", SyntheticExperiment(ranks=2, seed=4, loss_noise=0.01))
+    analysis = analyse_experiment(root)
+    run_dir = log_experiment(analysis, SETTINGS, write_experiment_report(analysis).parent)
+
+    summary = inspect(run_dir, "--summary")[0]["summary"]
+    equivalence = analysis.summary.equivalence
+    assert summary["equivalence/verdict"] == "equivalent within baseline noise" and summary["equivalence/equivalent"]
+    assert summary["equivalence/statistic"] == pytest.approx(equivalence.statistic, rel=1e-12)
+    assert summary["equivalence/n_steps"] == equivalence.n_steps == 60 - 6
+    assert summary["plots/equivalence"]["_type"] == "image-file"
+    table = json.loads(next((run_dir / "files" / "media" / "table").glob("equivalence_*.table.json")).read_text())
+    rows = [dict(zip(table["columns"], row, strict=True)) for row in table["data"]]
+    assert [row["step"] for row in rows] == equivalence.steps.tolist()
+    assert type(rows[0]["step"]) is int and type(rows[0]["inside"]) is bool
+    assert rows[0]["deterministic"] == pytest.approx(equivalence.deterministic[0], rel=1e-12)
+
+
 def write_multirun_sweep(sweep_root: Path) -> list[Path]:
     """Two points as a `-m cluster.cpu_ranks=2,4` multirun leaves them: each manifest's provenance lists the point's
     overrides."""
