@@ -15,6 +15,8 @@ from taxbench.records import PROFILE_REPLICA, op_table_file, run_name
 # Growths below this fraction of the baseline step's total self time are left out of the list (see attribute).
 NOISE_FLOOR_FRACTION = 0.001
 
+SHARE_OF = "share_of"  # DataFrame.attrs key of attribute_arms' tables: what share_of_tax is a share of
+
 ATTRIBUTION_COLUMNS = ("op", "baseline_us", "candidate_us", "delta_us", "share_of_tax", "calls_baseline",
                        "calls_candidate")
 
@@ -114,5 +116,8 @@ def attribute_arms(root: Path, step_deltas_us: Mapping[str, float | None], world
         problems += found
         if candidate is not None:
             # A step that did not measurably grow has no tax to share out: the ops then share their summed growth.
-            tables[arm] = attribute(baseline, candidate, delta_us if delta_us and delta_us > 0 else None, top)
+            grew = delta_us is not None and delta_us > 0
+            table = attribute(baseline, candidate, delta_us if grew else None, top)
+            table.attrs[SHARE_OF] = "the tax" if grew else "the summed growth"
+            tables[arm] = table
     return tables, problems

@@ -158,3 +158,16 @@ def sweep_tax_plot(points: pd.DataFrame, world: str = "GPUs") -> bytes:
     axis.grid(alpha=0.3)
     axis.legend(fontsize=9)
     return _png(figure)
+
+
+def top_ops_plot(ops: pd.DataFrame, arm: str) -> bytes:
+    """Growth of each top op's self time per step in `arm` against the baseline (analysis.attribution's table)."""
+    shown = ops.iloc[::-1]  # the largest growth on top
+    figure, axes = plt.subplots(figsize=(9, 0.45 * len(shown) + 1.4), layout="constrained")
+    colors = [ARM_COLORS["deterministic"] if d > 0 else ARM_COLORS["baseline"] for d in shown["delta_us"]]
+    axes.barh(shown["op"], shown["delta_us"] / 1e3, color=colors)
+    axes.axvline(0, color="0.3", lw=0.8)
+    axes.set_xlabel(f"self time per step, {arm} minus baseline (ms; red: grew, blue: shrank)")
+    axes.set_title(f"Ops whose time changed most in {arm} (torch.profiler, profile runs)")
+    axes.grid(axis="x", alpha=0.3)
+    return _png(figure)

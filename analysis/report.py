@@ -29,7 +29,16 @@ from taxbench.analysis.equivalence import (
     RELATIVE_FLOOR,
     Equivalence,
 )
-from taxbench.analysis.plots import equivalence_plot, step_time_plot, sweep_tax_plot, training_curves_plot
+from taxbench.analysis.plots import (
+    equivalence_plot,
+    step_time_plot,
+    sweep_tax_plot,
+    top_ops_plot,
+    training_curves_plot,
+)
+from taxbench.ablation import MEASURED
+from taxbench.analysis.ablation import measured_first
+from taxbench.analysis.attribution import SHARE_OF
 from taxbench.analysis.records import ResultWriteError, step_times
 from taxbench.analysis.summary import (
     GATES,
@@ -56,6 +65,7 @@ MARKDOWN_FILE = "report.md"
 STEP_TIME_PNG = "step_times.png"
 TRAINING_PNG = "training.png"
 EQUIVALENCE_PNG = "equivalence.png"
+TOP_OPS_PNG = "top_ops.png"
 SWEEP_PNG = "tax_vs_gpus.png"
 
 # Manifest parts shown side by side, in this order; config.arms holds both policies in both manifests (identical),
@@ -378,8 +388,60 @@ def _equivalence_blocks(analysis: ExperimentAnalysis) -> list[Block]:
     return blocks
 
 
+def _knob_blocks(analysis: ExperimentAnalysis) -> list[Block]:
+    """The ablation's knob table: each knob's tax on its own and whether determinism needs it."""
+    knobs = analysis.summary.ablation
+    if not knobs:
+        return []
+    rows = []
+    for knob in measured_first(knobs):
+        tax = knob.tax
+        measured = tax is not None and math.isfinite(tax.tax)
+        rows.append([
+            knob.knob,
+            knob.description,
+            f"{pct(tax.tax)} [{pct(tax.low)}, {pct(tax.high)}]" if measured else knob.cost_status,
+            {True: "yes", False: "no", None: "open" if knob.needed_status == MEASURED else knob.needed_status}[
+                knob.needed],
+        ])
+    return [
+        Heading("Per-knob ablation", level=3),
+        Paragraph("Each knob on its own: the baseline with that knob set as the deterministic mode sets it, timed in "
+                  "the same interleaved rounds (tax against the baseline runs). Needed: the deterministic mode "
+                  "without that knob, run twice and compared bit for bit; \"yes\" when the two differ. A knob that "
+                  "cannot act here gets no arm, and the table says why."),
+        TableBlock(["knob", "what it switches", "tax on its own (CI)", "needed for determinism"], rows),
+    ]
+
+
+def _attribution_blocks(analysis: ExperimentAnalysis) -> list[Block]:
+    """The ops whose self time grew most in the deterministic arm (and in each knob arm), from the profile runs."""
+    tables = analysis.summary.attribution
+    if not tables:
+        return []
+    blocks: list[Block] = [
+        Heading("Top ops", level=3),
+        Paragraph("Self time per step of every op, from torch.profiler in runs of their own (<arm>-profile: "
+                  "warmed up, then profiled, never timed), the deterministic arm against the baseline. Share: the "
+                  "op's growth over the measured step-time growth (over the summed growth where the step did not "
+                  "measurably grow)."),
+    ]
+    for arm, ops in tables.items():
+        if ops.empty:
+            blocks.append(Paragraph(f"{arm}: no op changed above the profile's noise floor."))
+            continue
+        if arm == "deterministic":
+            blocks.append(Figure(TOP_OPS_PNG, top_ops_plot(ops, arm), "ops whose self time changed most"))
+        rows = [[row.op, f"{row.delta_us / 1e3:+.3f}", pct_plain(row.share_of_tax),
+                 f"{row.calls_baseline:g} -> {row.calls_candidate:g}"] for row in ops.itertuples()]
+        blocks.append(TableBlock(["op", "ms/step", f"share of {ops.attrs.get(SHARE_OF)}", "calls per step"], rows,
+                                 collapsed="" if arm == "deterministic" else f"{arm}: top ops"))
+    return blocks
+
+
 # The subsections of "Where the tax goes", in order: each gives its blocks, a level-3 heading first.
-TAX_BREAKDOWN: tuple[Callable[[ExperimentAnalysis], list[Block]], ...] = (_equivalence_blocks,)
+TAX_BREAKDOWN: tuple[Callable[[ExperimentAnalysis], list[Block]], ...] = (
+    _equivalence_blocks, _knob_blocks, _attribution_blocks)
 
 
 def where_the_tax_goes(analysis: ExperimentAnalysis) -> list[Block]:

@@ -23,7 +23,7 @@ from rich.table import Table
 from taxbench import exit_codes
 from taxbench.ablation import MEASURED, WITH
 from taxbench.analysis.ablation import KnobResult, analyse_ablation, measured_first
-from taxbench.analysis.attribution import attribute_arms
+from taxbench.analysis.attribution import SHARE_OF, attribute_arms
 from taxbench.analysis.equivalence import COMPARED_RUNS, EQUIVALENT, Equivalence, baseline_equivalence
 from taxbench.analysis.records import (
     RecordError,
@@ -172,7 +172,8 @@ class ExperimentSummary:
             "fault_fired": self.fault_fired,
             "fingerprint_s": finite_or_none(self.fingerprint_s),
             "ablation": [k.to_dict() for k in self.ablation],
-            "attribution": {arm: ops.to_dict(orient="records") for arm, ops in self.attribution.items()},
+            "attribution": {arm: {"share_of": ops.attrs.get(SHARE_OF), "ops": ops.to_dict(orient="records")}
+                            for arm, ops in self.attribution.items()},
             "equivalence": {key: finite_or_none(value) if isinstance(value, float) else value
                             for key, value in self.equivalence.to_dict().items()},
         }
@@ -481,7 +482,8 @@ def top_ops_lines(ops: pd.DataFrame, shown: int = SHOWN_KNOBS) -> str:
     if grown.empty:
         return "no op grew above the profile's noise floor"
     return "\n".join(
-        f"{row.op} {row.delta_us / 1e3:+.2f} ms/step ({pct_plain(row.share_of_tax)} of the tax; calls "
+        f"{row.op} {row.delta_us / 1e3:+.2f} ms/step ({pct_plain(row.share_of_tax)} of {ops.attrs.get(SHARE_OF)}; "
+        f"calls "
         f"{row.calls_baseline:g} -> {row.calls_candidate:g})" for row in grown.itertuples())
 
 

@@ -179,6 +179,19 @@ def equivalence_table_rows(equivalence: Equivalence) -> list[list[Any]]:
             for i, step in enumerate(equivalence.steps)]
 
 
+KNOB_COLUMNS = ["knob", "description", "cost_status", "tax", "low", "high", "needed_status", "needed"]
+
+
+def knob_table_rows(summary: ExperimentSummary) -> list[list[Any]]:
+    """The ablation's knobs as typed rows (KNOB_COLUMNS): floats (None: not measured), a bool or None for needed."""
+    rows = []
+    for knob in summary.ablation:
+        tax = knob.tax
+        numbers = [None, None, None] if tax is None else [finite_or_none(v) for v in (tax.tax, tax.low, tax.high)]
+        rows.append([knob.knob, knob.description, knob.cost_status, *numbers, knob.needed_status, knob.needed])
+    return rows
+
+
 def summary_values(summary: ExperimentSummary) -> dict[str, Any]:
     """The results of an experiment as wandb summary keys: tax and interval, verdicts, outcome, throughput."""
     values: dict[str, Any] = {f"tax/{key}": value for key, value in summary.tax.to_dict().items()}
@@ -202,6 +215,10 @@ def summary_values(summary: ExperimentSummary) -> dict[str, Any]:
             "" if m is None else f"step {m.step}, rank {m.rank}, {m.metric}")
     equivalence = summary.equivalence.to_dict()
     values.update({f"equivalence/{key}": equivalence[key] for key in EQUIVALENCE_RESULTS})
+    for knob in summary.ablation:
+        if knob.tax is not None:
+            values[f"knob/{knob.knob}/tax"] = finite_or_none(knob.tax.tax)
+        values[f"knob/{knob.knob}/needed"] = knob.needed
     # Throughput (tokens/s, MFU, memory) and what the tax costs.
     for arm, measured in summary.throughput.items():
         if measured is not None:
@@ -240,6 +257,10 @@ def log_experiment(analysis: ExperimentAnalysis, settings: ReportConfig, report_
                                                data=equivalence_table_rows(summary.equivalence))
             if report_dir is not None and (report_dir / EQUIVALENCE_PNG).is_file():
                 media["plots/equivalence"] = wandb.Image(str(report_dir / EQUIVALENCE_PNG))
+        if summary.ablation:
+            media["knobs"] = wandb.Table(columns=KNOB_COLUMNS, data=knob_table_rows(summary))
+        for arm, ops in summary.attribution.items():
+            media[f"top_ops/{arm}"] = wandb.Table(dataframe=ops)
         run.log(media)
         run.summary.update(summary_values(summary))
         run_dir = Path(run.dir).parent
