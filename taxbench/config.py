@@ -256,7 +256,7 @@ class ExperimentConfig:
     # two untimed replicas per knob left out of the deterministic policy (is it needed?), and torch.profiler op
     # tables of profile_steps steps per arm, taken after the rounds in runs of their own (<arm>-profile).
     ablation: bool = False
-    profile_steps: int = 4
+    profile_steps: int = 8
     fault: FaultConfig = field(default_factory=FaultConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
 

@@ -1,19 +1,24 @@
-"""Per-knob ablation: which arms run on which device, that each differs from its pair arm in one knob only, and that
-the rounds stay carryover-balanced with knob arms beside the pair."""
+"""Per-knob ablation: which arms run on which device, that each differs from its pair arm in one knob only, that
+the rounds stay carryover-balanced with knob arms beside the pair, and what an ablation experiment reports."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections import Counter
 from itertools import pairwise
+from pathlib import Path
 
 import pytest
 
+from taxbench import exit_codes
 from taxbench.ablation import KNOBS, MEASURED, knob_of, knob_policies, plan_ablation
+from taxbench.analysis.summary import analyse
 from taxbench.config import ConfigError, Device
 from taxbench.experiment import round_orders
-from taxbench.records import RunRef
+from taxbench.records import RunRef, steps_file
 from tests.conftest import compose_config
+from tests.test_checkpoints import run_schedule, tiny_config
 
 
 def pair_policies():
@@ -87,3 +92,39 @@ def test_the_pair_alone_keeps_its_a_b_b_a_rounds() -> None:
 def test_ablation_of_a_calibration_pair_is_refused() -> None:
     with pytest.raises(ConfigError, match="experiment.ablation=true with experiment.calibration=true"):
         compose_config("experiment.name=x", "experiment.ablation=true", "experiment.calibration=true")
+
+
+def test_an_ablation_experiment_reports_knobs_top_ops_and_equivalence(tmp_path: Path) -> None:
+    cfg = tiny_config("experiment.ablation=true", "experiment.profile_steps=2")
+    run_schedule(cfg, tmp_path)
+    for name in ("with_deterministic_kernels-0", "without_deterministic_kernels-1", "deterministic-profile"):
+        assert (tmp_path / name / "steps.rank0.jsonl").exists(), name
+    assert not (tmp_path / "with_tf32_off-0").exists()  # a no-op on CPU gets no arm
+    manifest = json.loads((tmp_path / "with_deterministic_kernels-0" / "manifest.json").read_text())
+    assert manifest["knob"] == {"direction": "with", "name": "deterministic_kernels",
+                                "fields": ["deterministic_kernels"]}
+    assert manifest["policy"]["deterministic_kernels"] is True and manifest["policy"]["deterministic"] is False
+    summary = analyse(tmp_path)
+    assert summary.exit_code == exit_codes.OK and not summary.problems
+    stored = json.loads((tmp_path / "summary.json").read_text())
+    knobs = {k["knob"]: k for k in stored["ablation"]}
+    assert knobs["deterministic_kernels"]["cost_status"] == MEASURED
+    assert knobs["deterministic_kernels"]["tax"]["pairs"] > 0
+    assert knobs["deterministic_kernels"]["needed"] is False  # on CPU the pair's other knob keeps it repeatable
+    assert knobs["tf32_off"]["cost_status"] == "no-op on cpu" and knobs["tf32_off"]["tax"] is None
+    assert set(stored["attribution"]) == {"deterministic", "with_deterministic_algorithms",
+                                          "with_deterministic_kernels"}
+    assert stored["attribution"]["deterministic"]["ops"]  # profiled ops, by growth
+    assert stored["equivalence"]["verdict"]
+
+
+def test_a_lost_knob_replica_is_incomplete_evidence_not_a_knob_that_is_not_needed(tmp_path: Path) -> None:
+    cfg = tiny_config("experiment.ablation=true", "experiment.profile_steps=1")
+    run_schedule(cfg, tmp_path)
+    steps_file(tmp_path / "without_deterministic_kernels-1", 0).unlink()
+    (tmp_path / "baseline-profile" / "ops.rank0.json").write_text("{}")
+    summary = analyse(tmp_path)
+    assert summary.exit_code == exit_codes.INCOMPLETE
+    knob = next(k for k in summary.ablation if k.knob == "deterministic_kernels")
+    assert knob.needed is None and knob.problems
+    assert any("baseline-profile" in line for line in summary.problems) and not summary.attribution
