@@ -49,6 +49,7 @@ from taxbench.analysis.summary import (
     ms,
     pct,
     pct_plain,
+    ranks,
     verdict_line,
     write_result,
 )
@@ -457,7 +458,7 @@ GATE_HEADER = ["gate", "runs", "verdict", "compared", "first mismatch", "referen
 def experiment_report(analysis: ExperimentAnalysis) -> Report:
     summary, tax = analysis.summary, analysis.summary.tax
     blocks: list[Block] = [
-        Paragraph(f"recipe **{summary.recipe}** · {summary.world_size} ranks · device {summary.device} · "
+        Paragraph(f"recipe **{summary.recipe}** · {ranks(summary.world_size)} · device {summary.device} · "
                   f"results {summary.root} · generated {datetime.now(UTC):%Y-%m-%d %H:%M UTC}"),
         _verdict_paragraph(summary),
         # The gates right under the verdict: a failing gate's row (red) is on the first screen.

@@ -405,6 +405,10 @@ def localize_command(summary: ExperimentSummary) -> str | None:
     return None
 
 
+def ranks(world_size: int) -> str:
+    return f"{world_size} rank{'' if world_size == 1 else 's'}"
+
+
 def pct(value: object) -> str:
     """A fraction as a signed percentage ("+1.23%"), or "n/a" when it is missing or not finite."""
     return "n/a" if not isinstance(value, float) or not math.isfinite(value) else f"{value * 100:+.2f}%"
@@ -507,7 +511,7 @@ def render(summary: ExperimentSummary, console: Console | None = None, report_pa
     tax = summary.tax
     calibration = " | [bold yellow]CALIBRATION (A/A: both arms baseline; not a determinism result)[/bold yellow]"
     table = Table(box=None, show_header=False, pad_edge=False, padding=(0, 1),
-                  title=f"[bold]{summary.experiment}[/bold]  {summary.recipe} | {summary.world_size} ranks | "
+                  title=f"[bold]{summary.experiment}[/bold]  {summary.recipe} | {ranks(summary.world_size)} | "
                         f"{summary.device}{calibration if summary.calibration else ''}", title_justify="left")
     table.add_column(style="bold", no_wrap=True)
     table.add_column(overflow="fold")
