@@ -181,6 +181,7 @@ class Trainer:
         self.rng = RngSnapshot(rng.python, rng.numpy, rng.torch_cpu, rng.torch_cuda)
         self.timer = StepTimer(ctx.device)
         self.manual_gc = cfg.experiment.manual_gc
+        self._gradients_checked = False  # see _require_every_parameter_trained
         self.block_times: list[float] = []  # this rank's step times of the last block run (for the stopping rule)
         planted = cfg.experiment.planted_tax if arm == "deterministic" else 0.0
         self.planted = PlantedDelay(planted, ctx.device) if planted > 0 else None
@@ -261,6 +262,8 @@ class Trainer:
         loss_mean = self.executor.run(batches)
         self.parallel.finish_gradients()
         params = [p for p in self.raw_model.parameters() if p.grad is not None]
+        if not self._gradients_checked:
+            self._require_every_parameter_trained()
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
         grad_norm = self.parallel.clip_grad_norm_(max_norm)
         self.optimizer.step()
@@ -275,7 +278,7 @@ class Trainer:
                 self._digest(p.grad for p in params),
                 fingerprint.float_bits(grad_norm.float()),
                 self._digest(self.raw_model.parameters()),
-                self._digest(self._optimizer_tensors()),
+                self._digest(self.optimizer_tensors()),
             ]
         )
         fingerprint_measured = self.timer.stop(fingerprint_started)
@@ -296,11 +299,24 @@ class Trainer:
         if self.ctx.device.type == "cpu":
             self._flush(None)
 
+    def _require_every_parameter_trained(self) -> None:
+        """Fail the first step this trainer runs when a trainable parameter of this rank got no gradient: the
+        gates cannot see it (a parameter that never moves is perfectly repeatable), as a zero-bubble schedule's
+        split weight pass on FSDP2 showed by leaving a whole pipeline stage untrained."""
+        self._gradients_checked = True
+        missing = [name for name, p in self.raw_model.named_parameters() if p.requires_grad and p.grad is None]
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise RuntimeError(
+                f"rank {self.ctx.rank}, {self.arm}-{self.replica} step {self.step}: {len(missing)} trainable "
+                f"parameters got no gradient ({shown}); this layout or schedule would leave them untrained"
+            )
+
     def _digest(self, tensors: Any) -> torch.Tensor:
         digest = fingerprint.tensors_digest(tensors)
         return digest if digest is not None else torch.zeros((), dtype=torch.int64, device=self.ctx.device)
 
-    def _optimizer_tensors(self) -> Iterator[torch.Tensor]:
+    def optimizer_tensors(self) -> Iterator[torch.Tensor]:
         """Optimizer state in a fixed order, on its parameter's device (Adam keeps `step` on the CPU)."""
         for param in self.raw_model.parameters():
             for _, value in sorted(self.optimizer.state.get(param, {}).items()):
@@ -382,7 +398,7 @@ class Trainer:
             return
         restored = {
             "params": fingerprint.to_hex(int(self._digest(self.raw_model.parameters()).item())),
-            "optim": fingerprint.to_hex(int(self._digest(self._optimizer_tensors()).item())),
+            "optim": fingerprint.to_hex(int(self._digest(self.optimizer_tensors()).item())),
         }
         differing = [f"{metric} {value} vs recorded {record.get(metric)}" for metric, value in restored.items()
                      if record.get(metric) != value]

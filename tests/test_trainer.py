@@ -243,3 +243,12 @@ def test_a_perturbed_collective_is_recorded_on_its_rank_with_its_bucket(tmp_path
     events = [json.loads(line) for line in faults_file(tmp_path, 1).read_text().splitlines()]
     assert events == [{"schema_version": SCHEMA_VERSION, "kind": "perturb_collective", "step": 2, "rank": 1,
                        "where": "gradient all-reduce bucket 0"}]
+
+
+def test_a_parameter_that_gets_no_gradient_fails_the_first_step(tmp_path: Path) -> None:
+    trainer = make(tiny_config(), tmp_path)
+    name, lost = list(trainer.raw_model.named_parameters())[-1]
+    # As a schedule whose weight-gradient pass never reaches a parameter: its gradient is dropped on arrival.
+    lost.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    with pytest.raises(RuntimeError, match=rf"1 trainable parameters got no gradient \({name}\)"):
+        trainer.run_block(1, 0)

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -37,9 +37,26 @@ from taxbench.tracing.collectives import probe_for
 from taxbench.tracing.trace_io import TraceWriter, trace_file
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from taxbench.config import TraceConfig
+    from taxbench.distributed import DistContext
+    from taxbench.parallel import ModelParts
     from taxbench.pipeline import Boundary
-    from taxbench.trainer import Trainer
+
+
+class TracedStep(Protocol):
+    """What the capture reads of a training step (taxbench.trainer.Trainer provides it): the capture depends on this
+    narrow view, not on the trainer's insides."""
+
+    ctx: DistContext
+    step: int
+    model: nn.Module  # the (wrapped) model whose forward runs
+    raw_model: ModelParts  # this rank's parts, unwrapped
+    boundaries: list[Boundary]  # pipeline stage edges (empty without pipelining)
+    optimizer: torch.optim.Optimizer
+
+    def optimizer_tensors(self) -> Iterator[torch.Tensor]: ...
 
 BACKWARD = "/backward"
 OPTIMIZER_SCOPE = "optimizer"
@@ -134,10 +151,10 @@ class Tracer:
         self._lock = threading.Lock()
         self._local = threading.local()  # per-thread: scope stack and the quiet flag
         self._backward_scope = ""
-        self._trainer: Trainer | None = None
+        self._trainer: TracedStep | None = None
 
     # -- wiring -------------------------------------------------------------------------------------------------
-    def attach(self, trainer: Trainer) -> None:
+    def attach(self, trainer: TracedStep) -> None:
         """Called once by the trainer; the collective probe must be registered before the first step."""
         self._trainer = trainer
         if self.scope.wants_rank(trainer.ctx.rank):
@@ -168,18 +185,18 @@ class Tracer:
             self.active = False
             self.flush()
 
-    def checkpoint_loaded(self, trainer: Trainer) -> None:
+    def checkpoint_loaded(self, trainer: TracedStep) -> None:
         """Rung 1: the state a checkpoint load produced, attributed to the step that follows it."""
         if not (self.scope.wants_rank(self.rank) and self.scope.wants_step(trainer.step + 1)):
             return
         self.step = trainer.step + 1
         model = [t for t in trainer.raw_model.joined().state_dict().values() if isinstance(t, torch.Tensor)]
-        optim = list(trainer._optimizer_tensors())
+        optim = list(trainer.optimizer_tensors())
         self.record("checkpoint", "checkpoint.load", "checkpoint", [],
                     [self.labelled("model", model), self.labelled("optimizer", optim)])
         self.flush()
 
-    def _install_hooks(self, trainer: Trainer) -> list[Any]:
+    def _install_hooks(self, trainer: TracedStep) -> list[Any]:
         handles: list[Any] = []
         if self.scope.rung >= 2:  # the scope stack serves rung 3 too
             for path, module in trainer.raw_model.named_modules():
@@ -302,7 +319,7 @@ class Tracer:
             params = list(trainer.raw_model.parameters())
             grads = [p.grad for p in params if p.grad is not None]
             self._optimizer_inputs = [self.labelled("params", params), self.labelled("grads", grads),
-                                      self.labelled("state", list(trainer._optimizer_tensors()))]
+                                      self.labelled("state", list(trainer.optimizer_tensors()))]
 
     def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         trainer = self._trainer
@@ -312,7 +329,7 @@ class Tracer:
             stack.pop()
         with self.quieted():
             outputs = [self.labelled("params", list(trainer.raw_model.parameters())),
-                       self.labelled("state", list(trainer._optimizer_tensors()))]
+                       self.labelled("state", list(trainer.optimizer_tensors()))]
             self.record("optimizer", "optimizer.step", OPTIMIZER_SCOPE, self._optimizer_inputs, outputs)
         self.past_optimizer = True
 
