@@ -285,18 +285,24 @@ def load_run(run_dir: Path, cache: bool = True, empty_ok: bool = False) -> pd.Da
 
 
 # ------------------------------------------------------------------------------------------------------ manifest
+def read_json_object(path: Path, what: str) -> dict:
+    """A JSON object from `path`; a RecordError naming the path (and `what` it should be) otherwise."""
+    try:
+        stored = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise RecordError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RecordError(f"{path}: not valid JSON ({exc}); the {what} is damaged") from exc
+    if not isinstance(stored, dict):
+        raise RecordError(f"{path}: not a JSON object; the {what} is damaged")
+    return stored
+
+
 def load_manifest(run_dir: Path) -> dict:
     path = run_dir / MANIFEST
     if not path.exists():
         raise RecordError(f"{path}: missing manifest; the run never started (or this is not a taxbench run folder)")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise RecordError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RecordError(f"{path}: not valid JSON ({exc}); the manifest is damaged") from exc
-    if not isinstance(manifest, dict):
-        raise RecordError(f"{path}: not a JSON object; the manifest is damaged")
+    manifest = read_json_object(path, "manifest")
     if manifest.get("schema_version") != SCHEMA_VERSION:
         raise RecordError(f"{path}: schema_version={manifest.get('schema_version')!r}, expected {SCHEMA_VERSION}")
     return manifest

@@ -28,7 +28,7 @@ import pandas as pd
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from taxbench.analysis.records import RecordError
+from taxbench.analysis.records import RecordError, read_json_object
 from taxbench.records import write_text_atomically
 
 if TYPE_CHECKING:
@@ -81,14 +81,7 @@ class OpTable:
     @classmethod
     def read(cls, path: Path) -> OpTable:
         """The table written at `path`; a RecordError naming the path for a missing, damaged or foreign file."""
-        try:
-            stored = json.loads(path.read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise RecordError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise RecordError(f"{path}: not valid JSON ({exc}); the op table is damaged") from exc
-        if not isinstance(stored, dict):
-            raise RecordError(f"{path}: not a JSON object; the op table is damaged")
+        stored = read_json_object(path, "op table")
         version = stored.get("schema_version")
         if version != OP_TABLE_SCHEMA_VERSION:
             raise RecordError(f"{path}: op table schema_version={version!r}, this taxbench reads "
