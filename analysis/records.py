@@ -16,7 +16,6 @@ nothing outside that grid. Its findings make an experiment "incomplete" (taxbenc
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import re
 from dataclasses import dataclass

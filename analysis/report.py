@@ -21,6 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from taxbench import exit_codes
+from taxbench.ablation import MEASURED
+from taxbench.analysis.ablation import measured_first
+from taxbench.analysis.attribution import SHARE_OF
 from taxbench.analysis.equivalence import (
     BAND_FACTOR,
     COMPARED_RUNS,
@@ -36,9 +39,6 @@ from taxbench.analysis.plots import (
     top_ops_plot,
     training_curves_plot,
 )
-from taxbench.ablation import MEASURED
-from taxbench.analysis.ablation import measured_first
-from taxbench.analysis.attribution import SHARE_OF
 from taxbench.analysis.records import ResultWriteError, step_times
 from taxbench.analysis.summary import (
     GATES,

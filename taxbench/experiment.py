@@ -20,15 +20,23 @@ import os
 import random
 import uuid
 from collections.abc import Sequence
-from typing import Any
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import OmegaConf
 
 from taxbench import manifest, policy, provenance
-from taxbench.ablation import KNOBS, KnobPlan, knob_of, knob_policies, plan_ablation, repeated_knob_runs, timed_knob_runs
+from taxbench.ablation import (
+    KNOBS,
+    KnobPlan,
+    knob_of,
+    knob_policies,
+    plan_ablation,
+    repeated_knob_runs,
+    timed_knob_runs,
+)
 from taxbench.checkpoints import RunCheckpoints, commit, finish, resume_step
 from taxbench.config import PolicyConfig, TaxbenchConfig, max_steps
 from taxbench.distributed import DistContext

@@ -55,7 +55,8 @@ def test_every_knob_arm_differs_from_its_pair_arm_in_that_knob_only(device: Devi
     policies = knob_policies(plans)
     assert policies  # something runs on either device
     for plan in plans:
-        for ref, source in ((plan.with_run, arms["baseline"]), *((r, arms["deterministic"]) for r in plan.without_runs)):
+        runs = [(plan.with_run, arms["baseline"]), *((r, arms["deterministic"]) for r in plan.without_runs)]
+        for ref, source in runs:
             if ref is None:
                 continue
             policy = policies[ref.arm]

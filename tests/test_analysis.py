@@ -159,7 +159,7 @@ def test_a_torn_record_of_one_rank_does_not_swallow_the_next_ranks_records(tmp_p
         handle.write('{"schema_version": 2, "step": 3, "ra')  # rank 0 crashed mid-write; ranks 1 and 2 did not
     steps_file(run, 3).write_text("\n \n")  # a rank that wrote nothing but blank lines
     frame = load_run(run)
-    assert list(zip(frame["step"], frame["rank"])) == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]
+    assert list(zip(frame["step"], frame["rank"], strict=True)) == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]
     assert load_run(run).equals(frame)  # the cache, keyed on the files as they lie (torn tail included)
 
 
