@@ -447,7 +447,7 @@ SHOWN_KNOBS = 3  # the console's costliest knobs; summary.json and the report ho
 
 
 def knob_line(result: KnobResult) -> str:
-    """One knob as the console and the report show it: its tax and whether determinism needs it."""
+    """One knob as the console shows it: its tax and whether determinism needs it."""
     if result.problems:
         cost = "incomplete (see incomplete)"
     elif result.tax is None:
@@ -487,8 +487,7 @@ def top_ops_lines(ops: pd.DataFrame, shown: int = SHOWN_KNOBS) -> str:
         return "no op grew above the profile's noise floor"
     return "\n".join(
         f"{row.op} {row.delta_us / 1e3:+.2f} ms/step ({pct_plain(row.share_of_tax)} of {ops.attrs.get(SHARE_OF)}; "
-        f"calls "
-        f"{row.calls_baseline:g} -> {row.calls_candidate:g})" for row in grown.itertuples())
+        f"calls {row.calls_baseline:g} -> {row.calls_candidate:g})" for row in grown.itertuples())
 
 
 def equivalence_outcome(equivalence: Equivalence) -> str:
