@@ -21,7 +21,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from taxbench import exit_codes
-from taxbench.ablation import MEASURED, WITH
+from taxbench.ablation import MEASURED, WITH, knob_arm
 from taxbench.analysis.ablation import KnobResult, analyse_ablation, measured_first
 from taxbench.analysis.attribution import SHARE_OF, attribute_arms
 from taxbench.analysis.equivalence import COMPARED_RUNS, EQUIVALENT, Equivalence, baseline_equivalence
@@ -298,7 +298,7 @@ def step_deltas_us(tax: TaxEstimate, knobs: list[KnobResult]) -> dict[str, float
         return value if math.isfinite(value) else None
 
     deltas = {"deterministic": delta(tax)}
-    deltas.update({f"{WITH}_{k.knob}": delta(k.tax) for k in knobs if k.cost_status == MEASURED})
+    deltas.update({knob_arm(WITH, k.knob): delta(k.tax) for k in knobs if k.cost_status == MEASURED})
     return deltas
 
 

@@ -46,6 +46,8 @@ KNOBS = (
          "fill uninitialized memory (acts only under deterministic algorithms)", acts_with="deterministic"),
 )
 
+KNOBS_BY_NAME = {knob.name: knob for knob in KNOBS}
+
 
 @dataclass(frozen=True)
 class KnobPlan:
@@ -57,13 +59,13 @@ class KnobPlan:
 
     @property
     def with_run(self) -> RunRef | None:
-        return RunRef(f"{WITH}_{self.knob.name}", "0") if self.with_status == MEASURED else None
+        return RunRef(knob_arm(WITH, self.knob.name), "0") if self.with_status == MEASURED else None
 
     @property
     def without_runs(self) -> tuple[RunRef, ...]:
         if self.without_status != MEASURED:
             return ()
-        return tuple(RunRef(f"{WITHOUT}_{self.knob.name}", replica) for replica in ("0", "1"))
+        return tuple(RunRef(knob_arm(WITHOUT, self.knob.name), replica) for replica in ("0", "1"))
 
 
 def _switched(policy: PolicyConfig, source: PolicyConfig, knob: Knob, name: str) -> PolicyConfig:
@@ -117,10 +119,12 @@ def repeated_knob_runs(plans: list[KnobPlan]) -> tuple[RunRef, ...]:
     return tuple(ref for plan in plans for ref in plan.without_runs)
 
 
+def knob_arm(direction: str, knob: str) -> str:
+    """The arm name of a knob arm: with_<knob> or without_<knob>."""
+    return f"{direction}_{knob}"
+
+
 def knob_of(arm: str) -> tuple[str, str] | None:
     """(direction, knob name) of a knob arm's name; None for the pair's arms."""
-    for direction in (WITH, WITHOUT):
-        prefix = f"{direction}_"
-        if arm.startswith(prefix) and any(arm == prefix + knob.name for knob in KNOBS):
-            return direction, arm[len(prefix):]
-    return None
+    direction, _, name = arm.partition("_")
+    return (direction, name) if direction in (WITH, WITHOUT) and name in KNOBS_BY_NAME else None

@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 
 from taxbench import manifest, policy, provenance
 from taxbench.ablation import (
-    KNOBS,
+    KNOBS_BY_NAME,
     KnobPlan,
     knob_of,
     knob_policies,
@@ -213,8 +213,7 @@ class Experiment:
         entry: dict[str, Any] = {}
         if found is not None:
             direction, name = found
-            knob = next(k for k in KNOBS if k.name == name)
-            entry["knob"] = {"direction": direction, "name": name, "fields": list(knob.fields)}
+            entry["knob"] = {"direction": direction, "name": name, "fields": list(KNOBS_BY_NAME[name].fields)}
         if ref.replica == PROFILE_REPLICA:
             entry["profile"] = {"warmup_steps": self.cfg.experiment.warmup_steps,
                                 "profiled_steps": self.cfg.experiment.profile_steps}
