@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from taxbench import exit_codes
-from taxbench.ablation import MEASURED
 from taxbench.analysis.ablation import measured_first
 from taxbench.analysis.attribution import SHARE_OF
 from taxbench.analysis.equivalence import (
@@ -45,6 +44,8 @@ from taxbench.analysis.summary import (
     PASSED,
     ExperimentAnalysis,
     ExperimentSummary,
+    knob_cost,
+    knob_need,
     localize_command,
     ms,
     pct,
@@ -394,17 +395,7 @@ def _knob_blocks(analysis: ExperimentAnalysis) -> list[Block]:
     knobs = analysis.summary.ablation
     if not knobs:
         return []
-    rows = []
-    for knob in measured_first(knobs):
-        tax = knob.tax
-        measured = tax is not None and math.isfinite(tax.tax)
-        rows.append([
-            knob.knob,
-            knob.description,
-            f"{pct(tax.tax)} [{pct(tax.low)}, {pct(tax.high)}]" if measured else knob.cost_status,
-            {True: "yes", False: "no", None: "open" if knob.needed_status == MEASURED else knob.needed_status}[
-                knob.needed],
-        ])
+    rows = [[knob.knob, knob.description, knob_cost(knob), knob_need(knob)] for knob in measured_first(knobs)]
     return [
         Heading("Per-knob ablation", level=3),
         Paragraph("Each knob on its own: the baseline with that knob set as the deterministic mode sets it, timed in "

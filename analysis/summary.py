@@ -446,23 +446,22 @@ def gate_outcome(verdict: Verdict, strict: bool) -> str:
 SHOWN_KNOBS = 3  # the console's costliest knobs; summary.json and the report hold every knob
 
 
-def knob_line(result: KnobResult) -> str:
-    """One knob as the console shows it: its tax and whether determinism needs it."""
+def knob_cost(result: KnobResult) -> str:
+    """A knob's tax on its own with its interval, or why there is none."""
     if result.problems:
-        cost = "incomplete (see incomplete)"
-    elif result.tax is None:
-        cost = result.cost_status
-    elif not math.isfinite(result.tax.tax):
-        cost = "no estimate"
-    else:
-        cost = f"{pct(result.tax.tax)} [{pct(result.tax.low)}, {pct(result.tax.high)}]"
+        return "incomplete (see incomplete)"
+    if result.tax is None:
+        return result.cost_status
+    if not math.isfinite(result.tax.tax):
+        return "no estimate"
+    return f"{pct(result.tax.tax)} [{pct(result.tax.low)}, {pct(result.tax.high)}]"
+
+
+def knob_need(result: KnobResult) -> str:
+    """Whether determinism needs the knob: "yes", "no", "open" (runs incomplete) or why it was not tested."""
     if result.needed is not None:
-        needed = "needed" if result.needed else "not needed"
-    elif result.needed_status == MEASURED:
-        needed = "needed: open"
-    else:
-        needed = f"needed: n/a ({result.needed_status})"
-    return f"{cost}; {needed}"
+        return "yes" if result.needed else "no"
+    return "open" if result.needed_status == MEASURED else f"n/a ({result.needed_status})"
 
 
 def knob_rows(knobs: list[KnobResult]) -> list[tuple[str, str]]:
@@ -470,7 +469,7 @@ def knob_rows(knobs: list[KnobResult]) -> list[tuple[str, str]]:
     measured = [k for k in measured_first(knobs) if k.cost_status == MEASURED]
     rows = []
     if measured:
-        lines = [f"{k.knob}: {knob_line(k)}" for k in measured[:SHOWN_KNOBS]]
+        lines = [f"{k.knob}: {knob_cost(k)}; needed: {knob_need(k)}" for k in measured[:SHOWN_KNOBS]]
         if len(measured) > SHOWN_KNOBS:
             lines.append(f"... {len(measured) - SHOWN_KNOBS} more in {SUMMARY_FILE}")
         rows.append(("knobs", "\n".join(lines)))
