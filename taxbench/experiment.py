@@ -126,9 +126,11 @@ def profile_run_steps(cfg: TaxbenchConfig) -> int:
     return cfg.experiment.warmup_steps + cfg.experiment.profile_steps
 
 
-def total_steps(cfg: TaxbenchConfig) -> int:
-    """Steps of the whole experiment; with a precision target, the least it may take (the progress bar grows)."""
-    return len(experiment_runs(cfg)) * cfg.experiment.steps + len(profiled_runs(cfg)) * profile_run_steps(cfg)
+def total_steps(cfg: TaxbenchConfig, steps: int | None = None) -> int:
+    """Steps of the whole experiment at `steps` per run (default experiment.steps: with a precision target, the least
+    it may take; the progress bar grows)."""
+    per_run = cfg.experiment.steps if steps is None else steps
+    return len(experiment_runs(cfg)) * per_run + len(profiled_runs(cfg)) * profile_run_steps(cfg)
 
 
 class Experiment:
@@ -226,8 +228,7 @@ class Experiment:
         interleaved = INTERLEAVED[self.cfg.experiment.interleave] + timed_knob_runs(self.plans)
         stop = self._run_interleaved(interleaved)
         profiled = profiled_runs(self.cfg)
-        self.progress.grow_to(len(experiment_runs(self.cfg)) * stop.steps
-                              + len(profiled) * profile_run_steps(self.cfg))
+        self.progress.grow_to(total_steps(self.cfg, stop.steps))
         for ref in (r for r in ALL_RUNS if r not in interleaved and r != RESUMED):
             self._run_whole(ref, stop.steps)
         self._run_resumed(stop.steps)
@@ -286,8 +287,7 @@ class Experiment:
             if stop is not None:
                 break
             if step >= exp.steps:  # one more round than planned
-                self.progress.grow_to(len(experiment_runs(self.cfg)) * (step + exp.block_steps)
-                                      + len(profiled_runs(self.cfg)) * profile_run_steps(self.cfg))
+                self.progress.grow_to(total_steps(self.cfg, step + exp.block_steps))
             if self._checkpoint_due(step, cap, exp.block_steps):
                 commit(step, [(progress[ref], trainers[ref]) for ref in runs])
         assert stop is not None, "the step cap always stops the rounds"
@@ -329,7 +329,8 @@ class Experiment:
             return
         self.progress.describe(f"{ref.name}: op profile")
         trainer = self._start(ref, None)
-        trainer.run_block(exp.warmup_steps, 0, self.progress.advance)
+        if exp.warmup_steps:
+            trainer.run_block(exp.warmup_steps, 0, self.progress.advance)
         table = profile_steps(trainer, exp.profile_steps, 1, self.progress.advance)
         table.write(op_table_file(self.root / ref.name, self.ctx.rank))
         trainer.close()
