@@ -308,7 +308,7 @@ class Trainer:
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise RuntimeError(
-                f"rank {self.ctx.rank}, {self.arm}-{self.replica} step {self.step}: {len(missing)} trainable "
+                f"rank {self.ctx.rank}, {run_name(self.arm, self.replica)} step {self.step}: {len(missing)} trainable "
                 f"parameters got no gradient ({shown}); this layout or schedule would leave them untrained"
             )
 
