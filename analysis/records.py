@@ -1,13 +1,11 @@
 """Load step records of run directories into pandas, rejecting other schema versions, and check them for gaps.
 
-Each rank's JSONL stream is parsed by pyarrow's multithreaded JSON reader (a thousand times fewer Python calls than
-`json.loads` per line); a parse problem falls back to a line-by-line reader only to name the offending line.
-
-The parsed run is cached beside the streams as parquet (`.steps.parquet`) and tied to what it was made from: its
-footer stores each stream's name, size and SHA-256, and a digest of the decoded table. A cache hit re-hashes the
-streams (SHA-256 runs at GB/s, far faster than parsing JSON) and the table it read back, so an edited stream, a
-stale or foreign cache, or a flipped byte anywhere in the cache file means a rebuild from the JSONL, never a
-different frame. mtimes are not part of the key: a copy that changes them (cp, rsync without -t) keeps its cache.
+Each rank's stream is read through its columnar mirror (taxbench.step_stream: Arrow IPC, used only as far as it
+provably matches the JSONL's bytes), and whatever the mirror does not cover is parsed by pyarrow's JSON reader (a
+thousand times fewer Python calls than `json.loads` per line); a parse problem falls back to a line-by-line reader
+only to name the offending line. A stream whose mirror is missing or behind gets a new one, so the next analysis
+reads columnar data: an edited stream, a stale or foreign mirror, or a flipped byte anywhere in a mirror means
+parsing the JSONL, never a different frame. mtimes play no part: a copy (cp, rsync without -t) keeps its mirrors.
 
 `check_run` checks a loaded run against its manifest: every rank of the world, every step 1..steps, nothing twice,
 nothing outside that grid. Its findings make an experiment "incomplete" (taxbench.analysis.summary).
@@ -15,9 +13,9 @@ nothing outside that grid. Its findings make an experiment "incomplete" (taxbenc
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,40 +23,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.json as pa_json
-import pyarrow.parquet as pq
 
 from taxbench.records import MANIFEST, METRICS, SCHEMA_VERSION
+from taxbench.step_stream import STEP_SCHEMA, parse_records, read_stream, write_mirror
 
-CACHE_FILE = ".steps.parquet"
-_CACHE_KEY = b"taxbench.streams"
-_CACHE_FORMAT = 2  # 1: names, sizes and mtimes only (trusted by name); 2: content hashes and a table digest
 _STREAM_NAME = re.compile(r"steps\.rank(\d+)\.jsonl")
 _FAULTS_NAME = re.compile(r"faults\.rank(\d+)\.jsonl")
-
-# Types of the known fields; fields a newer writer adds are inferred. Fixing these keeps a column that is null in one
-# file (device_s on CPU) and a number in another from failing to concatenate.
-_FIELD_TYPES = {
-    "schema_version": pa.int64(),
-    "arm": pa.string(),
-    "replica": pa.string(),
-    "rank": pa.int64(),
-    "step": pa.int64(),
-    "block": pa.int64(),
-    "data_s": pa.float64(),
-    "tokens": pa.int64(),
-    "time_s": pa.float64(),
-    "window_s": pa.float64(),
-    "fingerprint_s": pa.float64(),
-    "device_s": pa.float64(),
-    "planted_s": pa.float64(),
-    "mem_peak_bytes": pa.int64(),
-    "mem_reserved_bytes": pa.int64(),
-    "loss": pa.float64(),
-    "grad_norm": pa.float64(),
-    **{metric: pa.string() for metric in METRICS},
-}
-_PARSE = pa_json.ParseOptions(explicit_schema=pa.schema(_FIELD_TYPES), unexpected_field_behavior="infer")
+_READERS = 2  # streams read, hashed and parsed side by side (file reads, xxh3 and pyarrow release the GIL)
 
 
 class RecordError(ValueError):
@@ -77,9 +48,13 @@ def _version_error(path: Path, number: int, version: object) -> RecordError:
     )
 
 
-def _diagnose(path: Path, data: bytes) -> RecordError:
+def _diagnose(path: Path) -> RecordError:
     """The precise complaint about a stream the fast reader refused (slow, only on the error path)."""
-    for number, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), start=1):
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        return RecordError(f"{path}: cannot be read ({exc.strerror or exc})")
+    for number, line in enumerate(data[: data.rfind(b"\n") + 1].decode("utf-8", errors="replace").splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -93,9 +68,10 @@ def _diagnose(path: Path, data: bytes) -> RecordError:
     return RecordError(f"{path}: records have inconsistent field types; was it written by taxbench?")
 
 
-def _parse(data: pa.Buffer) -> pa.Table:
-    options = pa_json.ReadOptions(block_size=4 << 20)  # blocks are parsed in parallel; 4 MiB measured best here
-    return pa_json.read_json(pa.BufferReader(data), read_options=options, parse_options=_PARSE)
+def _first_complaint(files: list[Path]) -> RecordError:
+    """The first stream's precise complaint; the generic one when no single stream is wrong by itself."""
+    errors = [_diagnose(f) for f in files]
+    return next((e for e in errors if not str(e).endswith("was it written by taxbench?")), errors[0])
 
 
 def _version_ok(table: pa.Table) -> bool:
@@ -103,184 +79,96 @@ def _version_ok(table: pa.Table) -> bool:
     return versions.null_count == 0 and bool((versions.to_numpy() == SCHEMA_VERSION).all())
 
 
-_NOT_BLANK = re.compile(rb"\S")
-
-
-@dataclass
-class _Streams:
-    """A run's streams read into one buffer: each stream's whole records, back to back, ready for one parse."""
-
-    files: list[Path]
-    buffer: bytearray
-    spans: list[tuple[int, int]]  # where each stream's whole records lie in `buffer`
-    key: list[list[Any]]  # each file as read: name, size, SHA-256 (the parquet cache's key)
-
-    @property
-    def end(self) -> int:
-        return self.spans[-1][1] if self.spans else 0
-
-    def blank(self) -> bool:
-        return _NOT_BLANK.search(self.buffer, 0, self.end) is None
-
-
-def _read_into_one_buffer(files: list[Path]) -> _Streams:
-    """Each stream straight into one preallocated buffer (no per-file bytes, no join). A torn final record of a
-    crashed run is dropped (everything before it stands) by letting the next stream overwrite it."""
-    sizes = [_size(f) for f in files]
-    buffer = bytearray(sum(sizes))
-    view = memoryview(buffer)
-    spans: list[tuple[int, int]] = []
-    key: list[list[Any]] = []
-    position = 0
-    for path, size in zip(files, sizes, strict=True):
-        try:
-            with path.open("rb", buffering=0) as handle:
-                read = 0
-                while read < size and (n := handle.readinto(view[position + read: position + size])):
-                    read += n
-        except OSError as exc:
-            raise RecordError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
-        key.append([path.name, read, hashlib.sha256(view[position: position + read]).hexdigest()])
-        end = position + read
-        if read and buffer[end - 1] != ord("\n"):
-            end = buffer.rfind(b"\n", position, end) + 1 or position
-        spans.append((position, end))
-        position = end
-    view.release()
-    return _Streams(files, buffer, spans, key)
-
-
-def _size(path: Path) -> int:
+def _stream_tables(path: Path, use_mirror: bool) -> list[pa.Table]:
+    """One stream's records: its verified mirror, then its JSONL lines after what the mirror covers, parsed; with
+    `use_mirror` a mirror that does not cover every complete line is (re)written for the next reader."""
     try:
-        return path.stat().st_size
+        read = read_stream(path, use_mirror)
     except OSError as exc:
         raise RecordError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
+    tables = [read.mirrored] if read.mirrored is not None else []
+    if read.rest.strip():
+        try:
+            parsed = parse_records(read.rest)
+        except pa.ArrowInvalid:
+            raise _diagnose(path) from None
+        if not _version_ok(parsed):
+            raise _diagnose(path)
+        tables.append(parsed)
+    if use_mirror and not read.mirror_current:
+        try:
+            write_mirror(path, _concat(path, tables), read.complete, read.digest)
+        except OSError:
+            pass  # a read-only results folder: analyse without leaving mirrors
+    return tables
 
 
-def _read_streams(streams: _Streams) -> pa.Table | None:
-    """All streams parsed in one pass (records carry their rank); a failure is traced back to its file and line."""
-    if streams.blank():
-        return None
+def _concat(where: Path, tables: list[pa.Table]) -> pa.Table:
+    if not tables:
+        return STEP_SCHEMA.empty_table()
     try:
-        table = _parse(pa.py_buffer(streams.buffer).slice(0, streams.end))
-    except pa.ArrowInvalid:
-        table = None
-    if table is not None and _version_ok(table):
-        return table
-    chunks = [bytes(streams.buffer[start:end]) for start, end in streams.spans]
-    for path, chunk in zip(streams.files, chunks, strict=True):
-        if chunk.strip():
-            error = _diagnose(path, chunk)
-            if not str(error).endswith("was it written by taxbench?"):
-                raise error
-    raise _diagnose(streams.files[0], chunks[0])
+        return pa.concat_tables(tables, promote_options="default")
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise RecordError(f"{where}: records have inconsistent field types ({exc}); was it written by taxbench?") \
+            from exc
 
 
 def stream_files(run_dir: Path) -> list[Path]:
-    """The run's steps.rank<R>.jsonl streams, sorted by name."""
-    return sorted(run_dir.glob("steps.rank*.jsonl"))
+    """The run's steps.rank<R>.jsonl streams in rank order (names that carry no rank last, by name)."""
+    def rank_first(path: Path) -> tuple[int, int, str]:
+        match = _STREAM_NAME.fullmatch(path.name)
+        return (0, int(match.group(1)), "") if match else (1, 0, path.name)
+
+    return sorted(run_dir.glob("steps.rank*.jsonl"), key=rank_first)
 
 
-# ------------------------------------------------------------------------------------------------- parquet cache
-def _file_sha256(path: Path) -> str:
-    with path.open("rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
+def load_run(run_dir: Path, use_mirrors: bool = True, empty_ok: bool = False) -> pd.DataFrame:
+    """All ranks' step records of one run, sorted by (rank, step).
 
-
-def _column_digest(digest: Any, column: pa.ChunkedArray) -> None:
-    """Feed one column's values to `digest` in a form that does not depend on chunking or on null slots' bytes."""
-    array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
-    digest.update(array.is_null().to_numpy(zero_copy_only=False).tobytes())
-    kind = array.type
-    if pa.types.is_integer(kind) or pa.types.is_floating(kind):
-        digest.update(np.ascontiguousarray(array.fill_null(0).to_numpy()).tobytes())
-    elif pa.types.is_boolean(kind):
-        digest.update(array.fill_null(False).to_numpy(zero_copy_only=False).tobytes())
-    elif (pa.types.is_string(kind) or pa.types.is_large_string(kind)) and len(array):
-        filled = array.fill_null("")
-        width = np.int32 if pa.types.is_string(kind) else np.int64
-        _, offsets_buffer, data_buffer = filled.buffers()
-        offsets = np.frombuffer(offsets_buffer, dtype=width)[filled.offset: filled.offset + len(filled) + 1]
-        digest.update((offsets - offsets[0]).tobytes())
-        if data_buffer is not None:
-            digest.update(memoryview(data_buffer)[int(offsets[0]): int(offsets[-1])])
-    else:  # a nested field a newer writer added: rare and small, so the slow exact form will do
-        digest.update(repr(array.to_pylist()).encode())
-
-
-def table_digest(table: pa.Table) -> str:
-    """SHA-256 of a table's column names, types and values: equal digests mean equal frames from to_pandas()."""
-    digest = hashlib.sha256()
-    digest.update(f"{table.num_rows}\n{table.schema.remove_metadata()}\n".encode())
-    for column in table.columns:
-        _column_digest(digest, column)
-    return digest.hexdigest()
-
-
-def _streams_unchanged(files: list[Path], stored: Any) -> bool:
-    """Whether the streams are byte for byte the ones the cache was built from (sizes first: cheap to refuse)."""
-    if not isinstance(stored, list) or [s[0] if isinstance(s, list) and s else None for s in stored] != [
-            f.name for f in files]:
-        return False
-    try:
-        if any(f.stat().st_size != s[1] for f, s in zip(files, stored, strict=True)):
-            return False
-        return all(_file_sha256(f) == s[2] for f, s in zip(files, stored, strict=True))
-    except (OSError, IndexError):
-        return False
-
-
-def _read_cache(run_dir: Path, files: list[Path]) -> pd.DataFrame | None:
-    """The cached frame when it provably is what the streams parse to; None (rebuild) on any doubt."""
-    path = run_dir / CACHE_FILE
-    try:
-        key = json.loads((pq.read_schema(path).metadata or {}).get(_CACHE_KEY, b"null"))
-        if not isinstance(key, dict) or key.get("format") != _CACHE_FORMAT:
-            return None
-        if not _streams_unchanged(files, key.get("streams")):
-            return None
-        table = pq.read_table(path, page_checksum_verification=True).replace_schema_metadata(None)
-        if table.num_rows != key.get("rows") or table_digest(table) != key.get("table"):
-            return None
-        return table.to_pandas()
-    except (OSError, ValueError, pa.ArrowException):  # unreadable, damaged or foreign: rebuild from the streams
-        return None
-
-
-def _write_cache(run_dir: Path, table: pa.Table, streams: list[list[Any]]) -> None:
-    key = {"format": _CACHE_FORMAT, "streams": streams, "rows": table.num_rows, "table": table_digest(table)}
-    tmp = run_dir / (CACHE_FILE + ".tmp")
-    try:
-        pq.write_table(table.replace_schema_metadata({_CACHE_KEY: json.dumps(key).encode()}), tmp,
-                       write_page_checksum=True, compression="none")  # 15% larger, written 1.6x and read 2x faster
-        tmp.replace(run_dir / CACHE_FILE)
-    except OSError:
-        tmp.unlink(missing_ok=True)  # a read-only results folder: analyse without caching
-
-
-def load_run(run_dir: Path, cache: bool = True, empty_ok: bool = False) -> pd.DataFrame:
-    """All ranks' step records of one run, sorted by (step, rank).
-
-    A run without records is an error unless `empty_ok` (the completeness check then reports every step missing).
+    Rank-major because that is how the records lie (a stream per rank, in step order): the frame of 1,000 ranks x
+    1,000 steps needs no gather. Each stream is read through its columnar mirror as far as the mirror provably
+    matches it (taxbench.step_stream); `use_mirrors=False` parses every JSONL line instead (and writes no mirror).
+    Either way the frame is the same. A run without records is an error unless `empty_ok` (the completeness check
+    then reports every step missing).
     """
     files = stream_files(run_dir)
     if not files:
         if empty_ok:
             return empty_run()
         raise RecordError(f"{run_dir}: no steps.rank<R>.jsonl files; is this a taxbench run directory?")
-    if cache and (frame := _read_cache(run_dir, files)) is not None:
-        return frame
-    streams = _read_into_one_buffer(files)
-    table = _read_streams(streams)
-    if table is None:
+    halves = [files[: len(files) // 2], files[len(files) // 2:]]  # one task per reader: 1,000 tasks cost 0.1 s
+    with ThreadPoolExecutor(_READERS) as pool:
+        tables = [t for part in pool.map(lambda part: _tables_of(part, use_mirrors), halves) for t in part]
+    if not tables:
         if empty_ok:
             return empty_run()
         raise RecordError(f"{run_dir}: the step record files are empty")
-    # One chunk per column first: sorting a table of many parse blocks takes about 3x longer.
-    table = table.combine_chunks().sort_by([("step", "ascending"), ("rank", "ascending")])
-    if cache:
-        _write_cache(run_dir, table, streams.key)
-    return table.to_pandas()
+    table = _concat(run_dir, tables)
+    if not _version_ok(table):  # a mirror written by another taxbench version
+        raise _first_complaint(files)
+    # split_blocks keeps numeric columns zero-copy instead of consolidating them into 2-D blocks (5x faster here).
+    return _sorted_by_rank_and_step(_copied(table)).to_pandas(split_blocks=True)
+
+
+def _copied(table: pa.Table) -> pa.Table:
+    """The table in one chunk per column, in memory of its own: mirrors are memory-mapped files, and a frame must
+    not change under its reader when someone rewrites one in place (combine_chunks keeps a lone chunk as it is)."""
+    columns = [pa.concat_arrays(column.chunks) if column.num_chunks else column for column in table.columns]
+    return pa.Table.from_arrays(columns, schema=table.schema)
+
+
+def _tables_of(files: list[Path], use_mirrors: bool) -> list[pa.Table]:
+    return [table for path in files for table in _stream_tables(path, use_mirrors)]
+
+
+def _sorted_by_rank_and_step(table: pa.Table) -> pa.Table:
+    """The table in (rank, step) order, stable: as it is when every stream holds its own rank in step order."""
+    step, rank = table.column("step"), table.column("rank")
+    if step.null_count or rank.null_count:  # records without a step or rank (check_run names them): last
+        return table.sort_by([("rank", "ascending"), ("step", "ascending")])
+    steps, ranks = step.to_numpy(), rank.to_numpy()
+    in_order = (ranks[1:] > ranks[:-1]) | ((ranks[1:] == ranks[:-1]) & (steps[1:] >= steps[:-1]))
+    return table if in_order.all() else table.take(np.lexsort((steps, ranks)))
 
 
 # ------------------------------------------------------------------------------------------------------ manifest
@@ -331,7 +219,7 @@ def step_losses(frame: pd.DataFrame) -> pd.Series:
 
 def empty_run() -> pd.DataFrame:
     """The frame of a run that recorded no step (every known column, no rows)."""
-    return pa.schema(_FIELD_TYPES).empty_table().to_pandas()
+    return STEP_SCHEMA.empty_table().to_pandas()
 
 
 # ------------------------------------------------------------------------------------------------- completeness
@@ -512,8 +400,11 @@ def load_fault_events(run_dir: Path) -> list[FaultEvent]:
     for path in sorted(run_dir.glob("faults.rank*.jsonl")):
         if not _FAULTS_NAME.fullmatch(path.name):
             continue
-        streams = _read_into_one_buffer([path])
-        text = streams.buffer[: streams.end].decode("utf-8", errors="replace")
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise RecordError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
+        text = data[: data.rfind(b"\n") + 1].decode("utf-8", errors="replace")  # a torn last line is dropped
         for number, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 continue

@@ -34,7 +34,7 @@ from taxbench.analysis.records import (
     manifest_value,
 )
 from taxbench.analysis.tax import PRECISE_HALF_WIDTH, TaxEstimate, estimate_tax, no_estimate, steps_for_half_width
-from taxbench.analysis.throughput import ArmThroughput, arm_throughput, cost_of_tax, mebibytes, si
+from taxbench.analysis.throughput import THROUGHPUT_FIELDS, ArmThroughput, arm_throughput, cost_of_tax, mebibytes, si
 from taxbench.analysis.verdicts import DIFFERS, INCOMPLETE, Verdict, compare_runs
 from taxbench.oserrors import describe_os_error
 from taxbench.records import INTERLEAVED, RunRef, RunWriteError, write_atomically
@@ -258,9 +258,15 @@ def timed_runs(runs: dict[str, pd.DataFrame], experiment: dict[str, Any]) -> dic
     return {arm: [runs[ref.name] for ref in interleaved if ref.arm == arm] for arm in ("baseline", "deterministic")}
 
 
+def after_warmup(frame: pd.DataFrame, warmup: int, columns: list[str]) -> pd.DataFrame:
+    """`columns` (those the frame has) of the records after the warmup: selected first, since filtering the whole
+    frame of 1,000 ranks x 1,000 steps copies every column."""
+    return frame[[c for c in columns if c in frame]].loc[frame["step"].to_numpy() > warmup]
+
+
 def rank_medians(timed: dict[str, list[pd.DataFrame]], warmup: int) -> list[float]:
     """Each rank's median step time over every timed run after the warmup (rank order)."""
-    frames = [frame[frame["step"] > warmup] for runs in timed.values() for frame in runs]
+    frames = [after_warmup(frame, warmup, ["rank", "time_s"]) for runs in timed.values() for frame in runs]
     frames = [frame for frame in frames if not frame.empty]
     if not frames:
         return []
@@ -338,8 +344,8 @@ def analyse_experiment(root: Path) -> ExperimentAnalysis:
     arm_runs = {arm: sum(1 for name in RUN_NAMES if name.startswith(arm)) for arm in ("baseline", "deterministic")}
     step_cost = arm_runs["baseline"] * tax.baseline_median_s + arm_runs["deterministic"] * tax.deterministic_median_s
     medians = {"baseline": tax.baseline_median_s, "deterministic": tax.deterministic_median_s}
-    throughput = {arm: arm_throughput([f[f["step"] > tax.warmup_steps] for f in frames], medians[arm], world,
-                                      manifest.get("throughput"))
+    throughput = {arm: arm_throughput([after_warmup(f, tax.warmup_steps, THROUGHPUT_FIELDS) for f in frames],
+                                      medians[arm], world, manifest.get("throughput"))
                   for arm, frames in timed.items()}
     summary = ExperimentSummary(
         experiment=root.name,

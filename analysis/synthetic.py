@@ -2,8 +2,8 @@
 
 The step times follow a model (a decaying warmup, lognormal noise, a per-rank offset, and the deterministic arm
 slower by `tax`); fingerprints are per-(step, rank) hashes shared by the deterministic runs, so the gates agree
-unless a mismatch is injected. Records are written with vectorized pandas, one JSONL stream per rank, exactly as
-the trainer's StepWriter lays them out.
+unless a mismatch is injected. Records are written with vectorized pandas, one JSONL stream per rank with its
+columnar mirror, exactly as the trainer's StepWriter lays them out.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 
 from taxbench.records import ALL_RUNS, METRICS, SCHEMA_VERSION, steps_file, write_manifest
+from taxbench.step_stream import refresh_mirror
 
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 
@@ -121,5 +122,7 @@ def write_experiment(root: Path, spec: SyntheticExperiment, injection: Injection
         write_manifest(run_dir, _manifest(spec, root.name, ref.arm, ref.replica))
         frame = _run_frame(spec, ref.arm, ref.replica, rng, injection)
         for rank, part in frame.groupby("rank", sort=True):
-            part.to_json(steps_file(run_dir, int(rank)), orient="records", lines=True)
+            stream = steps_file(run_dir, int(rank))
+            part.to_json(stream, orient="records", lines=True)
+            refresh_mirror(stream)  # what a rank's StepWriter leaves behind when it closes
     return root

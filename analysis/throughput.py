@@ -24,6 +24,9 @@ class ArmThroughput:
         return asdict(self)
 
 
+THROUGHPUT_FIELDS = ["data_s", "time_s", "mem_peak_bytes"]  # the record fields arm_throughput reads
+
+
 def arm_throughput(frames: list[pd.DataFrame], median_step_s: float, world: int,
                    throughput: dict[str, Any] | None) -> ArmThroughput | None:
     """The arm's metrics from its timed runs' records; None without the manifest's per-step work (older runs)."""

@@ -55,7 +55,7 @@ def compare_runs(
 ) -> Verdict:
     """Bitwise agreement on every step > from_step; the first mismatch by (step, rank, metric order).
 
-    Both frames are sorted by (step, rank), as analysis.records.load_run returns them. With `problems` (either run
+    Both frames are sorted alike (analysis.records.load_run: by rank, then step). With `problems` (either run
     is incomplete) the gate cannot agree: only records both runs hold exactly once are compared, and a fingerprint
     that differs there is still a real mismatch; otherwise the outcome is "incomplete".
     """
@@ -114,8 +114,8 @@ def _compare_aligned(
     bad = np.flatnonzero(differs.any(axis=1))
     if bad.size == 0:
         return Verdict(gate, reference_name, candidate_name, True, compared, None, from_step)
-    # Rows are sorted by (step, rank), so the first differing row is the first mismatch.
-    row = int(bad[0])
+    steps, ranks = ref["step"].to_numpy()[bad], ref["rank"].to_numpy()[bad]
+    row = int(bad[np.lexsort((ranks, steps))[0]])  # the first mismatch: the earliest step, then the lowest rank
     metric = METRICS[int(np.argmax(differs[row]))]
     mismatch = Mismatch(int(ref["step"].iat[row]), int(ref["rank"].iat[row]), metric,
                         str(ref[metric].iat[row]), str(cand[metric].iat[row]))

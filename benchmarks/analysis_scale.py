@@ -3,10 +3,11 @@
     python benchmarks/analysis_scale.py                       # points of 8, 64 and 1000 ranks, 1000 steps each
     python benchmarks/analysis_scale.py --world-sizes 64 --steps 200   # quick look
 
-Prints, from one run: the time to analyse the whole sweep from the JSONL streams (cold: parse + parquet cache
-write), again from the parquet cache (warm), and for the largest point's baseline run the old per-line json.loads
-loader against the pyarrow loader (ratio). Each point has five runs (the experiment schedule), so the 1000-rank
-point alone holds 5 million step records.
+Prints, from one run: the time to analyse the whole sweep as the ranks leave it (JSONL streams and their columnar
+mirrors, every mirror verified against its stream's bytes), and for the largest point's baseline run the loaders side
+by side: the old per-line json.loads loader, pyarrow's JSON parse of every line (what a run without mirrors costs),
+a first load that writes the missing mirrors, and the load through the mirrors. Each point has five runs (the
+experiment schedule), so the 1000-rank point alone holds 5 million step records.
 """
 
 from __future__ import annotations
@@ -60,18 +61,24 @@ def main() -> None:
                 write_experiment(sweep / f"ranks{world}", spec)
 
         records = 5 * args.steps * sum(args.world_sizes)
-        size = 0
         timed(f"generate {len(args.world_sizes)} points, {records:,} records (setup)", generate)
-        size = sum(p.stat().st_size for p in sweep.rglob("*.jsonl"))
-        print(f"  JSONL on disk: {size / 2**30:.2f} GiB")
-        result, cold = timed("analyse sweep from JSONL (cold, writes parquet cache)", lambda: analyse_sweep(sweep))
-        _, warm = timed("analyse sweep again (parquet cache)", lambda: analyse_sweep(sweep))
+        jsonl = sum(p.stat().st_size for p in sweep.rglob("*.jsonl"))
+        mirrors = sum(p.stat().st_size for p in sweep.rglob("*.arrow"))
+        print(f"  on disk: JSONL {jsonl / 2**30:.2f} GiB, mirrors {mirrors / 2**30:.2f} GiB")
+        result, sweep_s = timed("analyse the sweep (JSONL + mirrors as the ranks leave them)",
+                                lambda: analyse_sweep(sweep))
         largest = sweep / f"ranks{max(args.world_sizes)}" / "baseline-0"
-        _, old = timed(f"old per-line loader, one run ({largest.parent.name}/baseline-0)",
-                       lambda: per_line_loader(largest))
-        _, new = timed("pyarrow loader, same run, no cache", lambda: load_run(largest, cache=False))
-        print(f"  records/s cold: {records / cold:,.0f}; warm: {records / warm:,.0f}")
-        print(f"  loader speed-up on one run: {old / new:.1f}x; cache vs cold sweep: {cold / warm:.1f}x")
+        print(f"one run ({largest.parent.name}/baseline-0, {args.steps * max(args.world_sizes):,} records):")
+        _, old = timed("  old per-line json.loads loader", lambda: per_line_loader(largest))
+        _, parsed = timed("  pyarrow JSON parse of every line (no mirrors)",
+                          lambda: load_run(largest, use_mirrors=False))
+        for mirror in largest.glob("steps.rank*.arrow"):
+            mirror.unlink()
+        _, first = timed("  first load of a run without mirrors (parses, writes them)", lambda: load_run(largest))
+        _, mirrored = timed("  load through the mirrors (verified against the JSONL)", lambda: load_run(largest))
+        print(f"  records/s, whole sweep: {records / sweep_s:,.0f}")
+        print(f"  mirrors vs JSON parse: {parsed / mirrored:.1f}x; vs the per-line loader: {old / mirrored:.1f}x; "
+              f"JSON parse vs per-line: {old / parsed:.1f}x; writing mirrors costs {first / parsed:.2f}x a parse")
         print(result.points[["world_size", "tax", "low", "high", "repeatability"]].to_string(index=False))
     finally:
         if not args.keep:

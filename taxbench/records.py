@@ -2,8 +2,10 @@
 
 `<out>/<experiment>/<arm>-<replica>/manifest.json` and `steps.rank<R>.jsonl`, one JSON object per step. Every line
 is flushed when written, so a crash loses at most the record being written; a resumed run first drops records past
-its checkpoint so nothing is duplicated. Readers reject any other schema_version. A run with an injected fault also
-holds `faults.rank<R>.jsonl`: one event per fault that actually fired on that rank (kind, step, rank, where).
+its checkpoint so nothing is duplicated. Readers reject any other schema_version. Beside each stream lies its
+columnar mirror `steps.rank<R>.arrow` (taxbench.step_stream), which analysis trusts only as far as it provably
+matches the stream's bytes. A run with an injected fault also holds `faults.rank<R>.jsonl`: one event per fault that
+actually fired on that rank (kind, step, rank, where).
 
 Files that are replaced whole (manifest, checkpoints, their progress record) are written to a `.tmp` sibling and
 renamed into place; a failed write (a full disk) removes the `.tmp` and raises `RunWriteError` naming the file.
@@ -140,8 +142,8 @@ def _remove_quietly(path: Path) -> None:
         pass  # the write error is what the user needs to hear about
 
 
-class StepWriter:
-    """Appends one JSON record per line to this rank's stream (step records, fault events), flushing each line."""
+class JsonlWriter:
+    """Appends one JSON record per line to a stream (step records, fault events), flushing each line."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -188,7 +190,7 @@ class StepWriter:
         return _as_write_error(self.path, exc)
 
 
-class FaultLog(StepWriter):
+class FaultLog(JsonlWriter):
     """`faults.rank<R>.jsonl`: one flushed event per injected fault that actually fired on this rank."""
 
     def __init__(self, run_dir: Path, rank: int) -> None:
@@ -205,7 +207,7 @@ def truncate_jsonl_after(path: Path, step: int) -> None:
     if not path.exists():
         return
     kept = [line for line, record in _jsonl_records(path) if record.get("step", 0) <= step]
-    write_text_atomically(path, "".join(k + "\n" for k in kept))
+    write_text_atomically(path, "".join(k + "\n" for k in kept))  # a mirror of more than this no longer verifies
 
 
 def step_record(path: Path, step: int) -> dict[str, Any] | None:

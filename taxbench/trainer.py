@@ -31,8 +31,9 @@ from taxbench.distributed import DistContext
 from taxbench.parallel import layout_for, parallelize
 from taxbench.pipeline import boundaries, split_model, stage_split
 from taxbench.planted import PlantedDelay
-from taxbench.records import FaultLog, StepWriter, run_name, step_record, steps_file
+from taxbench.records import FaultLog, run_name, step_record, steps_file
 from taxbench.step import PipelineStep, PlainStep, StepExecutor
+from taxbench.step_stream import StepWriter
 from taxbench.tracing.capture import tracer_for_run
 from taxbench.tracing.faults import STEP_FAULT_KINDS, flip_lowest_bit, step_fault
 from taxbench.workloads import build_model

@@ -16,7 +16,8 @@ from taxbench.analysis.records import RecordError, check_run, load_fault_events,
 from taxbench.analysis.tax import estimate_tax, steps_for_half_width
 from taxbench.analysis.verdicts import DIFFERS, INCOMPLETE, compare_runs
 from taxbench.analysis.warmup import mser5, warmup_cut
-from taxbench.records import METRICS, SCHEMA_VERSION, StepWriter, steps_file
+from taxbench.records import METRICS, SCHEMA_VERSION, steps_file
+from taxbench.step_stream import StepWriter
 
 
 def synthetic_arm(true_time: float, steps: int, block_steps: int, ranks: int, cv: float, seed: int,
@@ -159,8 +160,8 @@ def test_a_torn_record_of_one_rank_does_not_swallow_the_next_ranks_records(tmp_p
         handle.write('{"schema_version": 2, "step": 3, "ra')  # rank 0 crashed mid-write; ranks 1 and 2 did not
     steps_file(run, 3).write_text("\n \n")  # a rank that wrote nothing but blank lines
     frame = load_run(run)
-    assert list(zip(frame["step"], frame["rank"], strict=True)) == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]
-    assert load_run(run).equals(frame)  # the cache, keyed on the files as they lie (torn tail included)
+    assert list(zip(frame["step"], frame["rank"], strict=True)) == [(1, 0), (2, 0), (1, 1), (2, 1), (1, 2), (2, 2)]
+    assert load_run(run).equals(frame)  # the mirrors, which cover what lies before the torn tail
 
 
 def test_truncate_after_drops_records_past_the_checkpoint(tmp_path: Path) -> None:
@@ -186,7 +187,7 @@ def _grid_run(tmp_path: Path, steps: int, ranks: int) -> tuple[Path, pd.DataFram
     run = tmp_path / "run"
     for rank in range(ranks):
         _write_rank(run, rank, [{"step": s, "rank": rank, **{m: "00" for m in METRICS}} for s in range(1, steps + 1)])
-    return run, load_run(run, cache=False)
+    return run, load_run(run, use_mirrors=False)
 
 
 def _write_rank(run: Path, rank: int, records: list[dict]) -> None:
@@ -211,7 +212,7 @@ def test_check_run_names_missing_duplicated_and_stray_records_compactly(tmp_path
         "det-1: 1 record outside steps 1-60 x ranks 0-2 (first: step 61, rank 2)", "det-1 rank 2: step 60 missing"]
     unsigned = frame.copy()
     unsigned.loc[unsigned.index[4], "params"] = None
-    assert check_run("det-1", run, unsigned, 60, 3) == ["det-1: 1 record without a fingerprint (first: step 2, rank 1)"]
+    assert check_run("det-1", run, unsigned, 60, 3) == ["det-1: 1 record without a fingerprint (first: step 5, rank 0)"]
 
 
 def test_check_run_compares_stream_files_with_the_world(tmp_path: Path) -> None:

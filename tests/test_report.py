@@ -15,7 +15,7 @@ from rich.console import Console
 
 from taxbench import exit_codes
 from taxbench.analysis.publish import publish
-from taxbench.analysis.records import CACHE_FILE, RecordError, load_run
+from taxbench.analysis.records import RecordError, load_run
 from taxbench.analysis.report import HTML_FILE, MARKDOWN_FILE, REPORT_DIR, STEP_TIME_PNG, SWEEP_PNG
 from taxbench.analysis.summary import analyse_experiment, render
 from taxbench.analysis.sweep import SWEEP_FILE, analyse_sweep, find_experiments
@@ -35,17 +35,22 @@ def failing_experiment(tmp_path: Path) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------- record loading
-def test_loader_reads_every_record_and_caches_as_parquet(tmp_path: Path) -> None:
+def test_loader_reads_every_record_through_the_mirrors_and_refreshes_them(tmp_path: Path) -> None:
     root = write_experiment(tmp_path / "exp", SyntheticExperiment(ranks=3, steps=12, block_steps=3, resume_step=6))
     run = root / "baseline-0"
-    frame = load_run(run)
-    assert len(frame) == 36 and list(frame[["step", "rank"]].iloc[:4].itertuples(index=False)) == [
-        (1, 0), (1, 1), (1, 2), (2, 0)]
-    assert (run / CACHE_FILE).is_file()
-    assert load_run(run).equals(frame)
-    with (run / "steps.rank1.jsonl").open("a") as f:  # a changed stream invalidates the cache
-        f.write(json.dumps({**json.loads((run / "steps.rank1.jsonl").read_text().splitlines()[-1]), "step": 13}) + "\n")
+    assert sorted(p.name for p in run.glob("steps.rank*.arrow")) == [f"steps.rank{r}.arrow" for r in range(3)]
+    with mock.patch("taxbench.analysis.records.parse_records", side_effect=AssertionError("parsed the JSONL")):
+        frame = load_run(run)  # the ranks' mirrors cover every line: nothing is parsed
+    assert len(frame) == 36 and list(frame[["rank", "step"]].iloc[11:14].itertuples(index=False)) == [
+        (0, 12), (1, 1), (1, 2)]
+    assert frame.equals(load_run(run, use_mirrors=False))
+    stream = run / "steps.rank1.jsonl"
+    with stream.open("a") as f:  # lines the mirror does not cover yet: parsed, then mirrored too
+        f.write(json.dumps({**json.loads(stream.read_text().splitlines()[-1]), "step": 13}) + "\n")
     assert len(load_run(run)) == 37
+    parsed = load_run(run, use_mirrors=False)
+    with mock.patch("taxbench.analysis.records.parse_records", side_effect=AssertionError("parsed the JSONL")):
+        assert load_run(run).equals(parsed)
 
 
 def test_loader_tolerates_a_torn_last_line_and_names_bad_lines(tmp_path: Path) -> None:
@@ -65,10 +70,9 @@ def test_loader_tolerates_a_torn_last_line_and_names_bad_lines(tmp_path: Path) -
         load_run(root / "baseline-0")
 
 
-def test_cache_is_tied_to_the_bytes_of_its_streams(tmp_path: Path) -> None:
+def test_a_mirror_is_tied_to_the_bytes_of_its_stream(tmp_path: Path) -> None:
     root = write_experiment(tmp_path / "exp", SyntheticExperiment(ranks=2, steps=12, block_steps=3, resume_step=6))
     run = root / "deterministic-0"
-    load_run(run)
     stream = run / "steps.rank1.jsonl"
     before = stream.stat()
     text = stream.read_text()
@@ -76,30 +80,27 @@ def test_cache_is_tied_to_the_bytes_of_its_streams(tmp_path: Path) -> None:
     edited = text[:digit] + ("1" if text[digit] != "1" else "2") + text[digit + 1:]  # same size
     stream.write_text(edited)
     os.utime(stream, ns=(before.st_atime_ns, before.st_mtime_ns))  # and the same mtime: only the bytes tell
-    assert load_run(run).equals(load_run(run, cache=False))
+    assert load_run(run).equals(load_run(run, use_mirrors=False))
     assert (load_run(run)["params"] != load_run(run.parent / "deterministic-1")["params"]).sum() == 1
+    stream.write_text(text[: text.index("\n") + 1])  # cut back to one line: the mirror claims more than there is
+    assert len(load_run(run)) == 12 + 1
 
 
-def test_no_flipped_byte_in_the_cache_yields_a_different_frame(tmp_path: Path) -> None:
-    """Every single-byte flip of .steps.parquet is either detected (and the run re-read from its JSONL) or provably
-    harmless: the frame read back always equals the true one."""
+def test_every_flipped_byte_of_a_mirror_is_caught(tmp_path: Path) -> None:
+    """A single-byte flip anywhere in steps.rank<R>.arrow (header, data, metadata, trailer) fails the mirror's own
+    hash: the stream is parsed from its JSONL and the frame read back always equals the true one."""
     root = write_experiment(tmp_path / "exp", SyntheticExperiment(ranks=2, steps=12, block_steps=3, resume_step=6))
     run = root / "baseline-0"
-    truth = load_run(run, cache=False)
-    load_run(run)
-    cache = run / CACHE_FILE
-    good = cache.read_bytes()
-    with mock.patch("taxbench.analysis.records._parse", side_effect=AssertionError("re-parsed the JSONL")):
-        assert load_run(run).equals(truth)  # an intact cache is used, not rebuilt
+    truth = load_run(run, use_mirrors=False)
+    mirror = run / "steps.rank0.arrow"
+    good = mirror.read_bytes()
     offsets = sorted(set(range(0, len(good), max(1, len(good) // 300))) | set(range(len(good) - 64, len(good))))
-    rebuilt = 0
     for offset in offsets:
         flipped = bytearray(good)
         flipped[offset] ^= 0xFF
-        cache.write_bytes(bytes(flipped))
+        mirror.write_bytes(bytes(flipped))
         assert load_run(run).equals(truth), f"a flip at byte {offset} of {len(good)} changed the frame"
-        rebuilt += cache.read_bytes() != bytes(flipped)
-    assert rebuilt > len(offsets) // 2  # most flips are caught; the rest touched bytes that do not matter
+        assert mirror.read_bytes() == good, f"a flip at byte {offset} went unnoticed"  # caught and rewritten
 
 
 # ----------------------------------------------------------------------------------------------- experiment report

@@ -18,7 +18,8 @@ from taxbench.analysis.records import load_run
 from taxbench.checkpoints import CheckpointError
 from taxbench.config import FaultKind, TaxbenchConfig
 from taxbench.distributed import DistContext
-from taxbench.records import METRICS, SCHEMA_VERSION, faults_file
+from taxbench.records import METRICS, SCHEMA_VERSION, faults_file, steps_file
+from taxbench.step_stream import read_stream
 from taxbench.trainer import Trainer
 
 
@@ -126,7 +127,9 @@ def test_records_carry_exact_bits_and_timing(tmp_path: Path) -> None:
     trainer = make(cfg, tmp_path / "run")
     trainer.run_block(3, 0)
     trainer.close()
+    assert read_stream(steps_file(tmp_path / "run", 0)).mirror_current  # the rank mirrored its records on close
     frame = load_run(tmp_path / "run")
+    assert frame.equals(load_run(tmp_path / "run", use_mirrors=False))
     row = frame.iloc[-1]
     assert row["schema_version"] == SCHEMA_VERSION and row["arm"] == "deterministic" and row["replica"] == "0"
     assert len(row["loss_bits"]) == 8 and len(row["params"]) == 16
