@@ -173,8 +173,12 @@ class JsonlWriter:
         except OSError as exc:
             raise self._error(exc) from exc
 
+    @property
+    def closed(self) -> bool:
+        return self._file.closed
+
     def close(self) -> None:
-        if not self._file.closed:
+        if not self.closed:
             try:
                 self.sync()
             finally:

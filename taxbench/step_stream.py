@@ -41,11 +41,12 @@ _DIGEST_BYTES = 16  # xxh3-128
 _CHUNK = 1 << 20  # JSONL prefixes are hashed through one reused buffer of this size (it stays in cache)
 
 # Types of the known fields; fields a newer writer adds are inferred. Fixing these keeps a column that is null in one
-# stream (device_s on CPU) and a number in another from failing to concatenate.
+# stream (device_s on CPU) and a number in another from failing to concatenate. Strings are large_string, what pandas'
+# string dtype holds: anything else is cast (copied) on every to_pandas.
 STEP_FIELDS: dict[str, pa.DataType] = {
     "schema_version": pa.int64(),
-    "arm": pa.string(),
-    "replica": pa.string(),
+    "arm": pa.large_string(),
+    "replica": pa.large_string(),
     "rank": pa.int64(),
     "step": pa.int64(),
     "block": pa.int64(),
@@ -60,7 +61,7 @@ STEP_FIELDS: dict[str, pa.DataType] = {
     "mem_reserved_bytes": pa.int64(),
     "loss": pa.float64(),
     "grad_norm": pa.float64(),
-    **{metric: pa.string() for metric in METRICS},
+    **{metric: pa.large_string() for metric in METRICS},
 }
 STEP_SCHEMA = pa.schema(STEP_FIELDS)
 _PARSE = pa_json.ParseOptions(explicit_schema=STEP_SCHEMA, unexpected_field_behavior="infer")
@@ -206,6 +207,8 @@ class StepWriter(JsonlWriter):
     """A rank's step records: a JSONL stream whose mirror is brought up to date when the stream is closed."""
 
     def close(self) -> None:
+        if self.closed:
+            return
         super().close()
         try:
             refresh_mirror(self.path)
