@@ -37,8 +37,7 @@ from taxbench.analysis.tax import PRECISE_HALF_WIDTH, TaxEstimate, estimate_tax,
 from taxbench.analysis.throughput import THROUGHPUT_FIELDS, ArmThroughput, arm_throughput, cost_of_tax, mebibytes, si
 from taxbench.analysis.verdicts import DIFFERS, INCOMPLETE, Verdict, compare_runs
 from taxbench.oserrors import describe_os_error
-from taxbench.records import INTERLEAVED, RunRef, RunWriteError, write_atomically
-from taxbench.stopping import TARGET, read_stop
+from taxbench.records import INTERLEAVED, TARGET, RunRef, RunWriteError, read_stop, write_atomically
 
 SUMMARY_FILE = "summary.json"
 

@@ -49,10 +49,12 @@ from taxbench.records import (
     PROFILE_REPLICA,
     RESUMED,
     RunRef,
+    Stop,
     op_table_file,
+    read_stop,
     write_manifest,
 )
-from taxbench.stopping import Stop, StoppingRule, read_stop
+from taxbench.stopping import StoppingRule
 from taxbench.throughput import throughput_manifest
 from taxbench.trainer import Trainer
 

@@ -25,8 +25,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pandas as pd
-from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
 
 from taxbench.analysis.records import RecordError, read_json_object
 from taxbench.records import write_text_atomically
@@ -113,6 +111,10 @@ def profile_ops(run: Callable[[], None], steps: int, device: str) -> OpTable:
         raise ValueError(f"cannot profile ops on device {device!r}; supported: {DEVICES}")
     if steps < 1:
         raise ValueError(f"profile at least one step, got {steps}")
+    # Imported here: analysis reads op tables through this module and should not pay torch's 2 s import for it.
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     # Kineto (read when the profiler starts) would print a "USDT: profiler_start/stop" line per profiled block into
     # the progress display; a level the user set is kept.

@@ -17,7 +17,7 @@ import errno
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -57,6 +57,33 @@ INTERLEAVED = {
 }
 PROFILE_REPLICA = "profile"  # <arm>-profile: an arm's op-profile run (experiment.ablation; never timed or gated)
 STOP_FILE = "stop.json"  # <experiment>/stop.json: how many steps every run took and what stopped the timed rounds
+
+
+# What stopped the timed rounds (Stop.stopped_by).
+STEPS, TARGET, CAP = "steps", "target_half_width", "max_steps"
+
+
+@dataclass(frozen=True)
+class Stop:
+    """How many steps every run took and what stopped the timed rounds (<experiment>/stop.json;
+    taxbench.stopping decides it)."""
+
+    steps: int  # every run of the experiment takes this many steps
+    stopped_by: str  # STEPS (fixed length), TARGET (precision reached) or CAP (max_steps reached first)
+    half_width: float | None  # at the last look (None without a target)
+
+    def write(self, root: Path) -> None:
+        write_text_atomically(root / STOP_FILE, json.dumps(asdict(self), indent=2))
+
+
+def read_stop(root: Path) -> Stop | None:
+    """The stored stop of an experiment whose interleaved rounds finished (None before that, or when the record is
+    damaged: the rounds then run again from their newest checkpoint)."""
+    try:
+        stored = json.loads((root / STOP_FILE).read_text(encoding="utf-8"))
+        return Stop(int(stored["steps"]), str(stored["stopped_by"]), stored.get("half_width"))
+    except (OSError, ValueError, KeyError, TypeError):  # missing, unreadable, not JSON, or not a stop record
+        return None
 
 
 def steps_file(run_dir: Path, rank: int) -> Path:

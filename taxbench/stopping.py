@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -25,33 +24,10 @@ import torch.distributed as dist
 
 from taxbench.config import ExperimentConfig, max_steps
 from taxbench.distributed import DistContext
-from taxbench.records import STOP_FILE, RunRef, steps_file, write_text_atomically
+from taxbench.records import CAP, STEPS, TARGET, RunRef, Stop, steps_file
 
 MIN_ROUNDS = 10  # post-warmup rounds before the precision rule may stop
 LOOK_GROWTH = 1.1  # after `steps`, the rule looks again once the runs are 10% longer (a look costs an estimate)
-STEPS, TARGET, CAP = "steps", "target_half_width", "max_steps"
-
-
-@dataclass(frozen=True)
-class Stop:
-    steps: int  # every run of the experiment takes this many steps
-    stopped_by: str  # STEPS (fixed length), TARGET (precision reached) or CAP (max_steps reached first)
-    half_width: float | None  # at the last look (None without a target)
-
-    def write(self, root: Path) -> None:
-        write_text_atomically(root / STOP_FILE, json.dumps(asdict(self), indent=2))
-
-
-def read_stop(root: Path) -> Stop | None:
-    """The stored stop of an experiment whose interleaved rounds finished (None before that, or when the record is
-    damaged: the rounds then run again from their newest checkpoint)."""
-    try:
-        stored = json.loads((root / STOP_FILE).read_text(encoding="utf-8"))
-        return Stop(int(stored["steps"]), str(stored["stopped_by"]), stored.get("half_width"))
-    except (OSError, ValueError, KeyError, TypeError):  # missing, unreadable, not JSON, or not a stop record
-        return None
-
-
 class StoppingRule:
     def __init__(self, exp: ExperimentConfig, runs: Sequence[RunRef], ctx: DistContext) -> None:
         self.exp, self.runs, self.ctx = exp, tuple(runs), ctx

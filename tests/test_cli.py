@@ -84,3 +84,11 @@ def test_a_multirun_names_each_points_overrides_before_it_runs(tmp_path: Path, t
     # Each point's line comes before that point's own summary.
     assert lines.index(named[1]) < next(i for i, line in enumerate(lines) if line.startswith("point1  "))
     assert "abc123secret" not in done.stdout + done.stderr
+
+
+def test_analysis_does_not_import_torch() -> None:
+    """`taxbench analyze` and sweeps read records, summaries and op tables: torch's ~2 s import is not theirs to pay."""
+    probe = ("import sys, taxbench.cli, taxbench.analysis.publish, taxbench.analysis.sweep; "
+             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
