@@ -25,7 +25,7 @@ import pandas as pd
 import pyarrow as pa
 
 from taxbench.records import MANIFEST, METRICS, SCHEMA_VERSION
-from taxbench.step_stream import STEP_SCHEMA, parse_records, read_stream, write_mirror
+from taxbench.step_stream import STEP_SCHEMA, read_stream, records_of, write_mirror
 
 _STREAM_NAME = re.compile(r"steps\.rank(\d+)\.jsonl")
 _FAULTS_NAME = re.compile(r"faults\.rank(\d+)\.jsonl")
@@ -79,33 +79,26 @@ def _version_ok(table: pa.Table) -> bool:
     return versions.null_count == 0 and bool((versions.to_numpy() == SCHEMA_VERSION).all())
 
 
-def _stream_tables(path: Path, use_mirror: bool) -> list[pa.Table]:
+def _stream_records(path: Path, use_mirror: bool) -> pa.Table:
     """One stream's records: its verified mirror, then its JSONL lines after what the mirror covers, parsed; with
     `use_mirror` a mirror that does not cover every complete line is (re)written for the next reader."""
     try:
         read = read_stream(path, use_mirror)
     except OSError as exc:
         raise RecordError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
-    tables = [read.mirrored] if read.mirrored is not None else []
-    if read.rest.strip():
-        try:
-            parsed = parse_records(read.rest)
-        except pa.ArrowInvalid:
-            raise _diagnose(path) from None
-        if not _version_ok(parsed):
-            raise _diagnose(path)
-        tables.append(parsed)
+    try:
+        table = records_of(read)
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        raise _diagnose(path) from None
     if use_mirror and not read.mirror_current:
         try:
-            write_mirror(path, _concat(path, tables), read.complete, read.digest)
+            write_mirror(path, table, read.complete, read.digest)
         except OSError:
             pass  # a read-only results folder: analyse without leaving mirrors
-    return tables
+    return table
 
 
 def _concat(where: Path, tables: list[pa.Table]) -> pa.Table:
-    if not tables:
-        return STEP_SCHEMA.empty_table()
     try:
         return pa.concat_tables(tables, promote_options="default")
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
@@ -138,8 +131,8 @@ def load_run(run_dir: Path, use_mirrors: bool = True, empty_ok: bool = False) ->
         raise RecordError(f"{run_dir}: no steps.rank<R>.jsonl files; is this a taxbench run directory?")
     halves = [files[: len(files) // 2], files[len(files) // 2:]]  # one task per reader: 1,000 tasks cost 0.1 s
     with ThreadPoolExecutor(_READERS) as pool:
-        tables = [t for part in pool.map(lambda part: _tables_of(part, use_mirrors), halves) for t in part]
-    if not tables:
+        tables = [t for part in pool.map(lambda part: _records_of(part, use_mirrors), halves) for t in part]
+    if not any(t.num_rows for t in tables):
         if empty_ok:
             return empty_run()
         raise RecordError(f"{run_dir}: the step record files are empty")
@@ -157,8 +150,8 @@ def _copied(table: pa.Table) -> pa.Table:
     return pa.Table.from_arrays(columns, schema=table.schema)
 
 
-def _tables_of(files: list[Path], use_mirrors: bool) -> list[pa.Table]:
-    return [table for path in files for table in _stream_tables(path, use_mirrors)]
+def _records_of(files: list[Path], use_mirrors: bool) -> list[pa.Table]:
+    return [_stream_records(path, use_mirrors) for path in files]
 
 
 def _sorted_by_rank_and_step(table: pa.Table) -> pa.Table:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,7 +87,6 @@ class StreamRead:
     rest: bytes  # the stream's complete lines after `covered` (a torn final line of a crashed writer is dropped)
     complete: int  # bytes of complete lines in the stream: covered + len(rest)
     digest: bytes  # xxh3-128 of the stream's first `complete` bytes
-    size: int  # bytes as read, a torn tail included (a cache key's view of the file)
 
     @property
     def mirror_current(self) -> bool:
@@ -101,14 +99,13 @@ def read_stream(stream: Path, use_mirror: bool = True) -> StreamRead:
     stream cannot be read; an unusable mirror is no error)."""
     mirror = _read_mirror(mirror_file(stream)) if use_mirror else None
     with stream.open("rb", buffering=0) as handle:
-        size = os.fstat(handle.fileno()).st_size
-        if mirror is not None and mirror[1] <= size:
+        if mirror is not None and mirror[1] <= os.fstat(handle.fileno()).st_size:
             table, covered, expected = mirror
             hasher = _hash_prefix(handle, covered)
             if hasher is not None and hasher.digest() == expected:
-                return _with_rest(stream, handle, table, covered, hasher, size)
+                return _with_rest(stream, handle, table, covered, hasher)
             handle.seek(0)
-        return _with_rest(stream, handle, None, 0, xxhash.xxh3_128(), size)
+        return _with_rest(stream, handle, None, 0, xxhash.xxh3_128())
 
 
 _buffers = threading.local()
@@ -132,12 +129,12 @@ def _hash_prefix(handle, length: int) -> xxhash.xxh3_128 | None:  # noqa: ANN001
 
 
 def _with_rest(stream: Path, handle, table: pa.Table | None, covered: int,  # noqa: ANN001
-               hasher: xxhash.xxh3_128, size: int) -> StreamRead:
+               hasher: xxhash.xxh3_128) -> StreamRead:
     rest = handle.read()
     complete = rest.rfind(b"\n") + 1  # a final line without its newline is a torn write: not a record yet
     rest = rest[:complete] if complete != len(rest) else rest
     hasher.update(rest)
-    return StreamRead(stream, table, covered, rest, covered + len(rest), hasher.digest(), size)
+    return StreamRead(stream, table, covered, rest, covered + len(rest), hasher.digest())
 
 
 def _read_mirror(path: Path) -> tuple[pa.Table, int, bytes] | None:
@@ -179,28 +176,34 @@ def write_mirror(stream: Path, table: pa.Table, covered: int, digest: bytes) -> 
         writer.write_table(table)
     body = sink.getvalue()
     path = mirror_file(stream)
-    handle = tempfile.NamedTemporaryFile(dir=path.parent, prefix=path.name + ".", suffix=".tmp", delete=False)
+    # A name of this process and thread (writer and analysis may race on one mirror); created with the umask's mode,
+    # as the JSONL beside it (NamedTemporaryFile would make it readable by its owner only).
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        with handle:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666), "wb") as handle:
             handle.write(body)
             handle.write(xxhash.xxh3_128_digest(body))
-        os.replace(handle.name, path)
+        os.replace(tmp, path)
     except OSError:
-        Path(handle.name).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
+
+
+def records_of(read: StreamRead) -> pa.Table:
+    """Every complete record of the stream: the mirrored rows, then the rest parsed (pyarrow.ArrowInvalid or
+    ArrowTypeError when the rest is no JSON records of compatible types)."""
+    parts = [t for t in (read.mirrored, parse_records(read.rest) if read.rest.strip() else None) if t is not None]
+    return pa.concat_tables(parts, promote_options="default") if parts else STEP_SCHEMA.empty_table()
 
 
 def refresh_mirror(stream: Path) -> None:
     """Bring the stream's mirror up to date with every complete line (what a writer does when it closes).
 
-    Raises OSError when a file cannot be read or written and pyarrow.ArrowInvalid when the JSONL does not parse.
+    Raises OSError when a file cannot be read or written, and what records_of raises when the JSONL does not parse.
     """
     read = read_stream(stream)
-    if read.mirror_current:
-        return
-    parts = [t for t in (read.mirrored, parse_records(read.rest) if read.rest.strip() else None) if t is not None]
-    table = pa.concat_tables(parts, promote_options="default") if parts else STEP_SCHEMA.empty_table()
-    write_mirror(stream, table, read.complete, read.digest)
+    if not read.mirror_current:
+        write_mirror(stream, records_of(read), read.complete, read.digest)
 
 
 class StepWriter(JsonlWriter):

@@ -39,7 +39,7 @@ def test_loader_reads_every_record_through_the_mirrors_and_refreshes_them(tmp_pa
     root = write_experiment(tmp_path / "exp", SyntheticExperiment(ranks=3, steps=12, block_steps=3, resume_step=6))
     run = root / "baseline-0"
     assert sorted(p.name for p in run.glob("steps.rank*.arrow")) == [f"steps.rank{r}.arrow" for r in range(3)]
-    with mock.patch("taxbench.analysis.records.parse_records", side_effect=AssertionError("parsed the JSONL")):
+    with mock.patch("taxbench.step_stream.parse_records", side_effect=AssertionError("parsed the JSONL")):
         frame = load_run(run)  # the ranks' mirrors cover every line: nothing is parsed
     assert len(frame) == 36 and list(frame[["rank", "step"]].iloc[11:14].itertuples(index=False)) == [
         (0, 12), (1, 1), (1, 2)]
@@ -49,7 +49,7 @@ def test_loader_reads_every_record_through_the_mirrors_and_refreshes_them(tmp_pa
         f.write(json.dumps({**json.loads(stream.read_text().splitlines()[-1]), "step": 13}) + "\n")
     assert len(load_run(run)) == 37
     parsed = load_run(run, use_mirrors=False)
-    with mock.patch("taxbench.analysis.records.parse_records", side_effect=AssertionError("parsed the JSONL")):
+    with mock.patch("taxbench.step_stream.parse_records", side_effect=AssertionError("parsed the JSONL")):
         assert load_run(run).equals(parsed)
 
 

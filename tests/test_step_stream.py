@@ -42,6 +42,8 @@ def test_closing_a_stream_mirrors_every_line_exactly(tmp_path: Path) -> None:
     assert read.mirror_current and read.rest == b"" and read.covered == stream.stat().st_size
     assert read.mirrored.equals(parse_records(stream.read_bytes()))  # the same parser made both
     assert read.mirrored.column("schema_version").to_pylist() == [SCHEMA_VERSION] * 5
+    assert mirror_file(stream).stat().st_mode & 0o777 == stream.stat().st_mode & 0o777  # readable as its stream is
+    assert not list(tmp_path.glob("*.tmp"))
 
 
 def test_a_crash_before_close_leaves_the_jsonl_to_parse_and_analysis_mirrors_it(tmp_path: Path) -> None:
