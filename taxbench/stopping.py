@@ -28,6 +28,8 @@ from taxbench.records import CAP, STEPS, TARGET, RunRef, Stop, steps_file
 
 MIN_ROUNDS = 10  # post-warmup rounds before the precision rule may stop
 LOOK_GROWTH = 1.1  # after `steps`, the rule looks again once the runs are 10% longer (a look costs an estimate)
+
+
 class StoppingRule:
     def __init__(self, exp: ExperimentConfig, runs: Sequence[RunRef], ctx: DistContext) -> None:
         self.exp, self.runs, self.ctx = exp, tuple(runs), ctx
