@@ -37,8 +37,6 @@ from taxbench.tracing.collectives import probe_for
 from taxbench.tracing.trace_io import TraceWriter, trace_file
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
-
     from taxbench.config import TraceConfig
     from taxbench.distributed import DistContext
     from taxbench.parallel import ModelParts
