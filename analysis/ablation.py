@@ -1,4 +1,4 @@
-"""The knob table of an ablation experiment (experiment.ablation=true; see taxbench.ablation for the arms).
+"""The knob table of an ablation experiment (experiment.ablation=true; see taxbench.design for the arms).
 
 Per knob: its tax (the with_<knob> arm against the baseline runs, the same estimator and interval as the pair's
 tax) and whether determinism needs it (its without_<knob> replicas compared bit for bit: if they differ, it is
@@ -15,13 +15,11 @@ from typing import Any
 
 import pandas as pd
 
-from taxbench.ablation import KnobPlan, plan_ablation
-from taxbench.analysis.records import RecordError, load_checked_run, load_manifest
-from taxbench.analysis.tax import TaxEstimate, estimate_tax, no_estimate
 from taxbench.analysis.verdicts import DIFFERS, IDENTICAL, Verdict, compare_runs
-from taxbench.config import Device, PolicyConfig
-
-NEEDED_GATE = "knob_needed"
+from taxbench.config.schema import Device, PolicyConfig
+from taxbench.design import KNOB_NEEDED, KnobPlan, plan_ablation
+from taxbench.rundir.read import RecordError, load_checked_run, load_manifest
+from taxbench.stats.tax import TaxEstimate, estimate_tax, no_estimate
 
 
 @dataclass
@@ -94,7 +92,7 @@ def analyse_ablation(root: Path, config: dict[str, Any], device: str, baselines:
             result.problems += first_problems + second_problems
             if first is not None and second is not None:
                 a, b = (ref.name for ref in plan.without_runs)
-                result.repeat = compare_runs(NEEDED_GATE, a, first, b, second, 0,
+                result.repeat = compare_runs(KNOB_NEEDED, a, first, b, second, 0,
                                              tuple(first_problems + second_problems))
         results.append(result)
     return results

@@ -1,5 +1,5 @@
 """Per-op attribution of the determinism tax: which ops grew between the baseline's and the deterministic arm's
-profiles (taxbench.op_profile), and what share of the measured step-time difference each growth explains."""
+profiles (taxbench.train.op_profile), and what share of the measured step-time difference each growth explains."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from taxbench.analysis.records import RecordError
-from taxbench.op_profile import OP_COLUMNS, OpTable
-from taxbench.records import PROFILE_REPLICA, op_table_file, run_name
+from taxbench.design import PROFILE_REPLICA, run_name
+from taxbench.rundir.read import RecordError
+from taxbench.rundir.records import op_table_file
+from taxbench.train.op_profile import OP_COLUMNS, OpTable
 
 # Growths below this fraction of the baseline step's total self time are left out of the list (see attribute).
 NOISE_FLOOR_FRACTION = 0.001

@@ -56,13 +56,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from taxbench.analysis.records import step_losses
+from taxbench.design import EQUIVALENCE_RUNS
+from taxbench.rundir.read import step_losses
 
 EQUIVALENT = "equivalent within baseline noise"
 DIFFERS = "differs beyond baseline noise"
 NOT_EVALUATED = "not evaluated"
 
-COMPARED_RUNS = ("baseline-0", "baseline-1", "deterministic-0")
 BAND_FACTOR = 3.0
 NOISE_WINDOW = 41  # steps, centred
 RELATIVE_FLOOR = 1e-4
@@ -142,7 +142,7 @@ class Equivalence:
             "basis": self.basis,
             "description": self.describe(),
             "from_step": self.from_step,
-            "runs": list(COMPARED_RUNS),
+            "runs": list(EQUIVALENCE_RUNS),
             "steps_inside": int(self.inside.sum()),
             "max_deviation": float(self.deviation.max()) if self.n_steps else math.nan,
             "median_deviation": self._median(self.deviation),
@@ -190,8 +190,8 @@ def compare_loss_curves(baseline_0: pd.Series, baseline_1: pd.Series, determinis
 
 def baseline_equivalence(runs: dict[str, pd.DataFrame], from_step: int, problems: Sequence[str] = ()) -> Equivalence:
     """Equivalence of an experiment's runs (run name -> step records); `problems` are what makes any of the
-    COMPARED_RUNS incomplete, and then nothing is evaluated."""
+    EQUIVALENCE_RUNS incomplete, and then nothing is evaluated."""
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         return not_evaluated(f"incomplete records: {problems[0]}{more}", from_step)
-    return compare_loss_curves(*(step_losses(runs[name]) for name in COMPARED_RUNS), from_step=from_step)
+    return compare_loss_curves(*(step_losses(runs[name]) for name in EQUIVALENCE_RUNS), from_step=from_step)

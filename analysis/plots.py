@@ -16,7 +16,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import FuncFormatter, MaxNLocator, PercentFormatter  # noqa: E402
 
 from taxbench.analysis.equivalence import BAND_FACTOR, RELATIVE_FLOOR, Equivalence  # noqa: E402
-from taxbench.analysis.tax import TaxEstimate  # noqa: E402
+from taxbench.stats.tax import TaxEstimate  # noqa: E402
 
 ARM_COLORS = {"baseline": "#1f77b4", "deterministic": "#d62728"}
 

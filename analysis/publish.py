@@ -13,9 +13,10 @@ from pathlib import Path
 from rich.console import Console
 
 from taxbench.analysis.report import write_experiment_report, write_sweep_report
-from taxbench.analysis.summary import ExperimentAnalysis, render
+from taxbench.analysis.summary import ExperimentAnalysis, analyse_experiment, render
 from taxbench.analysis.sweep import PointName, analyse_sweep, is_experiment, render_sweep
-from taxbench.config import ReportConfig
+from taxbench.analysis.wandb_log import WandbUnavailable, import_wandb, log_experiment, log_sweep
+from taxbench.config.schema import ReportConfig
 from taxbench.diagnostics import logger
 
 log = logger(__name__)
@@ -56,8 +57,6 @@ def publish(root: Path, settings: ReportConfig, group: str | None = None, strict
     if not root.is_dir():
         raise FileNotFoundError(f"{root}: no such directory; pass an experiment directory or a sweep folder")
     if settings.wandb:
-        from taxbench.analysis.wandb_log import WandbUnavailable, import_wandb
-
         try:
             import_wandb()  # decide before the analysis, and warn once rather than once per sweep point
         except WandbUnavailable as exc:
@@ -71,9 +70,6 @@ def publish(root: Path, settings: ReportConfig, group: str | None = None, strict
 
 def _publish_experiment(root: Path, settings: ReportConfig, group: str | None, strict_wandb: bool,
                         console: Console | None) -> Published:
-    from taxbench.analysis.summary import analyse_experiment
-    from taxbench.analysis.wandb_log import log_experiment
-
     analysis = analyse_experiment(root)
     html = write_experiment_report(analysis) if settings.html else None
     runs = []
@@ -87,8 +83,6 @@ def _publish_experiment(root: Path, settings: ReportConfig, group: str | None, s
 
 def _publish_sweep(root: Path, settings: ReportConfig, group: str | None, strict_wandb: bool,
                    console: Console | None) -> Published:
-    from taxbench.analysis.wandb_log import log_experiment, log_sweep
-
     point_reports: dict[str, Path] = {}
     runs: list[Path] = []
     group = settings.wandb_group or group or root.name
@@ -108,3 +102,11 @@ def _publish_sweep(root: Path, settings: ReportConfig, group: str | None, strict
     render_sweep(sweep, console, html)
     _say_wandb(runs, console)
     return Published(sweep.deterministic_ok, html, tuple(runs), sweep.exit_code)
+
+
+def report(
+    root: Path, settings: ReportConfig | None = None, group: str | None = None, strict_wandb: bool = False
+) -> int:
+    """Analyse an experiment (or a sweep folder), write its report and wandb run per settings, print the summary."""
+    settings = settings or ReportConfig(html=False, wandb=False)
+    return publish(root, settings, group=group, strict_wandb=strict_wandb).exit_code

@@ -25,7 +25,6 @@ from taxbench.analysis.ablation import measured_first
 from taxbench.analysis.attribution import SHARE_OF
 from taxbench.analysis.equivalence import (
     BAND_FACTOR,
-    COMPARED_RUNS,
     EQUIVALENT,
     NOISE_WINDOW,
     RELATIVE_FLOOR,
@@ -38,9 +37,7 @@ from taxbench.analysis.plots import (
     top_ops_plot,
     training_curves_plot,
 )
-from taxbench.analysis.records import ResultWriteError, step_times
 from taxbench.analysis.summary import (
-    GATES,
     PASSED,
     ExperimentAnalysis,
     ExperimentSummary,
@@ -54,12 +51,14 @@ from taxbench.analysis.summary import (
     verdict_line,
     write_result,
 )
-from taxbench.analysis.sweep import GATE_LABELS, SweepAnalysis, world_label
-from taxbench.analysis.tax import block_ratios
+from taxbench.analysis.sweep import SweepAnalysis, world_label
 from taxbench.analysis.throughput import mebibytes, si
 from taxbench.analysis.verdicts import INCOMPLETE, Verdict
+from taxbench.design import BASELINE_REPEAT, EQUIVALENCE_RUNS, GATES, REPEAT, TIMED
 from taxbench.oserrors import describe_os_error
 from taxbench.redaction import redact
+from taxbench.rundir.read import ResultWriteError, step_times
+from taxbench.stats.tax import block_ratios
 
 REPORT_DIR = "report"
 HTML_FILE = "report.html"
@@ -285,9 +284,9 @@ def manifest_comparison(baseline: dict[str, Any], deterministic: dict[str, Any])
 
 def gate_rows(summary: ExperimentSummary) -> tuple[list[list[str]], list[bool]]:
     rows, failing = [], []
-    for verdict, (_, _, _, strict) in zip(summary.verdicts, GATES, strict=True):
-        rows.append(_gate_row(verdict, strict))
-        failing.append(not verdict.agree and (strict or verdict.outcome == INCOMPLETE))
+    for verdict, gate in zip(summary.verdicts, GATES, strict=True):
+        rows.append(_gate_row(verdict, gate.strict))
+        failing.append(not verdict.agree and (gate.strict or verdict.outcome == INCOMPLETE))
     return rows, failing
 
 
@@ -348,8 +347,8 @@ def _training_blocks(analysis: ExperimentAnalysis) -> list[Block]:
             f"{'n/a' if hours is None else f'{hours:.1f}'} {unit}-hours per day of training at "
             f"{summary.world_size} {unit}s. MFU needs a GPU with a known peak (cluster.peak_tflops); peak memory is "
             "the process's (all of its interleaved runs)."))
-    names = [name for name in ("baseline-0", "deterministic-0", "deterministic-1", "baseline-1")
-             if not analysis.runs[name].empty]
+    curves = (TIMED["baseline"], TIMED["deterministic"], REPEAT, BASELINE_REPEAT)
+    names = [ref.name for ref in curves if not analysis.runs[ref.name].empty]
     if names:
         blocks.append(Figure(TRAINING_PNG, training_curves_plot({name: analysis.runs[name] for name in names}),
                              "loss and gradient norm per step"))
@@ -372,7 +371,7 @@ def _equivalence_blocks(analysis: ExperimentAnalysis) -> list[Block]:
     """Baseline equivalence: does the deterministic recipe train like the baseline, within the baseline's noise?"""
     equivalence = analysis.summary.equivalence
     tone = "good" if equivalence.verdict == EQUIVALENT else "warn"
-    first, second, deterministic = COMPARED_RUNS
+    first, second, deterministic = EQUIVALENCE_RUNS
     blocks: list[Block] = [
         Heading("Baseline equivalence", level=3),
         Paragraph(f"**{equivalence.describe()}**", tone=tone),
@@ -488,14 +487,16 @@ def experiment_report(analysis: ExperimentAnalysis) -> Report:
     blocks += where_the_tax_goes(analysis)
 
     blocks.append(Heading("Recipe and stack, side by side"))
-    comparison = manifest_comparison(analysis.manifests["baseline-0"], analysis.manifests["deterministic-0"])
+    comparison = manifest_comparison(analysis.manifests[TIMED["baseline"].name],
+                                     analysis.manifests[TIMED["deterministic"].name])
     differing = [row for row in comparison if row[3]]
     blocks.append(Paragraph(f"{len(differing)} of {len(comparison)} recorded settings differ between the arms "
                             "(highlighted). Only the execution policy may differ: anything else would make the tax "
                             "compare different work."))
-    blocks.append(TableBlock(["setting", "baseline-0", "deterministic-0"], [list(r[:3]) for r in differing],
+    pair_header = ["setting", TIMED["baseline"].name, TIMED["deterministic"].name]
+    blocks.append(TableBlock(pair_header, [list(r[:3]) for r in differing],
                              [True] * len(differing)))
-    blocks.append(TableBlock(["setting", "baseline-0", "deterministic-0"], [list(r[:3]) for r in comparison],
+    blocks.append(TableBlock(pair_header, [list(r[:3]) for r in comparison],
                              [r[3] for r in comparison], collapsed=f"all {len(comparison)} settings"))
     return Report(f"taxbench: {summary.experiment}", blocks)
 
@@ -519,7 +520,7 @@ def sweep_report(sweep: SweepAnalysis, point_reports: dict[str, Path] | None = N
     if not analysed.empty:
         blocks.append(Figure(SWEEP_PNG, sweep_tax_plot(analysed, world), f"determinism tax vs {world}"))
     header = ["experiment", "recipe", world, "tax", "CI", "HL", "baseline step", "deterministic step",
-              *(GATE_LABELS[g] for g, *_ in GATES), "code"]
+              *(gate.label for gate in GATES), "code"]
     rows, highlight, links = [], [], {}
     for index, row in enumerate(sweep.points.to_dict("records")):
         if row["error"]:
@@ -530,7 +531,7 @@ def sweep_report(sweep: SweepAnalysis, point_reports: dict[str, Path] | None = N
         rows.append([str(row["experiment"]), str(row["recipe"]), str(row["world_size"]), pct(row["tax"]),
                      f"[{pct(row['low'])}, {pct(row['high'])}]", pct(row["hl_tax"]),
                      ms(row["baseline_median_s"], 3), ms(row["deterministic_median_s"], 3),
-                     *(str(row[g]) for g, *_ in GATES), str(row["code"])])
+                     *(str(row[gate.name]) for gate in GATES), str(row["code"])])
         highlight.append(row["outcome"] != PASSED)
         target = point_reports.get(str(sweep.root / str(row["path"])))
         if target is not None:

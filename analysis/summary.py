@@ -21,11 +21,14 @@ from rich.markup import escape
 from rich.table import Table
 
 from taxbench import exit_codes
-from taxbench.ablation import MEASURED, WITH, knob_arm
 from taxbench.analysis.ablation import KnobResult, analyse_ablation, measured_first
 from taxbench.analysis.attribution import SHARE_OF, attribute_arms
-from taxbench.analysis.equivalence import COMPARED_RUNS, EQUIVALENT, Equivalence, baseline_equivalence
-from taxbench.analysis.records import (
+from taxbench.analysis.equivalence import EQUIVALENT, Equivalence, baseline_equivalence
+from taxbench.analysis.throughput import THROUGHPUT_FIELDS, ArmThroughput, arm_throughput, cost_of_tax, mebibytes, si
+from taxbench.analysis.verdicts import DIFFERS, INCOMPLETE, Verdict, compare_runs
+from taxbench.design import EQUIVALENCE_RUNS, GATED_RUNS, GATES, INTERLEAVED, MEASURED, TIMED, WITH, RunRef, knob_arm
+from taxbench.oserrors import describe_os_error
+from taxbench.rundir.read import (
     RecordError,
     ResultWriteError,
     load_checked_run,
@@ -33,21 +36,11 @@ from taxbench.analysis.records import (
     load_manifest,
     manifest_value,
 )
-from taxbench.analysis.tax import PRECISE_HALF_WIDTH, TaxEstimate, estimate_tax, no_estimate, steps_for_half_width
-from taxbench.analysis.throughput import THROUGHPUT_FIELDS, ArmThroughput, arm_throughput, cost_of_tax, mebibytes, si
-from taxbench.analysis.verdicts import DIFFERS, INCOMPLETE, Verdict, compare_runs
-from taxbench.oserrors import describe_os_error
-from taxbench.records import INTERLEAVED, TARGET, RunRef, RunWriteError, read_stop, write_atomically
+from taxbench.rundir.records import TARGET, RunWriteError, read_stop, write_atomically
+from taxbench.stats.tax import PRECISE_HALF_WIDTH, TaxEstimate, estimate_tax, no_estimate, steps_for_half_width
 
 SUMMARY_FILE = "summary.json"
 
-# (gate, reference run, candidate run, whether a failure is a failure of the deterministic recipe)
-GATES = (
-    ("repeatability", "deterministic-0", "deterministic-1", True),
-    ("restart_replay", "deterministic-0", "deterministic-resumed", True),
-    ("baseline_sanity", "baseline-0", "baseline-1", False),
-)
-RUN_NAMES = tuple(sorted({n for g in GATES for n in g[1:3]}))
 PASSED, FAILED, INCOMPLETE_OUTCOME, CALIBRATION = "passed", "failed", "incomplete", "calibration"
 SHOWN_PROBLEMS = 3  # console lines of incompleteness; summary.json and the report hold them all
 
@@ -88,7 +81,8 @@ class ExperimentSummary:
     def deterministic_ok(self) -> bool:
         """Both strict gates have positive evidence of agreement (complete runs, every record bitwise equal) on a
         deterministic recipe (a calibration pair is no evidence of determinism)."""
-        return not self.calibration and all(v.agree for v, gate in zip(self.verdicts, GATES, strict=True) if gate[3])
+        strict = (v for v, gate in zip(self.verdicts, GATES, strict=True) if gate.strict)
+        return not self.calibration and all(v.agree for v in strict)
 
     @property
     def conclusive(self) -> bool:
@@ -128,7 +122,7 @@ class ExperimentSummary:
     def outcome(self) -> str:
         if self.calibration:  # the gates then compare baseline-policy runs: shown, but no verdict on determinism
             return INCOMPLETE_OUTCOME if self.problems else CALIBRATION
-        strict = [v for v, gate in zip(self.verdicts, GATES, strict=True) if gate[3]]
+        strict = [v for v, gate in zip(self.verdicts, GATES, strict=True) if gate.strict]
         if any(v.outcome == DIFFERS for v in strict):
             return FAILED
         if self.problems or self.fault_fired is False or not self.deterministic_ok:
@@ -314,33 +308,35 @@ def _median_fingerprint_s(frames: Iterable[pd.DataFrame]) -> float:
 
 
 def analyse_experiment(root: Path) -> ExperimentAnalysis:
-    manifests = {name: load_manifest(root / name) for name in RUN_NAMES}
-    manifest = manifests["deterministic-0"]
-    experiment = manifest_value(manifest, root / "deterministic-0", "config.experiment")
+    manifests = {name: load_manifest(root / name) for name in GATED_RUNS}
+    first = TIMED["deterministic"].name  # every run's manifest holds the experiment's config; read it from one
+    manifest = manifests[first]
+    experiment = manifest_value(manifest, root / first, "config.experiment")
     steps, stopped_by, stop_problems = expected_steps(root, experiment)
-    loaded = {name: load_checked_run(root / name, manifests[name], steps) for name in RUN_NAMES}
+    loaded = {name: load_checked_run(root / name, manifests[name], steps) for name in GATED_RUNS}
     runs = {name: frame for name, (frame, _) in loaded.items()}
     problems = {name: found for name, (_, found) in loaded.items()}
     timed = timed_runs(runs, experiment)
     timed_incomplete = any(problems[ref.name] for ref in interleaved_runs(experiment)) or bool(stop_problems)
     tax = _tax(timed, experiment, timed_incomplete)
     verdicts = []
-    for gate, reference, candidate, _ in GATES:
-        from_step = experiment["resume_step"] if gate == "restart_replay" else 0
-        verdicts.append(compare_runs(gate, reference, runs[reference], candidate, runs[candidate], from_step,
+    for gate in GATES:
+        reference, candidate = gate.reference.name, gate.candidate.name
+        from_step = experiment["resume_step"] if gate.after_resume else 0
+        verdicts.append(compare_runs(gate.name, reference, runs[reference], candidate, runs[candidate], from_step,
                                      tuple(problems[reference] + problems[candidate])))
     faults, fired = fault_outcome(root, experiment)
-    config = manifest_value(manifest, root / "deterministic-0", "config")
-    device = manifest_value(manifest, root / "deterministic-0", "policy_applied.device")
+    config = manifest_value(manifest, root / first, "config")
+    device = manifest_value(manifest, root / first, "policy_applied.device")
     knobs = analyse_ablation(root, config, device, timed["baseline"], steps)
-    world = int(manifest_value(manifest, root / "deterministic-0", "layout.world_size"))
+    world = int(manifest_value(manifest, root / first, "layout.world_size"))
     attribution, attribution_problems = ({}, []) if not experiment.get("ablation") else attribute_arms(
         root, step_deltas_us(tax, knobs), world)
     equivalence = baseline_equivalence(runs, int(experiment["warmup_steps"]),
-                                       stop_problems + [line for name in COMPARED_RUNS for line in problems[name]])
+                                       stop_problems + [line for name in EQUIVALENCE_RUNS for line in problems[name]])
     steps_needed = steps_for_half_width(tax)
     # The whole experiment at that length: every run (timed or not) at its arm's median step.
-    arm_runs = {arm: sum(1 for name in RUN_NAMES if name.startswith(arm)) for arm in ("baseline", "deterministic")}
+    arm_runs = {arm: sum(1 for name in GATED_RUNS if name.startswith(arm)) for arm in ("baseline", "deterministic")}
     step_cost = arm_runs["baseline"] * tax.baseline_median_s + arm_runs["deterministic"] * tax.deterministic_median_s
     medians = {"baseline": tax.baseline_median_s, "deterministic": tax.deterministic_median_s}
     throughput = {arm: arm_throughput([after_warmup(f, tax.warmup_steps, THROUGHPUT_FIELDS) for f in frames],
@@ -349,7 +345,7 @@ def analyse_experiment(root: Path) -> ExperimentAnalysis:
     summary = ExperimentSummary(
         experiment=root.name,
         root=str(root),
-        recipe=recipe_label(manifest_value(manifest, root / "deterministic-0", "config.recipe")),
+        recipe=recipe_label(manifest_value(manifest, root / first, "config.recipe")),
         world_size=world,
         device=device,
         tax=tax,
@@ -367,7 +363,7 @@ def analyse_experiment(root: Path) -> ExperimentAnalysis:
         code=code_of(manifest),
         cost=cost_of_tax(throughput["baseline"], throughput["deterministic"], tax.tax, world),
         equivalence=equivalence,
-        problems=(stop_problems + [line for name in RUN_NAMES for line in problems[name]]
+        problems=(stop_problems + [line for name in GATED_RUNS for line in problems[name]]
                   + [line for knob in knobs for line in knob.problems] + attribution_problems),
         faults=faults,
         fault_fired=fired,
@@ -387,7 +383,7 @@ def verdict_line(summary: ExperimentSummary) -> tuple[str, str]:
     """The verdict as one line, the first thing every output shows, with its tone ("good", "bad", "warn")."""
     if summary.outcome == CALIBRATION:
         return "warn", "calibration (A/A pair: both arms on the baseline policy): no determinism verdict"
-    strict = [(v, gate) for v, gate in zip(summary.verdicts, GATES, strict=True) if gate[3]]
+    strict = [(v, gate) for v, gate in zip(summary.verdicts, GATES, strict=True) if gate.strict]
     if summary.outcome == PASSED:
         steps = " and ".join(f"{v.gate} {v.compared_steps} steps" for v, _ in strict)
         return "good", f"deterministic: yes (every fingerprint agrees bit for bit: {steps})"
@@ -403,10 +399,10 @@ def verdict_line(summary: ExperimentSummary) -> tuple[str, str]:
 
 def localize_command(summary: ExperimentSummary) -> str | None:
     """The ready-to-run command that narrows the first failing strict gate to an op (None when none failed)."""
-    for v, (_, reference, candidate, strict) in zip(summary.verdicts, GATES, strict=True):
-        if strict and v.outcome == DIFFERS and not summary.calibration:
+    for v, gate in zip(summary.verdicts, GATES, strict=True):
+        if gate.strict and v.outcome == DIFFERS and not summary.calibration:
             root = Path(summary.root)
-            return f"taxbench localize {root / reference} {root / candidate}"
+            return f"taxbench localize {root / gate.reference.name} {root / gate.candidate.name}"
     return None
 
 
@@ -527,8 +523,8 @@ def render(summary: ExperimentSummary, console: Console | None = None, report_pa
     table.add_row("step time", f"baseline {ms(tax.baseline_median_s)} (CV {pct_plain(tax.baseline_cv)})  "
                                f"deterministic {ms(tax.deterministic_median_s)} "
                                f"(CV {pct_plain(tax.deterministic_cv)}){spread}")
-    for verdict, (_, _, _, strict) in zip(summary.verdicts, GATES, strict=True):
-        table.add_row(verdict.gate, gate_outcome(verdict, strict))
+    for verdict, gate in zip(summary.verdicts, GATES, strict=True):
+        table.add_row(verdict.gate, gate_outcome(verdict, gate.strict))
     table.add_row("equivalence", equivalence_outcome(summary.equivalence))
     for label, line in knob_rows(summary.ablation):
         table.add_row(label, escape(line))

@@ -18,9 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from taxbench import exit_codes
-from taxbench.analysis.records import RecordError
 from taxbench.analysis.summary import (
-    GATES,
     ExperimentAnalysis,
     ExperimentSummary,
     analyse_experiment,
@@ -28,12 +26,13 @@ from taxbench.analysis.summary import (
     write_result,
 )
 from taxbench.analysis.verdicts import IDENTICAL, INCOMPLETE
-from taxbench.records import MANIFEST
+from taxbench.design import GATES, TIMED
+from taxbench.rundir.read import RecordError, load_manifest
+from taxbench.rundir.records import MANIFEST
 
 # Folders below the sweep root searched for experiments: <sweep>/<job>/<experiment>/ and one level more.
 MAX_DEPTH = 3
 SWEEP_FILE = "sweep.csv"
-GATE_LABELS = {"repeatability": "repeat", "restart_replay": "replay", "baseline_sanity": "baseline"}
 
 
 @dataclass(frozen=True)
@@ -64,10 +63,8 @@ def point_names(root: Path, experiments: list[Path]) -> dict[Path, PointName]:
 
 def _launch_overrides(experiment: Path) -> dict[str, str]:
     """key -> value of the `key=value` overrides the experiment was launched with (none when not recorded)."""
-    from taxbench.analysis.records import load_manifest
-
     try:
-        recorded = load_manifest(experiment / "deterministic-0").get("provenance", {}).get("overrides") or []
+        recorded = load_manifest(experiment / TIMED["deterministic"].name).get("provenance", {}).get("overrides") or []
     except RecordError:
         return {}
     pairs = (str(item).split("=", 1) for item in recorded if "=" in str(item))
@@ -75,7 +72,7 @@ def _launch_overrides(experiment: Path) -> dict[str, str]:
 
 
 def is_experiment(path: Path) -> bool:
-    return (path / "deterministic-0" / MANIFEST).is_file()
+    return (path / TIMED["deterministic"].name / MANIFEST).is_file()
 
 
 def find_experiments(root: Path, max_depth: int = MAX_DEPTH) -> list[Path]:
@@ -116,7 +113,7 @@ class SweepAnalysis:
 
 POINT_COLUMNS = ("point", "experiment", "path", "recipe", "device", "world_size", "tax", "low", "high", "hl_tax",
                  "half_width", "conclusive", "steps_needed", "pairs", "confidence", "baseline_median_s",
-                 "deterministic_median_s", "deterministic_ok", "outcome", *(gate for gate, *_ in GATES), "incomplete",
+                 "deterministic_median_s", "deterministic_ok", "outcome", *(gate.name for gate in GATES), "incomplete",
                  "code", "error")
 
 
@@ -208,7 +205,7 @@ def render_sweep(sweep: SweepAnalysis, console: Console | None = None, report_pa
         if row["error"]:
             table.add_row(str(row["experiment"]), "", "", "", f"[red]not analysed[/red]: {escape(row['error'][:60])}")
             continue
-        gates = " ".join(_gate_mark(str(row[gate]), strict) + GATE_LABELS[gate] for gate, _, _, strict in GATES)
+        gates = " ".join(_gate_mark(str(row[gate.name]), gate.strict) + gate.label for gate in GATES)
         table.add_row(str(row["recipe"]), str(row["world_size"]), pct(row["tax"]),
                       escape(f"[{pct(row['low'])}, {pct(row['high'])}]"), gates)
     console.print(table)

@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from taxbench.records import ALL_RUNS, METRICS, SCHEMA_VERSION, steps_file, write_manifest
-from taxbench.step_stream import refresh_mirror
+from taxbench.design import ALL_RUNS
+from taxbench.rundir.records import METRICS, SCHEMA_VERSION, steps_file, write_manifest
+from taxbench.rundir.step_stream import refresh_mirror
 
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 

@@ -1,7 +1,7 @@
 """Bitwise gates: compare two runs' fingerprint streams and name the first mismatch.
 
 A gate has three outcomes. "identical" needs positive evidence: both runs complete (see
-taxbench.analysis.records.check_run) and every record equal. "differs" needs a record both runs hold, once each,
+taxbench.rundir.read.check_run) and every record equal. "differs" needs a record both runs hold, once each,
 with a different fingerprint. Anything else, a gate over runs with missing, duplicated or stray records where what
 they share agrees, is "incomplete": never identical.
 """
@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 import pandas as pd
 
-from taxbench.records import METRICS
+from taxbench.rundir.records import METRICS
 
 
 @dataclass(frozen=True)

@@ -30,13 +30,14 @@ from typing import Any
 import pandas as pd
 
 from taxbench.analysis.equivalence import Equivalence
-from taxbench.analysis.records import step_losses, step_times
 from taxbench.analysis.report import EQUIVALENCE_PNG, STEP_TIME_PNG, SWEEP_PNG
-from taxbench.analysis.summary import GATES, ExperimentAnalysis, ExperimentSummary, finite_or_none, verdict_line
+from taxbench.analysis.summary import ExperimentAnalysis, ExperimentSummary, finite_or_none, verdict_line
 from taxbench.analysis.sweep import PointName, SweepAnalysis
-from taxbench.analysis.tax import block_ratios
-from taxbench.config import ReportConfig
+from taxbench.config.schema import ReportConfig
+from taxbench.design import GATES, TIMED
 from taxbench.redaction import redact
+from taxbench.rundir.read import step_losses, step_times
+from taxbench.stats.tax import block_ratios
 
 INSTALL_HINT = "pip install 'taxbench[wandb]'"
 ARMS = ("baseline", "deterministic")
@@ -113,7 +114,7 @@ def _init(wandb: ModuleType, settings: ReportConfig, root: Path, kind: str, name
 
 
 def _experiment_config(analysis: ExperimentAnalysis) -> dict[str, Any]:
-    manifest = analysis.manifests["deterministic-0"]
+    manifest = analysis.manifests[TIMED["deterministic"].name]
     return {
         "experiment": analysis.summary.experiment,
         "recipe": manifest["config"]["recipe"],
@@ -162,9 +163,9 @@ def _step_rows(analysis: ExperimentAnalysis) -> list[dict[str, Any]]:
 def gate_table_rows(summary: ExperimentSummary) -> list[list[Any]]:
     """The gates as typed rows (GATE_COLUMNS): bools, ints and strings, None where a gate has no mismatch."""
     rows = []
-    for verdict, (_, _, _, strict) in zip(summary.verdicts, GATES, strict=True):
+    for verdict, gate in zip(summary.verdicts, GATES, strict=True):
         m = verdict.first_mismatch
-        rows.append([verdict.gate, strict, verdict.outcome, verdict.agree, verdict.reference, verdict.candidate,
+        rows.append([verdict.gate, gate.strict, verdict.outcome, verdict.agree, verdict.reference, verdict.candidate,
                      verdict.compared_steps, verdict.from_step, None if m is None else m.step,
                      None if m is None else m.rank, None if m is None else m.metric,
                      None if m is None else m.expected, None if m is None else m.actual])

@@ -21,9 +21,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from taxbench.analysis.records import load_run
 from taxbench.analysis.sweep import analyse_sweep
 from taxbench.analysis.synthetic import SyntheticExperiment, write_experiment
+from taxbench.design import REPEATABILITY
+from taxbench.rundir.read import load_run
 
 
 def per_line_loader(run_dir: Path) -> pd.DataFrame:
@@ -79,7 +80,7 @@ def main() -> None:
         print(f"  records/s, whole sweep: {records / sweep_s:,.0f}")
         print(f"  mirrors vs JSON parse: {parsed / mirrored:.1f}x; vs the per-line loader: {old / mirrored:.1f}x; "
               f"JSON parse vs per-line: {old / parsed:.1f}x; writing mirrors costs {first / parsed:.2f}x a parse")
-        print(result.points[["world_size", "tax", "low", "high", "repeatability"]].to_string(index=False))
+        print(result.points[["world_size", "tax", "low", "high", REPEATABILITY.name]].to_string(index=False))
     finally:
         if not args.keep:
             shutil.rmtree(root if args.dir is None else sweep, ignore_errors=True)

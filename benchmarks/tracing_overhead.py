@@ -22,9 +22,9 @@ import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from taxbench.config import register_configs, to_typed
-from taxbench.distributed import DistContext
-from taxbench.trainer import Trainer
+from taxbench.config.schema import register_configs, to_typed
+from taxbench.parallel.distributed import DistContext
+from taxbench.train.trainer import Trainer
 
 ARMS = {"untraced": None, "rung1": 1, "rung2": 2, "rung3": 3}
 

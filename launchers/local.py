@@ -20,12 +20,12 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from taxbench.checkpoints import CheckpointError
-from taxbench.config import TaxbenchConfig, world_size
+from taxbench.checkpoint.store import CheckpointError
+from taxbench.config.schema import TaxbenchConfig, world_size
 from taxbench.diagnostics import NAMESPACE, logger
-from taxbench.distributed import free_port
 from taxbench.launchers.worker import run_rank
-from taxbench.records import RunWriteError
+from taxbench.parallel.distributed import free_port
+from taxbench.rundir.records import RunWriteError
 
 log = logger(__name__)
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>

@@ -18,9 +18,12 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from taxbench.analysis.publish import report
+from taxbench.analysis.sweep import analyse_sweep, render_sweep
 from taxbench.diagnostics import logger
-from taxbench.provenance import hydra_overrides
 from taxbench.redaction import redact
+from taxbench.rundir.provenance import hydra_overrides
+from taxbench.rundir.read import RecordError
 
 log = logger(__name__)
 MULTIRUN_YAML = "multirun.yaml"
@@ -61,8 +64,6 @@ class MultirunReport(Callback):
             self.sweep_roots.append(root)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from taxbench.cli import report
-
         for root in wait_for_queued_points():
             try:
                 report(root)
@@ -93,9 +94,6 @@ def wait_for_queued_points() -> list[Path]:
 
 
 def print_sweep(root: Path) -> None:
-    from taxbench.analysis.records import RecordError
-    from taxbench.analysis.sweep import analyse_sweep, render_sweep
-
     try:
         sweep = analyse_sweep(root)
     except RecordError as exc:

@@ -2,7 +2,7 @@
 
 The job runs `SlurmExperiment` on each task (one task per GPU, or `cpu_ranks` tasks on CPU); each task reads its
 rank from submitit's TorchDistributedEnvironment and runs the same `run_rank` as the local launcher. Both arms are
-interleaved block by block inside the allocation (see taxbench.experiment), so node-to-node variation cancels.
+interleaved block by block inside the allocation (see taxbench.schedule.experiment), so node-to-node variation cancels.
 
 Preemption and timeouts: Slurm signals the job (SIGUSR2, `signal_delay_s` before the time limit, or on preemption);
 submitit then calls `SlurmExperiment.checkpoint` on task 0 and requeues the job. The callable holds no state: the
@@ -35,9 +35,10 @@ from typing import Any
 import submitit
 from submitit.core.utils import FailedJobError, UncompletedJobError
 
-from taxbench.config import ClusterConfig, ConfigError, Device, TaxbenchConfig, world_size
+from taxbench.config.schema import ClusterConfig, ConfigError, Device, TaxbenchConfig, world_size
 from taxbench.diagnostics import logger
 from taxbench.launchers.worker import run_rank
+from taxbench.parallel.plan import make_plan, render_plan
 from taxbench.redaction import redact, redact_text
 
 log = logger(__name__)
@@ -312,8 +313,6 @@ def dry_run_slurm(cfg: TaxbenchConfig, root: Path) -> Path:
 
     Needs no Slurm here. The script names the submitit folder a real submission would use (<root>/.submitit by
     default); that folder is not created."""
-    from taxbench.plan import make_plan, render_plan
-
     shape = job_shape(cfg.cluster)
     executor = make_executor(cfg, root, ScriptOnlyExecutor)
     assert isinstance(executor, ScriptOnlyExecutor)

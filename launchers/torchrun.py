@@ -27,13 +27,16 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from taxbench import exit_codes
-from taxbench.checkpoints import CheckpointError
-from taxbench.config import ConfigError, TaxbenchConfig, layout_problems, to_typed
-from taxbench.distributed import DistContext
-from taxbench.experiment_folder import claimed, experiment_root
+from taxbench.analysis.publish import report
+from taxbench.checkpoint.store import CheckpointError
+from taxbench.config.schema import ConfigError, TaxbenchConfig, layout_problems, to_typed
 from taxbench.launchers.local import rank_failed
 from taxbench.launchers.worker import rank_process, run_schedule
-from taxbench.records import RunWriteError
+from taxbench.parallel.distributed import DistContext
+from taxbench.preflight import prepare
+from taxbench.rundir.experiment_folder import claimed, experiment_root
+from taxbench.rundir.provenance import capture_launch
+from taxbench.rundir.records import RunWriteError
 
 # Rank 0's report can take a while on big runs; the other ranks wait for its exit code that long at most.
 CONTROL_TIMEOUT = timedelta(hours=2)
@@ -244,9 +247,6 @@ def _run_share(cfg: TaxbenchConfig, ctx: DistContext, root: Path) -> None:
 
 
 def _run_rank_zero(raw: DictConfig, ctx: DistContext, control: ControlGroup) -> int:
-    from taxbench.cli import prepare, report
-    from taxbench.provenance import capture_launch
-
     with ExitStack() as held:
         try:
             cfg, container = prepare(raw)

@@ -10,11 +10,12 @@ from typing import Any
 
 import torch
 
-from taxbench import distributed, policy
-from taxbench.config import TaxbenchConfig, to_typed
-from taxbench.distributed import DistContext
-from taxbench.experiment import Experiment, total_steps
+from taxbench.config import policy
+from taxbench.config.schema import TaxbenchConfig, to_typed
+from taxbench.parallel import distributed
+from taxbench.parallel.distributed import DistContext
 from taxbench.progress import step_progress
+from taxbench.schedule.experiment import Experiment, total_steps
 
 
 @contextmanager

@@ -8,6 +8,10 @@
     python -m taxbench diff RUN_A RUN_B             # tracing ladder: first origin per rank
     python -m taxbench localize RUN_A RUN_B         # replay deeper rungs until an op is named
     python -m taxbench build-shards corpus.txt shards/
+
+The command line is the top of the import graph. It imports what a command needs where the command starts, so that
+`taxbench analyse`, `--help` and shell completion load neither torch nor a launcher: these are the package's only
+function-local imports of taxbench modules (tests/test_layers.py holds every other module to top-level imports).
 """
 
 from __future__ import annotations
@@ -25,10 +29,18 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from taxbench import exit_codes
-from taxbench.config import ConfigError, Launcher, ReportConfig, TaxbenchConfig, register_configs, to_typed, world_size
+from taxbench.config.schema import (
+    ConfigError,
+    Launcher,
+    ReportConfig,
+    TaxbenchConfig,
+    register_configs,
+    to_typed,
+    world_size,
+)
 from taxbench.diagnostics import logger
-from taxbench.experiment_folder import claimed, experiment_root
-from taxbench.provenance import capture_launch
+from taxbench.rundir.experiment_folder import claimed, experiment_root
+from taxbench.rundir.provenance import capture_launch
 
 log = logger(__name__)
 
@@ -36,21 +48,6 @@ log = logger(__name__)
 def fail(message: str, code: int = exit_codes.CONFIG_ERROR) -> None:
     print(f"taxbench: error: {message}", file=sys.stderr)
     raise SystemExit(code)
-
-
-def prepare(raw: DictConfig) -> tuple[TaxbenchConfig, dict[str, Any]]:
-    """Typed config that passed every pre-launch check, plus its plain container (what gets shipped to ranks)."""
-    from taxbench.preflight import check_before_launch
-
-    container = OmegaConf.to_container(raw, resolve=True)
-    assert isinstance(container, dict)
-    cfg = to_typed(container)
-    if cfg.cluster.dry_run and cfg.cluster.launcher is not Launcher.slurm:
-        raise ConfigError(f"cluster.dry_run=true writes a Slurm job script without submitting it, but "
-                          f"cluster={cfg.cluster.name} runs here; use cluster=slurm with it, or plan=true for the plan "
-                          "without running")
-    check_before_launch(cfg)
-    return cfg, container
 
 
 def launch(cfg: TaxbenchConfig, container: dict[str, Any], root: Path) -> bool:
@@ -79,19 +76,9 @@ def launch(cfg: TaxbenchConfig, container: dict[str, Any], root: Path) -> bool:
     return True
 
 
-def report(
-    root: Path, settings: ReportConfig | None = None, group: str | None = None, strict_wandb: bool = False
-) -> int:
-    """Analyse an experiment (or a sweep folder), write its report and wandb run per settings, print the summary."""
-    from taxbench.analysis.publish import publish
-
-    settings = settings or ReportConfig(html=False, wandb=False)
-    return publish(root, settings, group=group, strict_wandb=strict_wandb).exit_code
-
-
 def run_plan(raw: DictConfig) -> int:
     """plan=true: print the meta-device plan for cluster.gpus GPUs and exit; launches nothing, needs no GPU."""
-    from taxbench.plan import make_plan, render_plan
+    from taxbench.parallel.plan import make_plan, render_plan
 
     try:
         plan = make_plan(to_typed(OmegaConf.to_container(raw, resolve=True)))  # type: ignore[arg-type]
@@ -106,8 +93,10 @@ def run_plan(raw: DictConfig) -> int:
 def run_experiment(raw: DictConfig) -> int:
     if raw.get("plan", False):
         return run_plan(raw)
-    from taxbench.analysis.records import RecordError
+    from taxbench.analysis.publish import report
     from taxbench.launchers.local import RankFailed
+    from taxbench.preflight import prepare
+    from taxbench.rundir.read import RecordError
 
     try:
         if raw.cluster.launcher == Launcher.torchrun:
@@ -167,10 +156,13 @@ def _multirun_point() -> int | None:
 
 
 def _analyse(args: argparse.Namespace) -> int:
+    from taxbench.analysis.publish import report
+
     return report(args.root)
 
 
 def _report(args: argparse.Namespace) -> int:
+    from taxbench.analysis.publish import report
     from taxbench.analysis.wandb_log import WandbUnavailable
 
     settings = ReportConfig(html=True, wandb=args.wandb, wandb_project=args.wandb_project,
@@ -189,22 +181,22 @@ def _build_shards(args: argparse.Namespace) -> int:
 
 
 def _tracing(args: argparse.Namespace) -> int:
-    from taxbench.tracing.commands import run_tracing_command
+    from taxbench.commands.tracing import run_tracing_command
 
     return run_tracing_command(args)
 
 
 def _input_errors() -> tuple[type[Exception], ...]:
     """Exceptions that mean bad input to a subcommand: reported as `taxbench: error: ...`, never as a traceback."""
-    from taxbench.analysis.records import RecordError
+    from taxbench.commands.tracing import input_errors
     from taxbench.datasets.shards import ShardError
-    from taxbench.tracing.commands import input_errors
+    from taxbench.rundir.read import RecordError
 
     return (RecordError, ShardError, FileNotFoundError, *input_errors())
 
 
 def _parser() -> argparse.ArgumentParser:
-    from taxbench.tracing.commands import add_tracing_parsers
+    from taxbench.commands.tracing import add_tracing_parsers
 
     parser = argparse.ArgumentParser(prog="taxbench", description="Work on finished taxbench experiments.")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -1,8 +1,8 @@
 """Every check that runs before a rank starts, in one place above the schema and the parts it checks.
 
 A bad input must stop here, with exit 2 and one line naming the key, the value and what is accepted, and before the
-experiment folder exists. Beyond the schema's cross-field rules (taxbench.config.validate) this builds the model on
-the meta device (factory, shape and vocabulary errors), opens the token shards, checks the device and the output
+experiment folder exists. Beyond the schema's cross-field rules (taxbench.config.schema.validate) this builds the model
+on the meta device (factory, shape and vocabulary errors), opens the token shards, checks the device and the output
 folder, and checks that an injected fault or a trace selection names something that exists.
 """
 
@@ -12,12 +12,15 @@ import fnmatch
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from taxbench.activation_checkpoint import apply_activation_checkpointing
-from taxbench.config import (
+from taxbench.config.pairing import validate_pair
+from taxbench.config.policy import validate_policy
+from taxbench.config.schema import (
     ConfigError,
     DataKind,
     Device,
@@ -26,15 +29,32 @@ from taxbench.config import (
     ModelKind,
     RecipeConfig,
     TaxbenchConfig,
+    to_typed,
     validate,
     world_size,
 )
-from taxbench.pairing import validate_pair
-from taxbench.policy import validate_policy
+from taxbench.datasets.shards import ShardError
+from taxbench.datasets.source import check_shard_recipe
+from taxbench.parallel.layout import layout_for
+from taxbench.parallel.pipeline import stage_holding, stage_split
+from taxbench.parallel.recompute import apply_activation_checkpointing
 from taxbench.workloads import build_model
 
 # A custom model whose forward has no meta kernels (data-dependent ops) is checked on CPU up to this size.
 CPU_FORWARD_CHECK_MAX_PARAMS = 50_000_000
+
+
+def prepare(raw: DictConfig) -> tuple[TaxbenchConfig, dict[str, Any]]:
+    """Typed config that passed every pre-launch check, plus its plain container (what gets shipped to ranks)."""
+    container = OmegaConf.to_container(raw, resolve=True)
+    assert isinstance(container, dict)
+    cfg = to_typed(container)
+    if cfg.cluster.dry_run and cfg.cluster.launcher is not Launcher.slurm:
+        raise ConfigError(f"cluster.dry_run=true writes a Slurm job script without submitting it, but "
+                          f"cluster={cfg.cluster.name} runs here; use cluster=slurm with it, or plan=true for the plan "
+                          "without running")
+    check_before_launch(cfg)
+    return cfg, container
 
 
 def check_before_launch(cfg: TaxbenchConfig) -> None:
@@ -69,9 +89,6 @@ def check_data(recipe: RecipeConfig, world: int) -> None:
     data = recipe.data
     if data.kind != DataKind.shards:
         return
-    from taxbench.datasets.shards import ShardError
-    from taxbench.datasets.source import check_shard_recipe
-
     dp = max(world // (recipe.parallel.tp * recipe.parallel.pp), 1)
     try:
         check_shard_recipe(data, recipe.model.vocab_size, recipe.model.seq_len, recipe.micro_batch_size, dp)
@@ -146,9 +163,6 @@ def check_fault_and_trace(cfg: TaxbenchConfig, model: nn.Module) -> None:
 def _check_collective_on_fault_rank(cfg: TaxbenchConfig) -> None:
     """perturb_collective flips a gradient all-reduce result (data parallel) or, without one, an activation that the
     fault rank's pipeline stage receives: the first pipeline rank receives none."""
-    from taxbench.parallel import layout_for
-    from taxbench.pipeline import stage_split
-
     rank = cfg.experiment.fault.rank
     layout = layout_for(cfg.recipe.parallel, world_size(cfg.cluster), rank)
     if layout.dp > 1 or layout.pp == 1:
@@ -160,9 +174,6 @@ def _check_collective_on_fault_rank(cfg: TaxbenchConfig) -> None:
 
 def _check_module_on_fault_rank(cfg: TaxbenchConfig, module: str) -> None:
     """Under pipeline parallelism the fault's module must be on a stage that the fault rank holds."""
-    from taxbench.parallel import layout_for
-    from taxbench.pipeline import stage_holding, stage_split
-
     rank = cfg.experiment.fault.rank
     layout = layout_for(cfg.recipe.parallel, world_size(cfg.cluster), rank)
     if layout.pp == 1:

@@ -10,9 +10,10 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import DictConfig, OmegaConf
 
-from taxbench.cli import prepare  # importing the CLI registers the config schema
-from taxbench.config import TaxbenchConfig, to_typed
+from taxbench.config.schema import TaxbenchConfig, register_configs, to_typed
+from taxbench.preflight import prepare
 
+register_configs()  # the schema Hydra composes against (the CLI registers it when imported)
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -36,7 +37,7 @@ def compose_typed(*overrides: str) -> TaxbenchConfig:
 
 
 def compose_config(*overrides: str) -> tuple[TaxbenchConfig, dict[str, Any]]:
-    """What the CLI would launch: typed, validated and pair-checked (taxbench.cli.prepare), plus its container."""
+    """What the CLI would launch: typed, validated and pair-checked (taxbench.preflight.prepare), plus its container."""
     return prepare(compose_raw(*overrides))
 
 

@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 
 from taxbench import exit_codes
-from taxbench.ablation import KNOBS, MEASURED, knob_of, knob_policies, plan_ablation
 from taxbench.analysis.summary import analyse
-from taxbench.config import ConfigError, Device
-from taxbench.experiment import round_orders
-from taxbench.records import RunRef, steps_file
+from taxbench.config.schema import ConfigError, Device
+from taxbench.design import KNOBS, MEASURED, RunRef, knob_of, knob_policies, plan_ablation, round_orders
+from taxbench.rundir.records import steps_file
 from tests.conftest import compose_config
 from tests.test_checkpoints import run_schedule, tiny_config
 

@@ -19,11 +19,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from taxbench import activation_checkpoint as ac
-from taxbench import distributed
-from taxbench.activation_checkpoint import apply_activation_checkpointing
-from taxbench.config import ActivationCheckpointing, ConfigError, Device, ModelConfig
+from taxbench.config.schema import ActivationCheckpointing, ConfigError, Device, ModelConfig
+from taxbench.parallel import distributed
+from taxbench.parallel import recompute as ac
+from taxbench.parallel.recompute import apply_activation_checkpointing
 from taxbench.workloads import build_model
+from taxbench.workloads.replay import recomputing
 
 MODES = list(ActivationCheckpointing)
 DENSE = ModelConfig(kind="dense", vocab_size=64, seq_len=16, d_model=32, n_layers=3, n_heads=4, d_ff=64)
@@ -69,7 +70,7 @@ def _model(kind: str) -> nn.Module:
     torch.manual_seed(0)
     if kind == "dropout":
         return DropoutNet()
-    return build_model(DENSE if kind == "dense" else MOE, deterministic_kernels=True)
+    return build_model(DENSE if kind == "dense" else MOE, deterministic_kernels=True, seed=0)
 
 
 def _train(kind: str, mode: ActivationCheckpointing, steps: int = 3, bf16: bool = False) -> dict[str, Any]:
@@ -158,9 +159,10 @@ def test_a_deep_copy_recomputes_with_its_own_parameters() -> None:
 
 @pytest.mark.parametrize("mode", [ActivationCheckpointing.full, ActivationCheckpointing.selective])
 def test_pipeline_stages_split_after_applying_train_like_the_whole_model(mode: ActivationCheckpointing) -> None:
-    """Applied once before taxbench.pipeline.split_model: each stage recomputes its own blocks, bitwise as none."""
-    from taxbench.config import ParallelConfig, RecipeConfig
-    from taxbench.pipeline import split_model, stage_split
+    """Applied once before taxbench.parallel.pipeline.split_model: each stage recomputes its own blocks, bitwise as
+    none."""
+    from taxbench.config.schema import ParallelConfig, RecipeConfig
+    from taxbench.parallel.pipeline import split_model, stage_split
 
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
     whole = _model("moe")
@@ -360,7 +362,7 @@ class CountingBlock(nn.Module):
         self.seen_recompute = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if ac.recomputing():
+        if recomputing():
             self.seen_recompute = True
         else:
             self.forwards += 1
@@ -377,10 +379,10 @@ def test_recomputing_tells_a_forward_it_is_being_replayed(mode: ActivationCheckp
         y = x
         for block in model.blocks:
             y = block(y)
-        assert not ac.recomputing()
+        assert not recomputing()
         y.sum().backward()
     assert [(b.forwards, b.seen_recompute) for b in model.blocks] == [(2, True), (2, True)]
-    assert not ac.recomputing()
+    assert not recomputing()
 
 
 @pytest.mark.parametrize("mode", [ActivationCheckpointing.full, ActivationCheckpointing.selective])

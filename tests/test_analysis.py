@@ -12,12 +12,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from taxbench.analysis.records import RecordError, check_run, load_fault_events, load_manifest, load_run
-from taxbench.analysis.tax import estimate_tax, steps_for_half_width
 from taxbench.analysis.verdicts import DIFFERS, INCOMPLETE, compare_runs
-from taxbench.analysis.warmup import mser5, warmup_cut
-from taxbench.records import METRICS, SCHEMA_VERSION, steps_file
-from taxbench.step_stream import StepWriter
+from taxbench.rundir.read import RecordError, check_run, load_fault_events, load_manifest, load_run
+from taxbench.rundir.records import METRICS, SCHEMA_VERSION, steps_file
+from taxbench.rundir.step_stream import StepWriter
+from taxbench.stats.tax import estimate_tax, steps_for_half_width
+from taxbench.stats.warmup import mser5, warmup_cut
 
 
 def synthetic_arm(true_time: float, steps: int, block_steps: int, ranks: int, cv: float, seed: int,
@@ -157,7 +157,7 @@ def test_a_torn_record_of_one_rank_does_not_swallow_the_next_ranks_records(tmp_p
             writer.write({"schema_version": SCHEMA_VERSION, "step": step, "rank": rank})
         writer.close()
     with steps_file(run, 0).open("a") as handle:
-        handle.write('{"schema_version": 2, "step": 3, "ra')  # rank 0 crashed mid-write; ranks 1 and 2 did not
+        handle.write('{"schema_version": 3, "step": 3, "ra')  # rank 0 crashed mid-write; ranks 1 and 2 did not
     steps_file(run, 3).write_text("\n \n")  # a rank that wrote nothing but blank lines
     frame = load_run(run)
     assert list(zip(frame["step"], frame["rank"], strict=True)) == [(1, 0), (2, 0), (1, 1), (2, 1), (1, 2), (2, 2)]

@@ -10,8 +10,8 @@ import pytest
 
 from taxbench import exit_codes
 from taxbench.analysis.summary import CALIBRATION, analyse
-from taxbench.config import ConfigError
-from taxbench.records import STOP_FILE
+from taxbench.config.schema import ConfigError
+from taxbench.rundir.records import STOP_FILE
 from tests.conftest import compose_config
 from tests.test_checkpoints import Crash, crash_after, run_schedule, tiny_config
 

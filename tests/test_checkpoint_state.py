@@ -12,9 +12,9 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from conftest import compose_config
 
-from taxbench.distributed import free_port
 from taxbench.launchers.worker import rank_process
-from taxbench.trainer import RngSnapshot, Trainer
+from taxbench.parallel.distributed import free_port
+from taxbench.train.trainer import Trainer
 from taxbench.workloads import build_model
 
 MOE = ("+recipe=moe_tiny", "recipe.model.n_layers=4", "recipe.model.n_experts=8", "recipe.parallel.data_parallel=fsdp",
@@ -49,8 +49,7 @@ def test_a_sharded_checkpoint_reads_back_as_the_unsplit_model(layout: str, tmp_p
     world = cfg.cluster.cpu_ranks
     mp.start_processes(_save_at_init, args=(world, overrides, str(tmp_path), free_port()), nprocs=world, join=True,
                        start_method="spawn")
-    RngSnapshot.seeded(cfg.recipe.seed)
-    reference = build_model(cfg.recipe.model, deterministic_kernels=True).state_dict()
+    reference = build_model(cfg.recipe.model, deterministic_kernels=True, seed=cfg.recipe.seed).state_dict()
 
     metadata = dcp.FileSystemReader(tmp_path / "ckpt").read_metadata()
     saved = {key.removeprefix("model."): meta.size for key, meta in metadata.state_dict_metadata.items()

@@ -13,14 +13,15 @@ import pytest
 import torch
 from conftest import compose_config
 
-from taxbench.checkpoints import PROGRESS_FILE, CheckpointError, RunCheckpoints, commit, resume_step
-from taxbench.config import TaxbenchConfig
-from taxbench.distributed import DistContext, free_port
-from taxbench.experiment import Experiment
+from taxbench.checkpoint.store import PROGRESS_FILE, CheckpointError, RunCheckpoints, commit, resume_step
+from taxbench.config.schema import TaxbenchConfig
+from taxbench.design import ALL_RUNS
 from taxbench.launchers.worker import rank_process
+from taxbench.parallel.distributed import DistContext, free_port
 from taxbench.progress import IDLE, StepProgress
-from taxbench.records import ALL_RUNS, METRICS, RunWriteError, steps_file, write_atomically, write_manifest
-from taxbench.trainer import Trainer
+from taxbench.rundir.records import METRICS, RunWriteError, steps_file, write_atomically, write_manifest
+from taxbench.schedule.experiment import Experiment
+from taxbench.train.trainer import Trainer
 
 
 class Saver:

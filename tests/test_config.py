@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from conftest import compose_config
 
-from taxbench.config import ConfigError, Device, Precision
+from taxbench.config.schema import ConfigError, Device, Precision
 
 
 def test_embedded_default_is_dense_tiny_on_two_cpu_ranks() -> None:

@@ -12,13 +12,13 @@ import torch
 from conftest import compose_config
 from hydra.errors import ConfigCompositionException
 
-from taxbench.config import ConfigError, DataConfig
-from taxbench.data import build_source
+from taxbench.config.schema import ConfigError, DataConfig
 from taxbench.datasets.build import build_shards
 from taxbench.datasets.dali_reader import DaliUnavailable, dali_available
 from taxbench.datasets.order import SampleOrder, shard_order
 from taxbench.datasets.shards import INDEX_FILE, ShardError, TokenShards
 from taxbench.datasets.source import build_shard_source
+from taxbench.train.data import build_source
 
 SEQ_LEN, MICRO = 16, 2
 WORDS = "the quick brown fox jumps over a lazy dog while bitwise determinism costs some tax".split()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from taxbench.analysis.records import load_run
+from taxbench.rundir.read import load_run
 
 pytestmark = pytest.mark.slow
 
@@ -225,7 +225,7 @@ def test_a_killed_rank_ends_in_one_line_with_the_command_that_continues(tmp_path
     assert command[-2:] == ["experiment.name=killed", "experiment.continue_existing=true"]
 
     # Damage the newest checkpoint of the interrupted run: the continue falls back to the one before it.
-    from taxbench.checkpoints import RunCheckpoints
+    from taxbench.checkpoint.store import RunCheckpoints
 
     checkpoints = RunCheckpoints(root / "deterministic-1", rank=0)
     newest = checkpoints.latest()

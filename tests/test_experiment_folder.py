@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 from conftest import compose_config, compose_raw
 
-from taxbench.config import ConfigError, launch_stamp
-from taxbench.experiment_folder import LOCK_FILE, claimed, experiment_root
+from taxbench.config.schema import ConfigError, launch_stamp
+from taxbench.rundir.experiment_folder import LOCK_FILE, claimed, experiment_root
 
 HOLD_THE_FOLDER = """
 import sys, time
 sys.path.insert(0, {tests!r})
 from conftest import compose_config
-from taxbench.experiment_folder import claimed, experiment_root
+from taxbench.rundir.experiment_folder import claimed, experiment_root
 cfg, _ = compose_config("experiment.name=busy", "experiment.out_dir={out}")
 with claimed(cfg, experiment_root(cfg)):
     print("holding", flush=True)

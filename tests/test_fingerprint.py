@@ -16,8 +16,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from taxbench import distributed, fingerprint
-from taxbench.config import Device
+from taxbench import fingerprint
+from taxbench.config.schema import Device
+from taxbench.parallel import distributed
 
 MASK = (1 << 64) - 1
 ROW_LANES = 1024

@@ -12,8 +12,9 @@ import pytest
 import torch
 from test_fingerprint import _layouts, _sample, reference_digest
 
-from taxbench import fingerprint, policy
-from taxbench.config import Device, ModelConfig, PolicyConfig
+from taxbench import fingerprint
+from taxbench.config import policy
+from taxbench.config.schema import Device, ModelConfig, PolicyConfig
 
 pytestmark = [
     pytest.mark.gpu,
@@ -76,7 +77,7 @@ def test_workspace_config_set_after_cuda_init_is_refused(tmp_path: Path) -> None
         "os.environ.pop('CUBLAS_WORKSPACE_CONFIG', None)\n"
         "torch.ones(1, device='cuda') @ torch.ones(1, 1, device='cuda')\n"
         "from taxbench import policy\n"
-        "from taxbench.config import Device, PolicyConfig\n"
+        "from taxbench.config.schema import Device, PolicyConfig\n"
         "p = PolicyConfig(name='d', deterministic=True, cudnn_benchmark=False, allow_tf32=False,\n"
         "                 cublas_workspace_config=':4096:8', nccl_algo='Ring',\n"
         "                 nvte_allow_nondeterministic_algo=False)\n"
@@ -97,7 +98,7 @@ def test_moe_fast_combine_differs_on_cuda_and_fixed_order_path_does_not() -> Non
 
     def step_bytes(deterministic_kernels: bool) -> torch.Tensor:
         torch.manual_seed(0)
-        model = build_model(cfg, deterministic_kernels).cuda()
+        model = build_model(cfg, deterministic_kernels, seed=0).cuda()
         tokens = torch.randint(0, 256, (16, cfg.seq_len), device="cuda")
         logits = model(tokens)
         logits.float().logsumexp(-1).mean().backward()
@@ -139,7 +140,7 @@ def test_policy_validation_reads_this_cuda_build() -> None:
 
 
 def test_the_planted_spin_kernel_runs_for_the_seconds_asked() -> None:
-    from taxbench.planted import SpinKernel
+    from taxbench.train.planted import SpinKernel
 
     spinner = SpinKernel(torch.device("cuda"))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

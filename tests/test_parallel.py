@@ -13,8 +13,7 @@ import torch.nn.functional as F
 from conftest import run_taxbench
 from torch.distributed.tensor import DTensor
 
-from taxbench import distributed
-from taxbench.config import (
+from taxbench.config.schema import (
     ConfigError,
     DataParallel,
     Device,
@@ -23,7 +22,8 @@ from taxbench.config import (
     PolicyConfig,
     RecipeConfig,
 )
-from taxbench.parallel import layout_for, parallelize
+from taxbench.parallel import distributed
+from taxbench.parallel.layout import layout_for, parallelize
 from taxbench.workloads import build_model
 
 MODEL = ModelConfig(kind="moe", vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64,
@@ -47,8 +47,8 @@ def _worker(rank: int, world: int, port: int, parallel: ParallelConfig, out: str
     try:
         recipe = RecipeConfig(name="t", model=MODEL, parallel=parallel)
         torch.manual_seed(0)
-        model = build_model(MODEL, deterministic_kernels=True)
-        wrapped = parallelize([model], recipe, ctx, POLICY)
+        model = build_model(MODEL, deterministic_kernels=True, seed=0)
+        wrapped = parallelize([model], recipe, ctx, POLICY, materialize=lambda part: None)
         layout = wrapped.layout
         shard = GLOBAL_BATCH // layout.dp
         tokens = _batch()[layout.dp_rank * shard:(layout.dp_rank + 1) * shard]
@@ -68,7 +68,7 @@ def _worker(rank: int, world: int, port: int, parallel: ParallelConfig, out: str
 def _reference(dp: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Gradients of the unsharded model for the mean of the dp shards' losses (what data parallelism computes)."""
     torch.manual_seed(0)
-    model = build_model(MODEL, deterministic_kernels=True)
+    model = build_model(MODEL, deterministic_kernels=True, seed=0)
     shard = GLOBAL_BATCH // dp
     total = sum(_loss(model, model, _batch()[r * shard:(r + 1) * shard]) for r in range(dp)) / dp
     total.backward()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from conftest import compose_typed, run_taxbench
 
-from taxbench.config import ActivationCheckpointing
-from taxbench.plan import GIB, GPU_MEMORY, make_plan, render_plan
+from taxbench.config.schema import ActivationCheckpointing
+from taxbench.parallel.plan import GIB, GPU_MEMORY, make_plan, render_plan
 
 _cfg = compose_typed  # plan configs name more GPUs than local ranks, which validate() refuses by design
 

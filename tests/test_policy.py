@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from taxbench import policy
-from taxbench.config import Device, PolicyConfig
+from taxbench.config import policy
+from taxbench.config.schema import Device, PolicyConfig
 
 DETERMINISTIC = PolicyConfig(
     name="deterministic", deterministic=True, cudnn_benchmark=False, allow_tf32=False,

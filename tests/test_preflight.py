@@ -1,7 +1,7 @@
 """Bad input stops before any rank starts: exit 2, one line naming the key, the value and the fix, nothing left behind.
 
-Most checks run in-process through `taxbench.cli.prepare` (what the CLI calls before launching); the CLI tests check
-the exit code, the single line and the untouched out_dir for a sample of each kind of error.
+Most checks run in-process through `taxbench.preflight.prepare` (what the CLI calls before launching); the CLI tests
+check the exit code, the single line and the untouched out_dir for a sample of each kind of error.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import compose_config
 
-from taxbench.config import ConfigError
+from taxbench.config.schema import ConfigError
 
 FACTORY = "++recipe.model.factory={_target_: torch.nn.Embedding, num_embeddings: 256, embedding_dim: %d}"
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from taxbench import provenance
-from taxbench.records import ALL_RUNS
+from taxbench.design import ALL_RUNS
 from taxbench.redaction import REDACTED
+from taxbench.rundir import provenance
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ("cluster=inprocess", "experiment.steps=12", "experiment.block_steps=6", "experiment.warmup_steps=2",

@@ -15,14 +15,14 @@ from rich.console import Console
 
 from taxbench import exit_codes
 from taxbench.analysis.publish import publish
-from taxbench.analysis.records import RecordError, load_run
 from taxbench.analysis.report import HTML_FILE, MARKDOWN_FILE, REPORT_DIR, STEP_TIME_PNG, SWEEP_PNG
 from taxbench.analysis.summary import analyse_experiment, render
 from taxbench.analysis.sweep import SWEEP_FILE, analyse_sweep, find_experiments
 from taxbench.analysis.synthetic import Injection, SyntheticExperiment, write_experiment
-from taxbench.config import ReportConfig
-from taxbench.records import SCHEMA_VERSION, write_manifest
+from taxbench.config.schema import ReportConfig
 from taxbench.redaction import REDACTED, redact, redact_text
+from taxbench.rundir.read import RecordError, load_run
+from taxbench.rundir.records import SCHEMA_VERSION, write_manifest
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 NO_WANDB = ReportConfig(html=True, wandb=False)
@@ -39,7 +39,7 @@ def test_loader_reads_every_record_through_the_mirrors_and_refreshes_them(tmp_pa
     root = write_experiment(tmp_path / "exp", SyntheticExperiment(ranks=3, steps=12, block_steps=3, resume_step=6))
     run = root / "baseline-0"
     assert sorted(p.name for p in run.glob("steps.rank*.arrow")) == [f"steps.rank{r}.arrow" for r in range(3)]
-    with mock.patch("taxbench.step_stream.parse_records", side_effect=AssertionError("parsed the JSONL")):
+    with mock.patch("taxbench.rundir.step_stream.parse_records", side_effect=AssertionError("parsed the JSONL")):
         frame = load_run(run)  # the ranks' mirrors cover every line: nothing is parsed
     assert len(frame) == 36 and list(frame[["rank", "step"]].iloc[11:14].itertuples(index=False)) == [
         (0, 12), (1, 1), (1, 2)]
@@ -49,7 +49,7 @@ def test_loader_reads_every_record_through_the_mirrors_and_refreshes_them(tmp_pa
         f.write(json.dumps({**json.loads(stream.read_text().splitlines()[-1]), "step": 13}) + "\n")
     assert len(load_run(run)) == 37
     parsed = load_run(run, use_mirrors=False)
-    with mock.patch("taxbench.step_stream.parse_records", side_effect=AssertionError("parsed the JSONL")):
+    with mock.patch("taxbench.rundir.step_stream.parse_records", side_effect=AssertionError("parsed the JSONL")):
         assert load_run(run).equals(parsed)
 
 

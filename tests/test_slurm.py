@@ -22,10 +22,10 @@ from conftest import compose_config, run_taxbench
 from submitit.slurm.test_slurm import mocked_slurm
 
 from taxbench.analysis.summary import analyse
-from taxbench.checkpoints import RunCheckpoints
-from taxbench.config import ConfigError
+from taxbench.checkpoint.store import RunCheckpoints
+from taxbench.config.schema import ConfigError
+from taxbench.design import ALL_RUNS
 from taxbench.launchers import slurm
-from taxbench.records import ALL_RUNS
 
 TINY = [
     "experiment.steps=12",

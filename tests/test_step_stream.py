@@ -8,9 +8,9 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from taxbench.analysis.records import load_run
-from taxbench.records import SCHEMA_VERSION, steps_file
-from taxbench.step_stream import (
+from taxbench.rundir.read import load_run
+from taxbench.rundir.records import SCHEMA_VERSION, steps_file
+from taxbench.rundir.step_stream import (
     StepWriter,
     mirror_file,
     parse_records,
@@ -50,7 +50,7 @@ def test_a_crash_before_close_leaves_the_jsonl_to_parse_and_analysis_mirrors_it(
     stream = _written(tmp_path, range(1, 4), close=False)
     assert not mirror_file(stream).exists()
     with stream.open("a") as handle:
-        handle.write('{"schema_version": 2, "step": 4, "ra')  # torn mid-line
+        handle.write('{"schema_version": 3, "step": 4, "ra')  # torn mid-line
     frame = load_run(tmp_path)
     assert list(frame["step"]) == [1, 2, 3]
     read = read_stream(stream)
@@ -92,7 +92,7 @@ def test_an_unusable_mirror_is_no_error_and_no_evidence(tmp_path: Path, damage: 
     size = stream.stat().st_size
     if damage == "other format":  # intact and matching, but written by a taxbench with another mirror format
         with monkeypatch.context() as patched:
-            patched.setattr("taxbench.step_stream.MIRROR_FORMAT", 9)
+            patched.setattr("taxbench.rundir.step_stream.MIRROR_FORMAT", 9)
             write_mirror(stream, table, size, read_stream(stream).digest)
     elif damage == "empty":
         mirror_file(stream).write_bytes(b"")

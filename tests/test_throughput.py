@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from taxbench.config import Device, Precision
-from taxbench.throughput import flops_per_step, peak_flops
+from taxbench.config.schema import Device, Precision
+from taxbench.train.flops import flops_per_step, peak_flops
 from tests.conftest import compose_typed
 from tests.test_checkpoints import run_schedule, tiny_config
 

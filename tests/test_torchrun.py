@@ -19,8 +19,7 @@ import pytest
 from conftest import REPO, compose_raw, run_taxbench
 
 from taxbench import exit_codes
-from taxbench.config import ConfigError
-from taxbench.distributed import free_port
+from taxbench.config.schema import ConfigError
 from taxbench.launchers.torchrun import (
     DERIVED_PORTS,
     RankEnvironment,
@@ -28,6 +27,7 @@ from taxbench.launchers.torchrun import (
     sized_for_environment,
     slurm_hostnames,
 )
+from taxbench.parallel.distributed import free_port
 
 TORCHRUN_ENV = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "node0", "MASTER_PORT": "29500"}
 SRUN_ENV = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "4242",

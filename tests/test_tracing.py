@@ -10,9 +10,10 @@ import torch
 from conftest import compose_raw, compose_typed, run_taxbench
 from omegaconf import DictConfig
 
-from taxbench.cli import prepare
-from taxbench.config import TaxbenchConfig
-from taxbench.distributed import DistContext
+from taxbench.commands.localize import NAMED, localize
+from taxbench.config.schema import TaxbenchConfig
+from taxbench.parallel.distributed import DistContext
+from taxbench.preflight import prepare
 from taxbench.tracing.capture import CaptureScope
 from taxbench.tracing.diff import (
     CONTROL_FLOW,
@@ -26,9 +27,8 @@ from taxbench.tracing.diff import (
     diff_traces,
     render,
 )
-from taxbench.tracing.localize import NAMED, localize
 from taxbench.tracing.trace_io import TRACE_SCHEMA_VERSION, TraceError, TraceWriter, read_trace, trace_file
-from taxbench.trainer import Trainer
+from taxbench.train.trainer import Trainer
 
 FAULT_MM = ["experiment.fault.kind=nondeterministic_op", "experiment.fault.module=blocks.1.ffn",
             "experiment.fault.op=aten.mm.default"]
@@ -271,7 +271,7 @@ def test_cli_diff_prints_origin_json_and_rejects_corrupt_traces(tmp_path: Path) 
 
 
 def test_fault_and_trace_config_are_validated() -> None:
-    from taxbench.config import ConfigError, validate
+    from taxbench.config.schema import ConfigError, validate
 
     cfg = _cfg(["cluster.cpu_ranks=1", "experiment.fault.enabled=true", "experiment.fault.kind=nondeterministic_op"])
     with pytest.raises(ConfigError, match="needs experiment.fault.module"):
@@ -327,8 +327,8 @@ def test_localize_walks_the_ladder_to_a_nondeterministic_op(tmp_path: Path) -> N
 
 
 def test_replays_start_from_the_latest_complete_checkpoint_before_the_step(tmp_path: Path) -> None:
-    from taxbench.checkpoints import RunCheckpoints, commit, finish
-    from taxbench.tracing.localize import RunSpec
+    from taxbench.checkpoint.store import RunCheckpoints, commit, finish
+    from taxbench.commands.localize import RunSpec
 
     class Saver:
         def save_checkpoint(self, directory: Path) -> list[Path]:

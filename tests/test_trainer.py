@@ -14,13 +14,13 @@ import torch
 from conftest import compose_config
 from torch import nn
 
-from taxbench.analysis.records import load_run
-from taxbench.checkpoints import CheckpointError
-from taxbench.config import FaultKind, TaxbenchConfig
-from taxbench.distributed import DistContext
-from taxbench.records import METRICS, SCHEMA_VERSION, faults_file, steps_file
-from taxbench.step_stream import read_stream
-from taxbench.trainer import Trainer
+from taxbench.checkpoint.store import CheckpointError
+from taxbench.config.schema import FaultKind, TaxbenchConfig
+from taxbench.parallel.distributed import DistContext
+from taxbench.rundir.read import load_run
+from taxbench.rundir.records import METRICS, SCHEMA_VERSION, faults_file, steps_file
+from taxbench.rundir.step_stream import read_stream
+from taxbench.train.trainer import Trainer
 
 
 def tiny_config() -> TaxbenchConfig:
@@ -235,7 +235,7 @@ def _perturbing_rank(rank: int, world: int, cfg: TaxbenchConfig, run_dir: str, p
 def test_a_perturbed_collective_is_recorded_on_its_rank_with_its_bucket(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
 
-    from taxbench.distributed import free_port
+    from taxbench.parallel.distributed import free_port
 
     cfg, _ = compose_config("cluster.cpu_ranks=2", "recipe.global_batch_size=4", "recipe.model.d_model=32",
                             "recipe.model.n_heads=2", "recipe.model.seq_len=16", "recipe.micro_batch_size=2",

@@ -12,13 +12,13 @@ import pytest
 from rich.console import Console
 
 from taxbench.analysis.publish import publish
-from taxbench.analysis.records import step_times
 from taxbench.analysis.report import HTML_FILE, REPORT_DIR, write_experiment_report
 from taxbench.analysis.summary import analyse_experiment
 from taxbench.analysis.sweep import analyse_sweep
 from taxbench.analysis.synthetic import Injection, SyntheticExperiment, write_experiment
 from taxbench.analysis.wandb_log import WandbUnavailable, import_wandb, log_experiment, log_sweep
-from taxbench.config import ReportConfig
+from taxbench.config.schema import ReportConfig
+from taxbench.rundir.read import step_times
 
 pytest.importorskip("wandb")
 

@@ -9,7 +9,7 @@ import torch
 from conftest import compose_typed
 from torch import nn
 
-from taxbench.config import ConfigError, ModelConfig
+from taxbench.config.schema import ConfigError, ModelConfig
 from taxbench.workloads import build_model
 from taxbench.workloads.moe import MoEFeedForward
 
@@ -32,8 +32,7 @@ def two_threads() -> Iterator[None]:
 
 def _train_step_bytes(cfg: ModelConfig, deterministic_kernels: bool) -> torch.Tensor:
     """Logits and every gradient of one forward/backward from a fixed init and batch."""
-    torch.manual_seed(0)
-    model = build_model(cfg, deterministic_kernels)
+    model = build_model(cfg, deterministic_kernels, seed=0)
     tokens = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len), generator=torch.Generator().manual_seed(1))
     logits = model(tokens)
     loss = nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab_size), tokens.reshape(-1)) + model.aux_loss()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from taxbench.config import ConfigError, DataConfig, DataLoaderKind
+from taxbench.config.schema import ConfigError, DataConfig, DataLoaderKind
 from taxbench.datasets.dali_reader import DaliShardReader, dali_available, require_dali
 from taxbench.datasets.order import shard_order
 from taxbench.datasets.shards import INDEX_FILE, ShardError, TokenShards

@@ -32,20 +32,20 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from taxbench import fingerprint
-from taxbench.records import truncate_jsonl_after
+from taxbench.rundir.records import truncate_jsonl_after
 from taxbench.tracing.collectives import probe_for
 from taxbench.tracing.trace_io import TraceWriter, trace_file
 
 if TYPE_CHECKING:
-    from taxbench.config import TraceConfig
-    from taxbench.distributed import DistContext
-    from taxbench.parallel import ModelParts
-    from taxbench.pipeline import Boundary
+    from taxbench.config.schema import TraceConfig
+    from taxbench.parallel.distributed import DistContext
+    from taxbench.parallel.layout import ModelParts
+    from taxbench.parallel.pipeline import Boundary
 
 
 class TracedStep(Protocol):
-    """What the capture reads of a training step (taxbench.trainer.Trainer provides it): the capture depends on this
-    narrow view, not on the trainer's insides."""
+    """What the capture reads of a training step (taxbench.train.trainer.Trainer provides it): the capture depends on
+    this narrow view, not on the trainer's insides."""
 
     ctx: DistContext
     step: int

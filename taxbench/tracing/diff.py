@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from taxbench.analysis.records import compact_ranges
+from taxbench.rundir.read import compact_ranges
 from taxbench.tracing.trace_io import read_trace
 
 TRIVIAL_OPS = frozenset({

@@ -26,8 +26,8 @@ from torch.utils._pytree import tree_leaves
 from taxbench.tracing.collectives import probe_for
 
 if TYPE_CHECKING:
-    from taxbench.config import FaultConfig
-    from taxbench.pipeline import Boundary
+    from taxbench.config.schema import FaultConfig
+    from taxbench.parallel.pipeline import Boundary
 
 Fired = Callable[[str, int, str], None]  # (kind, step, where)
 

@@ -1,6 +1,10 @@
 """Model zoo: each workload maps token ids [batch, seq] to logits [batch, seq, vocab].
 
 A model may expose `aux_loss()` returning a scalar tensor (e.g. MoE load balancing) that the trainer adds to the loss.
+Initial values: taxbench's own workloads are built on the meta device and get their values from
+taxbench.workloads.init (layout invariant: the same global weights under any parallel layout), either whole
+(`build_model(..., seed=)`) or as one rank's share (taxbench.parallel.materialize).
+
 Custom models use Hydra's `_target_` convention: `recipe.model.kind=custom` and `recipe.model.factory` a node such as
 `{_target_: my_pkg.models.build, width: 512, vocab_size: ${recipe.model.vocab_size}}`; `hydra.utils.instantiate`
 calls the factory with the other keys as keyword arguments and it must return such an nn.Module.
@@ -10,12 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from torch import nn
 
-from taxbench.config import ConfigError, ModelConfig, ModelKind
+from taxbench.config.schema import ConfigError, ModelConfig, ModelKind
 from taxbench.workloads.dense import build_dense
+from taxbench.workloads.init import initialize
 from taxbench.workloads.moe import build_moe
 
 Builder = Callable[[ModelConfig, bool], nn.Module]
@@ -40,8 +46,16 @@ def _build_custom(cfg: ModelConfig) -> nn.Module:
     return model
 
 
-def build_model(cfg: ModelConfig, deterministic_kernels: bool) -> nn.Module:
-    """Build the recipe's model; `deterministic_kernels` selects fixed-order paths where a model has fast ones."""
+def own_workload(cfg: ModelConfig) -> bool:
+    """Whether the recipe's model is one of taxbench's (built on meta, layout-invariant initial values)."""
+    return cfg.kind in (ModelKind.dense, ModelKind.moe, ModelKind.dense.value, ModelKind.moe.value)
+
+
+def build_model(cfg: ModelConfig, deterministic_kernels: bool, seed: int | None = None) -> nn.Module:
+    """Build the recipe's model; `deterministic_kernels` selects fixed-order paths where a model has fast ones.
+
+    taxbench's own workloads come on the meta device, or on the CPU with their initial values when `seed` is given;
+    a custom model comes as its factory makes it."""
     try:
         kind = ModelKind(cfg.kind)
     except ValueError:
@@ -50,4 +64,6 @@ def build_model(cfg: ModelConfig, deterministic_kernels: bool) -> nn.Module:
         ) from None
     if kind is ModelKind.custom:
         return _build_custom(cfg)
-    return BUILDERS[kind](cfg, deterministic_kernels)
+    with torch.device("meta"):
+        model = BUILDERS[kind](cfg, deterministic_kernels)
+    return model if seed is None else initialize(model, seed)

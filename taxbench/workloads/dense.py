@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from taxbench.config import ModelConfig
+from taxbench.config.schema import ModelConfig
 
 
 class CausalSelfAttention(nn.Module):
@@ -60,24 +60,17 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg.d_model, cfg.n_heads, make_ffn()) for _ in range(cfg.n_layers))
         self.norm = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.apply(_init_weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Tokens to logits; a pipeline stage (taxbench.pipeline.split_model) lacks the embeddings (it gets hidden
-        states) or the head (it returns hidden states) and holds identities in place of the blocks it does not own."""
+        """Tokens to logits; a pipeline stage (taxbench.parallel.pipeline.split_model) lacks the embeddings (it gets
+        hidden states) or the head (it returns hidden states) and holds identities in place of the blocks it does not
+        own."""
         if self.embed is not None:
             positions = torch.arange(x.shape[1], device=x.device)
             x = self.embed(x) + self.pos(positions)
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x)) if self.head is not None else x
-
-
-def _init_weights(module: nn.Module) -> None:
-    if isinstance(module, (nn.Linear, nn.Embedding)):
-        nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if getattr(module, "bias", None) is not None:
-            nn.init.zeros_(module.bias)
 
 
 def build_dense(cfg: ModelConfig, deterministic_kernels: bool) -> nn.Module:

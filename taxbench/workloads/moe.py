@@ -28,9 +28,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from taxbench.activation_checkpoint import recomputing
-from taxbench.config import ModelConfig
+from taxbench.config.schema import ModelConfig
 from taxbench.workloads.dense import GPT, MLP
+from taxbench.workloads.replay import recomputing
 
 
 def grouped_matmul(tokens: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -78,11 +78,11 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.w_up = nn.Parameter(torch.empty(n_experts, d_model, d_ff))
         self.w_down = nn.Parameter(torch.empty(n_experts, d_ff, d_model))
-        for weight in (self.w_up, self.w_down):
-            nn.init.normal_(weight, mean=0.0, std=0.02)
+        self.global_rows: tuple[int, int] | None = None  # (first expert, all experts) once a slice is kept
 
     def keep(self, experts: slice) -> None:
         """Keep only `experts` (expert parallelism: this rank's slice)."""
+        self.global_rows = (experts.start, self.w_up.shape[0])
         self.w_up = nn.Parameter(self.w_up.detach()[experts].clone())
         self.w_down = nn.Parameter(self.w_down.detach()[experts].clone())
 

@@ -1,0 +1,262 @@
+"""The determinism policy: validate it, apply it, and record what was actually applied.
+
+Two layers:
+- process environment (CUBLAS_WORKSPACE_CONFIG, NVTE_ALLOW_NONDETERMINISTIC_ALGO): must be in place before the first
+  CUDA op; `prepare_process_env` validates and sets it and refuses when CUDA is already initialized with other values.
+  As in Megatron (megatron/training/determinism.py), the deterministic arm refuses a value already in the environment
+  that it cannot vouch for (`validate_policy_env`, on every device: the same environment goes to the cluster job),
+  keeps a valid one, and fills its policy's value only where the variable is unset; manifests record what was used.
+- torch flags (deterministic algorithms, cuDNN, TF32, fill_uninitialized_memory): switched per arm by `apply_flags`,
+  so both arms can be interleaved in one process.
+NCCL_ALGO is read when a communicator is created, so each arm gets its own process group created under its value
+(see taxbench.parallel.distributed).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from taxbench.config.schema import ConfigError, Device, PolicyConfig
+
+VALID_CUBLAS_WORKSPACE_CONFIGS = (":4096:8", ":16:8")
+VALID_DETERMINISTIC_NCCL_ALGOS = ("Ring", "CollnetDirect", "CollnetChain", "^NVLS")
+
+# Environment variables that determinism or its cost depends on; recorded in every manifest.
+RECORDED_ENV_VARS = (
+    "CUBLAS_WORKSPACE_CONFIG",
+    "NCCL_ALGO",
+    "NCCL_PROTO",
+    "NCCL_MIN_NCHANNELS",
+    "NCCL_MAX_NCHANNELS",
+    "NVTE_ALLOW_NONDETERMINISTIC_ALGO",
+    "CUDA_LAUNCH_BLOCKING",
+    "CUDA_VISIBLE_DEVICES",
+    "OMP_NUM_THREADS",
+    "PYTHONHASHSEED",
+    "TORCH_NCCL_USE_COMM_NONBLOCKING",
+    "TORCHINDUCTOR_DETERMINISTIC",
+)
+
+
+# What the deterministic arm accepts in the environment (NCCL_ALGO: a comma-separated list, every token accepted).
+DETERMINISTIC_ENV_ACCEPTED: dict[str, tuple[str, ...]] = {
+    "CUBLAS_WORKSPACE_CONFIG": VALID_CUBLAS_WORKSPACE_CONFIGS,
+    "NCCL_ALGO": VALID_DETERMINISTIC_NCCL_ALGOS,
+    "NVTE_ALLOW_NONDETERMINISTIC_ALGO": ("0",),
+}
+
+
+class PolicyError(ConfigError):
+    """The requested policy cannot be applied or vouched for."""
+
+
+def _env_value_accepted(name: str, value: str) -> bool:
+    accepted = DETERMINISTIC_ENV_ACCEPTED[name]
+    tokens = [t.strip() for t in value.split(",")] if name == "NCCL_ALGO" else [value]
+    return all(token in accepted for token in tokens)
+
+
+def policy_env(policy: PolicyConfig) -> dict[str, str | None]:
+    """The values this policy puts in the environment (None: unset), before any value the user already set."""
+    return {
+        "CUBLAS_WORKSPACE_CONFIG": policy.cublas_workspace_config,
+        "NCCL_ALGO": policy.nccl_algo,
+        "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "1" if policy.nvte_allow_nondeterministic_algo else "0",
+    }
+
+
+def validate_policy_env(policy: PolicyConfig, device: Device, env: Mapping[str, str] | None = None) -> None:
+    """Refuse a value in the environment (default os.environ) that would break the deterministic arm.
+
+    An empty value counts as unset (taxbench fills it). Refused on CPU too, where these variables are inactive: the
+    same environment is what a cluster job inherits, and the fix (unset it) costs nothing.
+    """
+    if not policy.deterministic:
+        return
+    env = os.environ if env is None else env
+    defaults = policy_env(policy)
+    for name, accepted in DETERMINISTIC_ENV_ACCEPTED.items():
+        value = env.get(name)
+        if not value or _env_value_accepted(name, value):
+            continue
+        fill = f"unset it (taxbench then sets {defaults[name]})" if defaults[name] else "unset it"
+        inactive = " (inactive on CPU, but nondeterministic on CUDA)" if device is Device.cpu else ""
+        raise PolicyError(
+            f"{name}={value!r} is set in the environment{inactive} and mode {policy.name!r} cannot vouch for it; "
+            f"accepted: {list(accepted)}; {fill} or export an accepted value"
+        )
+
+
+def validate_policy(policy: PolicyConfig, device: Device, env: Mapping[str, str] | None = None) -> None:
+    """Refuse deterministic policies whose settings, or the environment (default os.environ) they would run in, are
+    known not to give bitwise determinism."""
+    if not policy.deterministic:
+        return
+    validate_policy_env(policy, device, env)
+    if device is Device.cuda:
+        if torch.version.hip is not None:
+            raise PolicyError(
+                f"mode {policy.name!r}: deterministic execution on ROCm/HIP (torch {torch.__version__}) cannot be "
+                "vouched for by taxbench; run the deterministic arm on NVIDIA CUDA or on cluster.device=cpu"
+            )
+        if policy.cublas_workspace_config not in VALID_CUBLAS_WORKSPACE_CONFIGS:
+            raise PolicyError(
+                f"mode {policy.name!r}: cublas_workspace_config={policy.cublas_workspace_config!r} does not make "
+                f"cuBLAS deterministic; use one of {list(VALID_CUBLAS_WORKSPACE_CONFIGS)}"
+            )
+        if policy.nccl_algo not in VALID_DETERMINISTIC_NCCL_ALGOS:
+            raise PolicyError(
+                f"mode {policy.name!r}: nccl_algo={policy.nccl_algo!r} is not accepted for deterministic runs "
+                "(Tree and NVLS reduce in a topology-dependent order); "
+                f"use one of {list(VALID_DETERMINISTIC_NCCL_ALGOS)}"
+            )
+        if policy.allow_tf32 or policy.cudnn_benchmark:
+            raise PolicyError(
+                f"mode {policy.name!r}: allow_tf32={policy.allow_tf32}, cudnn_benchmark={policy.cudnn_benchmark}; "
+                "deterministic mode needs both false (autotuning picks kernels per run)"
+            )
+        if policy.nvte_allow_nondeterministic_algo:
+            raise PolicyError(
+                f"mode {policy.name!r}: nvte_allow_nondeterministic_algo=true lets Transformer Engine pick "
+                "nondeterministic attention kernels; set it to false"
+            )
+
+
+def _cuda_initialized() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def prepare_process_env(policies: Iterable[PolicyConfig], device: Device) -> dict[str, str]:
+    """Validate and set the process-wide environment that the policies need; call before the first CUDA op.
+
+    The arms share one process, so a variable one arm requires (the cuBLAS workspace size) applies to both; it only
+    fixes the workspace size, and the manifest records it as shared.
+    """
+    policies = list(policies)
+    for policy in policies:
+        validate_policy(policy, device)
+    wanted: dict[str, str] = {}
+    workspaces = {p.cublas_workspace_config for p in policies if p.cublas_workspace_config}
+    if len(workspaces) > 1:
+        raise PolicyError(
+            f"the arms ask for different cublas_workspace_config values {sorted(workspaces)}; it is process-wide, "
+            "so both arms must use the same one"
+        )
+    if workspaces and not os.environ.get("CUBLAS_WORKSPACE_CONFIG"):  # a value already set was validated: kept
+        wanted["CUBLAS_WORKSPACE_CONFIG"] = workspaces.pop()
+    if device is Device.cuda and _cuda_initialized():
+        stale = {k: v for k, v in wanted.items() if os.environ.get(k) != v}
+        if stale:
+            raise PolicyError(
+                f"CUDA was initialized before taxbench could set {stale}; cuBLAS reads them once. Set them in the "
+                "job environment or avoid CUDA work before taxbench starts"
+            )
+    os.environ.update(wanted)
+    return wanted
+
+
+PER_ARM_ENV_VARS = ("NCCL_ALGO", "NVTE_ALLOW_NONDETERMINISTIC_ALGO")
+# The per-arm variables as they were before the outermost arm_environment: the user's values, which nested or
+# interleaved arm blocks must not mistake for their own.
+_outer_env: list[dict[str, str | None]] = []
+
+
+def arm_env_values(policy: PolicyConfig, user_env: Mapping[str, str | None]) -> dict[str, str | None]:
+    """The baseline arm sets its policy's values (None: unset); the deterministic arm keeps a value the user set
+    (validated by validate_policy_env) and fills its own only where the variable is unset."""
+    wanted = policy_env(policy)
+    return {
+        name: (user_env.get(name) or wanted[name]) if policy.deterministic else wanted[name]
+        for name in PER_ARM_ENV_VARS
+    }
+
+
+@contextmanager
+def arm_environment(policy: PolicyConfig) -> Iterator[None]:
+    """Per-arm variables read at use (NCCL_ALGO at communicator creation, NVTE_* at kernel selection)."""
+    saved = {k: os.environ.get(k) for k in PER_ARM_ENV_VARS}
+    _outer_env.append(_outer_env[0] if _outer_env else saved)
+    values = arm_env_values(policy, _outer_env[0])
+    try:
+        for key, value in values.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        yield
+    finally:
+        _outer_env.pop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def apply_flags(policy: PolicyConfig) -> None:
+    """Switch torch's global determinism flags to this arm's policy."""
+    torch.use_deterministic_algorithms(policy.deterministic, warn_only=False)
+    torch.utils.deterministic.fill_uninitialized_memory = policy.fill_uninitialized_memory  # type: ignore[attr-defined]
+    torch.backends.cudnn.deterministic = policy.deterministic
+    torch.backends.cudnn.benchmark = policy.cudnn_benchmark
+    torch.backends.cuda.matmul.allow_tf32 = policy.allow_tf32
+    torch.backends.cudnn.allow_tf32 = policy.allow_tf32
+
+
+def _current_flags() -> dict[str, Any]:
+    return {
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "fill": torch.utils.deterministic.fill_uninitialized_memory,  # type: ignore[attr-defined]
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "matmul_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+    }
+
+
+def _restore_flags(flags: dict[str, Any]) -> None:
+    torch.use_deterministic_algorithms(flags["deterministic"], warn_only=flags["warn_only"])
+    torch.utils.deterministic.fill_uninitialized_memory = flags["fill"]  # type: ignore[attr-defined]
+    torch.backends.cudnn.deterministic = flags["cudnn_deterministic"]
+    torch.backends.cudnn.benchmark = flags["cudnn_benchmark"]
+    torch.backends.cuda.matmul.allow_tf32 = flags["matmul_tf32"]
+    torch.backends.cudnn.allow_tf32 = flags["cudnn_tf32"]
+
+
+@contextmanager
+def active(policy: PolicyConfig) -> Iterator[None]:
+    """Run a block of this arm's work under its flags and per-arm environment; the previous flags come back after."""
+    saved = _current_flags()
+    with arm_environment(policy):
+        apply_flags(policy)
+        try:
+            yield
+        finally:
+            _restore_flags(saved)
+
+
+def applied_state(device: Device) -> dict[str, Any]:
+    """What torch reports right now: recorded in the manifest, read back rather than assumed."""
+    state: dict[str, Any] = {
+        "device": device.value,
+        "use_deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "fill_uninitialized_memory": bool(torch.utils.deterministic.fill_uninitialized_memory),  # type: ignore[attr-defined]
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+        "env": {k: os.environ[k] for k in RECORDED_ENV_VARS if k in os.environ},
+    }
+    if device is Device.cpu:
+        state["note"] = (
+            "CPU execution: determinism is vouched for by torch's deterministic algorithms and fixed thread counts; "
+            "CUDA-only settings are recorded but inactive"
+        )
+        state["cpu_threads"] = torch.get_num_threads()
+    return state

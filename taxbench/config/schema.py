@@ -1,0 +1,563 @@
+"""Structured config schema for taxbench (Hydra/OmegaConf) and the checks Hydra cannot express.
+
+The schema is registered in Hydra's ConfigStore so that wrong types and unknown keys are rejected at compose time;
+`validate` adds the cross-field rules (batch divisibility, parallel layout, value ranges) with messages that name the
+key, the offending value and what would be accepted.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import secrets
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem; the message says what is wrong and how to fix it."""
+
+
+class Precision(StrEnum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class Device(StrEnum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Launcher(StrEnum):
+    inprocess = "inprocess"
+    local = "local"
+    slurm = "slurm"
+    torchrun = "torchrun"  # ranks started by torchrun, srun or a Kubernetes PyTorchJob; read from the environment
+
+
+class DataParallel(StrEnum):
+    ddp = "ddp"
+    fsdp = "fsdp"
+
+
+class ActivationCheckpointing(StrEnum):
+    none = "none"
+    full = "full"  # recompute each block's forward in its backward
+    selective = "selective"  # keep matmul outputs, recompute the cheap ops between them
+
+
+class ModelKind(StrEnum):
+    dense = "dense"
+    moe = "moe"
+    custom = "custom"  # recipe.model.factory = {_target_: my_pkg.build, ...}
+
+
+class DataKind(StrEnum):
+    synthetic = "synthetic"
+    shards = "shards"
+
+
+class DataLoaderKind(StrEnum):
+    auto = "auto"  # DALI on GPU ranks where installed, else torch
+    torch = "torch"
+    dali = "dali"
+
+
+class FaultKind(StrEnum):
+    flip_param_bit = "flip_param_bit"  # one parameter bit, between steps
+    perturb_collective = "perturb_collective"  # one bit of a gradient all-reduce result
+    nondeterministic_op = "nondeterministic_op"  # one bit of an ATen op's output inside a module
+
+
+@dataclass
+class ModelConfig:
+    kind: ModelKind = ModelKind.dense
+    # kind=custom: a Hydra node {_target_: my_pkg.build, ...kwargs} instantiated to an nn.Module (tokens -> logits)
+    factory: dict[str, Any] = field(default_factory=dict)
+    vocab_size: int = 256
+    seq_len: int = 64
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    d_ff: int = 256
+    n_experts: int = 0
+    top_k: int = 0
+    moe_d_ff: int = 0
+    aux_loss_coef: float = 0.01
+    n_shared_experts: int = 0  # MoE: always-active experts of width moe_d_ff each (DeepSeek/Nemotron style)
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 3e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    data_parallel: DataParallel = DataParallel.ddp
+    # pp>1: a torch.distributed.pipelining schedule (PIPELINE_SCHEDULES: 1F1B, GPipe, Interleaved1F1B, ...)
+    pp_schedule: str = "1F1B"
+    virtual_stages: int = 1  # pipeline stages per rank (Interleaved1F1B, InterleavedZeroBubble: >= 2; ZBV: 2)
+
+
+@dataclass
+class DataConfig:
+    kind: DataKind = DataKind.synthetic
+    path: str | None = None  # kind=shards: a folder built by `taxbench build-shards`
+    seed: int = 1234
+    loader: DataLoaderKind = DataLoaderKind.auto  # kind=shards
+    num_workers: int = 0  # torch DataLoader workers / DALI threads; never changes the sample order
+    verify_checksums: bool = False  # hash every shard against its index once before the ranks start
+
+
+@dataclass
+class RecipeConfig:
+    name: str = MISSING
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    micro_batch_size: int = 4
+    global_batch_size: int = 8
+    precision: Precision = Precision.fp32
+    seed: int = 0
+    # Recompute activations in the backward (per block, non-reentrant torch.utils.checkpoint, RNG replayed); the
+    # plan's memory estimate reads the same setting.
+    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.none
+
+
+@dataclass
+class PolicyConfig:
+    """Execution policy of one arm. Only these fields may differ between the two arms of a pair."""
+
+    name: str = MISSING
+    deterministic: bool = False
+    cudnn_benchmark: bool = True
+    allow_tf32: bool = True
+    cublas_workspace_config: str | None = None
+    nccl_algo: str | None = None
+    nvte_allow_nondeterministic_algo: bool = True
+    fill_uninitialized_memory: bool = False
+    # Fast paths of custom kernels (e.g. MoE combine via index_put_(accumulate=True)) are used unless this is set.
+    deterministic_kernels: bool = False
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "local"
+    launcher: Launcher = Launcher.local
+    device: Device = Device.cpu
+    cpu_ranks: int = 2  # world size when device=cpu (cluster=torchrun: 0 = the environment's WORLD_SIZE)
+    gpus: int = 8  # world size when device=cuda (cluster=torchrun: 0 = the environment's WORLD_SIZE)
+    gpus_per_node: int = 8
+    nodes: int = 1
+    threads_per_rank: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0 picks a free port
+    # Peak dense TFLOP/s of one device for MFU; 0: taxbench.train.flops's table by GPU name (no MFU on CPU).
+    peak_tflops: float = 0.0
+    # Slurm (cluster=slurm)
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    time_min: int = 60
+    setup: list[str] = field(default_factory=list)
+    sbatch_args: dict[str, Any] = field(default_factory=dict)
+    submitit_dir: str | None = None
+    # cluster=slurm: validate everything, print the plan and the job, write the sbatch script, submit nothing.
+    dry_run: bool = False
+
+
+@dataclass
+class FaultConfig:
+    """Deliberate corruption of one run, to check that the gates catch it (harness self-test)."""
+
+    enabled: bool = False
+    arm: str = "deterministic"
+    replica: int = 1
+    step: int = 3
+    rank: int = 0
+    kind: FaultKind = FaultKind.flip_param_bit
+    module: str | None = None  # nondeterministic_op: module path, e.g. "blocks.1.ffn"
+    op: str | None = None  # nondeterministic_op: ATen op pattern, e.g. "aten.mm.default"
+
+    def applies_to(self, arm: str, replica: str) -> bool:
+        return self.enabled and self.arm == arm and str(self.replica) == replica
+
+
+@dataclass
+class TraceConfig:
+    """Tracing-ladder capture of chosen steps; records go to <run>/trace/trace.rank<R>.jsonl (see taxbench.tracing).
+
+    Traced steps run slower (fingerprints inside the timed step): keep `steps` narrow.
+    """
+
+    enabled: bool = False
+    rung: int = 1  # 1: collectives, optimizer step, checkpoint load; 2: + module outputs; 3: + ATen ops
+    steps: list[int] = field(default_factory=list)  # empty: every step
+    ranks: list[int] = field(default_factory=list)  # empty: every rank
+    runs: list[str] = field(default_factory=list)  # run names such as "deterministic-1"; empty: every run
+    modules: list[str] = field(default_factory=list)  # fnmatch patterns on module paths (covers submodules)
+    ops: list[str] = field(default_factory=list)  # fnmatch patterns on ATen op names, e.g. "aten.index_put_*"
+    max_numel: int = 0  # larger tensors are recorded by shape only (no digest); 0: no limit
+
+
+@dataclass
+class ExperimentConfig:
+    name: str = MISSING
+    out_dir: str = "runs"
+    steps: int = 60  # steps per arm and replica
+    # Steps per interleaved block. One: CPU step times here switch between speed regimes every ~100 ms, and only
+    # blocks shorter than that let both arms see the same regime (+/-1.3% against +/-5.7% with 6-step blocks, same
+    # steps; benchmarks/calibration.py --block).
+    block_steps: int = 1
+    warmup_steps: int = 6  # fixed minimum warmup, checked by MSER-5
+    resume_step: int = 20  # the restart-replay replica checkpoints here and resumes
+    order_seed: int = 0  # seeds the randomized arm order per round
+    # Continue an interrupted experiment in its existing folder (same config): finished runs are kept, unfinished ones
+    # resume from their last complete checkpoint.
+    continue_existing: bool = False
+    confidence: float = 0.95
+    # Preemption safety: every run checkpoints at the end of the block that reaches each multiple of N steps (0: never),
+    # and a restarted experiment resumes from there.
+    checkpoint_every_steps: int = 10
+    # Which runs are timed: "all" interleaves baseline-0, deterministic-0, deterministic-1 and baseline-1 in rounds
+    # (four models in memory at once); "pair" interleaves only the two *-0 runs (two models, half the timed steps).
+    interleave: str = "all"
+    # Stop at the precision asked for: with target_half_width > 0 (relative, e.g. 0.005) rounds are added after
+    # `steps` until the tax interval's half-width reaches it, or until max_steps per run.
+    target_half_width: float = 0.0
+    max_steps: int = 0  # 0: 10 x steps
+    # An interval wider than this (relative half-width), or one spanning zero, is reported as inconclusive.
+    conclusive_half_width: float = 0.02
+    # Calibration of the instrument: a known tax planted in every deterministic step (a busy wait on CPU, a spin
+    # kernel on GPU, sized as this fraction of the arm's running median step), and an A/A pair (calibration=true:
+    # both arms on the baseline policy) whose true tax is then exactly planted_tax. Never a determinism result.
+    planted_tax: float = 0.0
+    calibration: bool = False
+    # Python's garbage collector off inside timed blocks and run between them (Megatron's --manual-gc).
+    manual_gc: bool = True
+    # Where the tax goes (taxbench.design): one timed arm per determinism knob (the baseline with that knob on),
+    # two untimed replicas per knob left out of the deterministic policy (is it needed?), and torch.profiler op
+    # tables of profile_steps steps per arm, taken after the rounds in runs of their own (<arm>-profile).
+    ablation: bool = False
+    profile_steps: int = 8
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    trace: TraceConfig = field(default_factory=TraceConfig)
+
+
+@dataclass
+class ReportConfig:
+    """What is written after an experiment: the HTML/markdown report and the wandb run."""
+
+    html: bool = True  # report/report.html (self-contained) and report/report.md beside the runs
+    wandb: bool = True  # needs the wandb extra; WANDB_MODE=offline unless the environment sets WANDB_MODE
+    wandb_project: str = "taxbench"
+    wandb_entity: str | None = None
+    wandb_group: str | None = None  # default: the sweep folder's name under a Hydra multirun
+
+
+@dataclass
+class TaxbenchConfig:
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    arms: dict[str, PolicyConfig] = field(default_factory=dict)
+    # Per-arm changes to its copy of the recipe/cluster, e.g. `+arm_overrides.deterministic.recipe.micro_batch_size=2`.
+    # The pair is refused unless they leave everything but the policy unchanged: this is how two existing recipes are
+    # checked for comparability.
+    arm_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
+    experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+    # plan=true: build the model on the meta device, print parameter count, per-GPU memory and layout validity for
+    # cluster.gpus ranks, and exit without training (no GPU needed).
+    plan: bool = False
+    report: ReportConfig = field(default_factory=ReportConfig)
+
+
+ARM_NAMES = ("baseline", "deterministic")
+ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble")  # weight gradients in a separate pass
+# torch.distributed.pipelining schedules -> stages per rank: one ("single"), virtual_stages >= 2 in a loop ("looped"),
+# or two in a V ("v")
+PIPELINE_SCHEDULES = {
+    "1F1B": "single",
+    "GPipe": "single",
+    "Interleaved1F1B": "looped",
+    "InterleavedZeroBubble": "looped",
+    "ZBVZeroBubble": "v",
+}
+
+
+@functools.cache
+def launch_stamp() -> str:
+    """`<date>-<time>-<random>` for default experiment names: the same for every config composed by one process (so
+    the points of a multirun share it), and different for two launches started in the same second."""
+    return f"{datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
+
+
+def register_configs() -> None:
+    if not OmegaConf.has_resolver("taxbench_stamp"):
+        OmegaConf.register_new_resolver("taxbench_stamp", launch_stamp)
+    cs = ConfigStore.instance()
+    cs.store(name="taxbench_schema", node=TaxbenchConfig)
+    # Kept out of the recipe/mode/cluster groups so that they are not listed as choices; a group file starts with
+    # e.g. `defaults: [/schema/recipe@_here_]` so that its fields are typed and checked.
+    cs.store(group="schema", name="recipe", node=RecipeConfig)
+    cs.store(group="schema", name="policy", node=PolicyConfig)
+    cs.store(group="schema", name="cluster", node=ClusterConfig)
+
+
+def to_typed(cfg: DictConfig | dict[str, Any]) -> TaxbenchConfig:
+    """Merge a plain or Hydra config onto the schema and return typed dataclasses.
+
+    This also catches keys that Hydra's `+key=value` lets through (unknown fields of a structured node).
+    """
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(TaxbenchConfig), cfg)
+        typed = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None)
+        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        hint = "; `python -m taxbench --cfg job` prints every valid key with its value"
+        raise ConfigError(f"{key + ': ' if key else ''}{first_line}{hint}") from exc
+    assert isinstance(typed, TaxbenchConfig)
+    if typed.experiment.calibration and "baseline" in typed.arms:
+        # The A/A pair: the deterministic arm runs the baseline policy, so that its true tax is the planted one.
+        typed.arms["deterministic"] = copy.deepcopy(typed.arms["baseline"])
+    return typed
+
+
+INTERLEAVE_MODES = ("all", "pair")
+MAX_STEPS_FACTOR = 10  # experiment.max_steps=0 means this many times experiment.steps
+
+
+def max_steps(exp: ExperimentConfig) -> int:
+    """The most steps a run may take: `steps`, or with a target half-width the cap on added rounds."""
+    if exp.target_half_width <= 0:
+        return exp.steps
+    return exp.max_steps or MAX_STEPS_FACTOR * exp.steps
+
+
+def world_size(cluster: ClusterConfig) -> int:
+    return cluster.gpus if cluster.device is Device.cuda else cluster.cpu_ranks
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def layout_problems(recipe: RecipeConfig, world: int) -> list[str]:
+    """Every reason the recipe's parallel layout cannot run on `world` ranks (empty when it can).
+
+    world = tp * pp * dp, and the expert-parallel group is carved out of data parallel (ep divides dp), as in Megatron.
+    """
+    par, model = recipe.parallel, recipe.model
+    problems = [f"recipe.parallel.{k}={v} must be >= 1" for k, v in (("tp", par.tp), ("pp", par.pp), ("ep", par.ep))
+                if v < 1]
+    if problems:
+        return problems
+    model_parallel = par.tp * par.pp
+    dp = world // model_parallel
+    if world % model_parallel:
+        problems.append(
+            f"world size {world} is not divisible by tp*pp = {par.tp}*{par.pp} = {model_parallel}; change cluster.gpus "
+            "(or cluster.cpu_ranks) or the recipe's parallel layout"
+        )
+    elif dp % par.ep:
+        problems.append(
+            f"data-parallel size dp = world/(tp*pp) = {world}/{model_parallel} = {dp} is not divisible by "
+            f"recipe.parallel.ep={par.ep} (expert parallelism is carved out of data parallelism); pick ep dividing {dp}"
+        )
+    if par.ep > 1 and (model.n_experts == 0 or model.n_experts % par.ep):
+        problems.append(
+            f"recipe.model.n_experts={model.n_experts} is not divisible by recipe.parallel.ep={par.ep}"
+            + ("; expert parallelism needs an MoE model (recipe.model.kind=moe)" if model.n_experts == 0 else "")
+        )
+    if model.n_experts and not 1 <= model.top_k <= model.n_experts:
+        problems.append(f"recipe.model.top_k={model.top_k} must be in [1, n_experts={model.n_experts}]")
+    if model.kind != ModelKind.custom:
+        for key, value in (("n_heads", model.n_heads), ("d_ff", model.d_ff)):
+            if value % par.tp:
+                problems.append(f"recipe.model.{key}={value} is not divisible by recipe.parallel.tp={par.tp}")
+        if model.n_shared_experts and (model.moe_d_ff or model.d_ff) * model.n_shared_experts % par.tp:
+            problems.append(f"the shared-expert width is not divisible by recipe.parallel.tp={par.tp}")
+    batch_fits = dp and not world % model_parallel and not recipe.global_batch_size % (recipe.micro_batch_size * dp)
+    if dp and not world % model_parallel and not batch_fits:
+        problems.append(
+            f"recipe.global_batch_size={recipe.global_batch_size} is not divisible by micro_batch_size*dp = "
+            f"{recipe.micro_batch_size}*{dp}; pick a global batch that is a multiple of {recipe.micro_batch_size * dp}"
+        )
+    micro_batches = recipe.global_batch_size // (recipe.micro_batch_size * dp) if batch_fits else None
+    return problems + pipeline_problems(recipe, micro_batches)
+
+
+def schedule_kind(name: str) -> str | None:
+    """How many stages per rank a pipeline schedule runs (see PIPELINE_SCHEDULES); None for an unknown name."""
+    return next((kind for known, kind in PIPELINE_SCHEDULES.items() if known.lower() == name.lower()), None)
+
+
+def pipeline_problems(recipe: RecipeConfig, micro_batches: int | None) -> list[str]:
+    """Every reason the recipe's pipeline cannot run (none when pp == 1); `micro_batches` per step and data-parallel
+    rank, when known."""
+    par, model = recipe.parallel, recipe.model
+    if par.pp == 1:
+        return []
+    kind = schedule_kind(par.pp_schedule)
+    if kind is None:
+        return [f"recipe.parallel.pp_schedule={par.pp_schedule!r} is unknown; choose one of "
+                f"{list(PIPELINE_SCHEDULES)}"]
+    problems = []
+    if model.kind == ModelKind.custom:
+        problems.append("recipe.parallel.pp>1 splits taxbench's GPT blocks into stages; a custom model "
+                        "(recipe.model.kind=custom) runs with recipe.parallel.pp=1")
+    virtual = par.virtual_stages
+    if kind == "single" and virtual != 1:
+        problems.append(f"recipe.parallel.pp_schedule={par.pp_schedule} runs one stage per rank; set "
+                        "recipe.parallel.virtual_stages=1 or pick Interleaved1F1B, InterleavedZeroBubble or "
+                        "ZBVZeroBubble")
+    if kind == "looped" and virtual < 2:
+        problems.append(f"recipe.parallel.pp_schedule={par.pp_schedule} needs recipe.parallel.virtual_stages>=2")
+    if kind == "v" and virtual != 2:
+        problems.append(f"recipe.parallel.pp_schedule={par.pp_schedule} needs recipe.parallel.virtual_stages=2")
+    if par.pp_schedule in ZERO_BUBBLE_SCHEDULES and par.data_parallel == DataParallel.fsdp:
+        # Found by restart replay on the moe_1t proxy: after 6 steps no parameter of the last stage had optimizer
+        # state (the split weight-gradient pass never reached FSDP2's sharded parameters); with DDP all are trained.
+        problems.append(f"recipe.parallel.pp_schedule={par.pp_schedule} with recipe.parallel.data_parallel=fsdp "
+                        "leaves the last stage untrained here (no gradient reaches its FSDP2 parameters); use "
+                        "1F1B, GPipe or Interleaved1F1B, or data_parallel=ddp")
+    stages = par.pp * max(virtual, 1)
+    if model.n_layers % stages:
+        problems.append(f"recipe.model.n_layers={model.n_layers} is not divisible by pp * virtual_stages = "
+                        f"{par.pp}*{virtual} = {stages} (blocks per stage)")
+    if micro_batches is not None:
+        if micro_batches < par.pp:
+            problems.append(f"{micro_batches} micro-batches per step cannot fill {par.pp} pipeline stages; raise "
+                            "recipe.global_batch_size or lower recipe.micro_batch_size")
+        elif kind != "single" and micro_batches % par.pp:
+            problems.append(f"{par.pp_schedule} needs the micro-batches per step ({micro_batches}) to be a multiple "
+                            f"of recipe.parallel.pp={par.pp}")
+    return problems
+
+
+def _check_experiment_name(name: str) -> None:
+    """The experiment folder is <out_dir>/<name>: one plain path component, never a way out of out_dir."""
+    _require(
+        bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name,
+        f"experiment.name={name!r} must be a plain folder name (no '/', not empty, '.' or '..'); it is created "
+        "under experiment.out_dir, so choose the location with experiment.out_dir",
+    )
+
+
+def validate(cfg: TaxbenchConfig) -> None:
+    """Cross-field rules; raises ConfigError naming the key, the value and the fix."""
+    recipe, cluster, exp = cfg.recipe, cfg.cluster, cfg.experiment
+    _require(
+        sorted(cfg.arms) == sorted(ARM_NAMES),
+        f"arms must be exactly {list(ARM_NAMES)}, got {sorted(cfg.arms)}; select policies with "
+        "mode@arms.baseline=<mode> and mode@arms.deterministic=<mode>",
+    )
+    for key, value in (
+        ("experiment.steps", exp.steps),
+        ("experiment.block_steps", exp.block_steps),
+        ("recipe.micro_batch_size", recipe.micro_batch_size),
+        ("recipe.global_batch_size", recipe.global_batch_size),
+        ("cluster.threads_per_rank", cluster.threads_per_rank),
+        ("recipe.model.seq_len", recipe.model.seq_len),
+        ("recipe.model.n_layers", recipe.model.n_layers),
+        ("recipe.model.vocab_size", recipe.model.vocab_size),
+        ("recipe.model.d_model", recipe.model.d_model),
+        ("recipe.model.n_heads", recipe.model.n_heads),
+        ("recipe.model.d_ff", recipe.model.d_ff),
+    ):
+        _require(value >= 1, f"{key}={value} must be >= 1")
+    _check_experiment_name(exp.name)
+    _require(cluster.peak_tflops >= 0,
+             f"cluster.peak_tflops={cluster.peak_tflops} must be >= 0 (0: from the GPU name; H100 bf16: 989)")
+    _require(0 <= cluster.master_port <= 65535,
+             f"cluster.master_port={cluster.master_port} must be a TCP port in [1, 65535], or 0 to pick a free one")
+    _require(
+        world_size(cluster) >= 1,
+        f"world size must be >= 1 (cluster.cpu_ranks / cluster.gpus), got {world_size(cluster)}",
+    )
+    _require(
+        exp.steps % exp.block_steps == 0,
+        f"experiment.steps={exp.steps} is not a multiple of experiment.block_steps={exp.block_steps}; "
+        f"use e.g. experiment.steps={exp.steps - exp.steps % exp.block_steps or exp.block_steps}",
+    )
+    _require(
+        0 <= exp.warmup_steps < exp.steps,
+        f"experiment.warmup_steps={exp.warmup_steps} must be in [0, experiment.steps={exp.steps})",
+    )
+    _require(
+        1 <= exp.resume_step < exp.steps,
+        f"experiment.resume_step={exp.resume_step} must be in [1, experiment.steps={exp.steps}) so that steps remain "
+        "after the resume to compare",
+    )
+    _require(0 < exp.confidence < 1, f"experiment.confidence={exp.confidence} must be in (0, 1), e.g. 0.95")
+    _require(exp.interleave in INTERLEAVE_MODES,
+             f"experiment.interleave={exp.interleave!r} must be one of {list(INTERLEAVE_MODES)} (all: every run but "
+             "the resumed one is timed; pair: only baseline-0 and deterministic-0, for recipes that fit two models)")
+    _require(0 <= exp.planted_tax < 10,
+             f"experiment.planted_tax={exp.planted_tax} must be in [0, 10) (a fraction: 0.02 plants a 2% tax)")
+    _require(0 <= exp.target_half_width < 1,
+             f"experiment.target_half_width={exp.target_half_width} must be in [0, 1) (relative: 0.005 is +/-0.5%; "
+             "0 runs exactly experiment.steps)")
+    _require(0 < exp.conclusive_half_width < 1,
+             f"experiment.conclusive_half_width={exp.conclusive_half_width} must be in (0, 1), e.g. 0.02")
+    _require(exp.max_steps >= 0, f"experiment.max_steps={exp.max_steps} must be >= 0 (0: {MAX_STEPS_FACTOR} x steps)")
+    if exp.target_half_width > 0:
+        cap = max_steps(exp)
+        _require(cap >= exp.steps and cap % exp.block_steps == 0,
+                 f"experiment.max_steps={exp.max_steps} must be >= experiment.steps={exp.steps} and a multiple of "
+                 f"experiment.block_steps={exp.block_steps}")
+    _require(
+        recipe.model.d_model % recipe.model.n_heads == 0,
+        f"recipe.model.d_model={recipe.model.d_model} is not divisible by recipe.model.n_heads={recipe.model.n_heads}",
+    )
+    _require(exp.profile_steps >= 1, f"experiment.profile_steps={exp.profile_steps} must be >= 1")
+    _require(not (exp.ablation and exp.calibration),
+             "experiment.ablation=true with experiment.calibration=true: an A/A pair has no knob that differs; "
+             "drop one of them")
+    _require(exp.checkpoint_every_steps >= 0,
+             f"experiment.checkpoint_every_steps={exp.checkpoint_every_steps} must be >= 0 (0: no checkpoints)")
+    ws = world_size(cluster)
+    problems = layout_problems(recipe, ws)
+    _require(not problems, "; ".join(problems))
+    _require(recipe.data.num_workers >= 0, f"recipe.data.num_workers={recipe.data.num_workers} must be >= 0")
+    fault = exp.fault
+    if fault.enabled:
+        _require(fault.arm in ARM_NAMES, f"experiment.fault.arm={fault.arm!r} must be one of {list(ARM_NAMES)}")
+        _require(1 <= fault.step <= exp.steps, f"experiment.fault.step={fault.step} must be in [1, {exp.steps}]")
+        _require(0 <= fault.rank < ws, f"experiment.fault.rank={fault.rank} must be in [0, {ws})")
+        _require(fault.replica in (0, 1), f"experiment.fault.replica={fault.replica} must be 0 or 1")
+        _require(
+            fault.kind != "perturb_collective" or ws >= 2,
+            "experiment.fault.kind=perturb_collective needs world size >= 2 (a gradient all-reduce to perturb)",
+        )
+        _require(
+            fault.kind != "nondeterministic_op" or bool(fault.module and fault.op),
+            "experiment.fault.kind=nondeterministic_op needs experiment.fault.module (e.g. blocks.1.ffn) and "
+            "experiment.fault.op (e.g. aten.mm.default)",
+        )
+    trace = exp.trace
+    if trace.enabled:
+        _require(trace.rung in (1, 2, 3), f"experiment.trace.rung={trace.rung} must be 1, 2 or 3")
+        _require(all(1 <= s <= exp.steps for s in trace.steps),
+                 f"experiment.trace.steps={list(trace.steps)} must lie in [1, {exp.steps}]")
+        _require(all(0 <= r < ws for r in trace.ranks),
+                 f"experiment.trace.ranks={list(trace.ranks)} must lie in [0, {ws})")
+        _require(trace.max_numel >= 0, f"experiment.trace.max_numel={trace.max_numel} must be >= 0 (0: no limit)")

@@ -1,0 +1,81 @@
+"""Process-group setup: gloo on CPU, NCCL on CUDA, one communicator per arm."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from taxbench.config.policy import arm_environment
+from taxbench.config.schema import Device, PolicyConfig
+
+
+@dataclass
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    _arm_groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
+    meshes: dict[Any, Any] = field(default_factory=dict)  # DeviceMeshes per (arm, mesh shape): taxbench.parallel.layout
+
+    def group_for(self, policy: PolicyConfig) -> dist.ProcessGroup:
+        """A communicator created under this arm's NCCL_ALGO (NCCL reads it at communicator creation)."""
+        if policy.name not in self._arm_groups:
+            with arm_environment(policy):
+                self._arm_groups[policy.name] = dist.new_group(list(range(self.world_size)), backend=self.backend)
+        return self._arm_groups[policy.name]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def init(
+    rank: int, world_size: int, local_rank: int, device: Device, master_addr: str, master_port: int
+) -> DistContext:
+    if device is Device.cuda:
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "cluster.device=cuda but torch sees no CUDA device (torch "
+                f"{torch.__version__}); use cluster.device=cpu or a CUDA build of torch on a GPU node"
+            )
+        torch.cuda.set_device(local_rank)
+        torch_device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        torch_device, backend = torch.device("cpu"), "gloo"
+    os.environ["MASTER_ADDR"] = master_addr
+    os.environ["MASTER_PORT"] = str(master_port)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(minutes=10),
+            device_id=torch_device if backend == "nccl" else None,
+        )
+    return DistContext(rank, world_size, local_rank, torch_device, backend)
+
+
+def simulate(rank: int, world_size: int) -> DistContext:
+    """Be rank `rank` of a world of `world_size` simulated in this process with torch's fake process group:
+    collectives return at once and move no data. For building one rank's share of a world this machine cannot start
+    (benchmarks/rank_build.py); nothing it computes across ranks is meaningful."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    shutdown()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    return DistContext(rank, world_size, 0, torch.device("cpu"), "fake")
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,73 @@
+"""This rank's share of a model built on the meta device, materialised with layout-invariant initial values.
+
+A rank never holds the whole model: the model is built on the meta device, split into its pipeline stages, its
+experts sliced for expert parallelism and its parameters sharded (FSDP2 / tensor parallel DTensors), all on meta;
+only then does `materialize` allocate this rank's tensors on its device and fill them with the values the unsplit
+model holds there (taxbench.workloads.init). Where a sharded parameter's elements lie in the unsplit one comes from
+its DTensor placements (Shard and FSDP2's strided shards, composed in DTensor's own order) and, for expert
+parallelism, from the expert slice the layer keeps (`global_rows`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Shard, _StridedShard, _StridedShardOffsetMode
+
+from taxbench.workloads.init import GlobalView, fill_local, initial_values, parameter_key
+
+
+def global_view(param: torch.Tensor, global_rows: tuple[int, int] | None = None) -> GlobalView:
+    """The global view of a (possibly DTensor) parameter. `global_rows` = (offset, total): the parameter is rows
+    [offset, offset + n) along dim 0 of a (total, ...) tensor (an expert-parallel slice) before any DTensor sharding."""
+    shape = tuple(param.shape)
+    indices = [torch.arange(n) for n in shape]
+    if isinstance(param, DTensor):
+        coordinate = param.device_mesh.get_coordinate()
+        if coordinate is None:
+            raise ValueError("this rank holds no part of the parameter's mesh")
+        for mesh_dim, placement in enumerate(param.placements):
+            if not isinstance(placement, Shard | _StridedShard):
+                continue  # Replicate / Partial: every rank holds the whole dimension
+            dim, chunks = placement.dim, param.device_mesh.size(mesh_dim)
+            if isinstance(placement, _StridedShard):
+                size, offsets = placement._local_shard_size_and_offset(
+                    len(indices[dim]), chunks, coordinate[mesh_dim], _StridedShardOffsetMode.ALL)
+                local = torch.tensor(offsets if size else [], dtype=torch.long)
+            else:
+                size, start = placement._local_shard_size_and_offset(len(indices[dim]), chunks, coordinate[mesh_dim])
+                local = torch.arange(int(start), int(start) + size)
+            indices[dim] = indices[dim][local]
+    if global_rows is not None:
+        offset, total = global_rows
+        indices[0] = indices[0] + offset
+        shape = (total, *shape[1:])
+    return GlobalView(shape, tuple(indices))
+
+
+def _global_rows(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Parameter name -> (offset, total) for the parameters of modules that keep a slice of their rows."""
+    found = {}
+    for module_name, module in model.named_modules():
+        rows = getattr(module, "global_rows", None)
+        if rows is not None:
+            for param_name, _ in module.named_parameters(recurse=False):
+                found[f"{module_name}.{param_name}" if module_name else param_name] = rows
+    return found
+
+
+def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
+    """Allocate this rank's share of a meta-device model on `device` and fill every parameter by its rule."""
+    model.to_empty(device=device)
+    rules, rows = initial_values(model), _global_rows(model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            rule = rules.get(name)
+            if rule is None:
+                raise ValueError(f"parameter {name} has no initial-value rule (taxbench.workloads.init)")
+            local = param.to_local() if isinstance(param, DTensor) else param
+            fill_local(local, global_view(param, rows.get(name)), rule, parameter_key(seed, name))
+    for name, buffer in model.named_buffers():
+        raise ValueError(f"buffer {name} {tuple(buffer.shape)} of a meta-device model has no initial value; "
+                         "taxbench's workloads hold none")

@@ -1,0 +1,125 @@
+"""The experiment folder `<out_dir>/<name>[/point<N>]`: claimed by one launch at a time, never clobbered.
+
+A launch holds an exclusive lock on `<root>/.taxbench.lock` (POSIX record lock: released by the kernel when the
+process dies, and honoured on NFS) from before it looks at the folder until its report is written. A second launch,
+or a `continue_existing` while the first still runs, is refused naming the holder. Results already in the folder
+are never overwritten: only `experiment.continue_existing=true` with the same config may add to them. A folder this
+launch created is removed again when the claim is refused, so a refused launch leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import socket
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TextIO
+
+from omegaconf import OmegaConf
+
+from taxbench.config.pairing import differences
+from taxbench.config.schema import ConfigError, TaxbenchConfig
+from taxbench.design import ALL_RUNS, TIMED
+from taxbench.oserrors import describe_os_error
+from taxbench.redaction import redact, redact_text
+from taxbench.rundir.read import RecordError, load_manifest
+
+LOCK_FILE = ".taxbench.lock"
+# Settings that may change when an interrupted experiment is continued: they do not affect what the runs compute.
+CONTINUE_MAY_CHANGE = ("experiment.continue_existing", "report.")
+
+
+def experiment_root(cfg: TaxbenchConfig, point: int | None = None) -> Path:
+    """Where the experiment's runs go; `point` numbers the points of a multirun, which share experiment.name."""
+    root = Path(cfg.experiment.out_dir) / cfg.experiment.name
+    return root if point is None else root / f"point{point}"
+
+
+@contextmanager
+def claimed(cfg: TaxbenchConfig, root: Path) -> Iterator[Path]:
+    """Create (or reopen, to continue) the experiment folder and hold its lock for the duration of the block.
+
+    A folder this claim created is removed again if it is still empty at the end (a refused or failed launch)."""
+    created = _create(root)
+    try:
+        with _lock(root):
+            _check_reuse(root, cfg)
+            yield root
+    finally:
+        if created and _holds_nothing(root):
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _holds_nothing(root: Path) -> bool:
+    return all(entry.name == LOCK_FILE for entry in root.iterdir()) if root.is_dir() else False
+
+
+def _create(root: Path) -> bool:
+    """Make the folder (and out_dir); True when this call created the experiment folder itself."""
+    try:
+        root.mkdir(parents=True)
+        return True
+    except FileExistsError:
+        if not root.is_dir():
+            raise ConfigError(f"{root} exists and is not a folder; pick another experiment.name") from None
+        return False
+    except OSError as exc:
+        raise ConfigError(f"cannot create the experiment folder: {describe_os_error(exc)}") from exc
+
+
+def _lock(root: Path) -> TextIO:
+    path = root / LOCK_FILE
+    handle = path.open("a+", encoding="utf-8")
+    try:
+        fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise ConfigError(
+            f"{root} is in use by {holder}; wait for it to finish, or pick another experiment.name"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(json.dumps({
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+        "command": redact_text(" ".join(sys.argv)),
+    }))
+    handle.flush()
+    return handle
+
+
+def _check_reuse(root: Path, cfg: TaxbenchConfig) -> None:
+    holds_results = any((root / ref.name).exists() for ref in ALL_RUNS)
+    if not holds_results:
+        return
+    if not cfg.experiment.continue_existing:
+        raise ConfigError(
+            f"{root} already holds results; pick another experiment.name (or out_dir) instead of overwriting "
+            "them, or continue an interrupted experiment with experiment.continue_existing=true"
+        )
+    _require_same_config(root, cfg)
+
+
+def _require_same_config(root: Path, cfg: TaxbenchConfig) -> None:
+    try:
+        stored = load_manifest(root / TIMED["deterministic"].name)["config"]
+    except RecordError as exc:
+        raise ConfigError(f"cannot continue {root}: {exc}; start a new experiment.name") from exc
+
+    # The stored config went through redaction; compare like with like.
+    current = redact(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True))
+    changed = [d for d in differences(stored, current) if not d[0].startswith(CONTINUE_MAY_CHANGE)]
+    if changed:
+        lines = "\n".join(f"  {key}: was {a!r}, now {b!r}" for key, a, b in changed)
+        raise ConfigError(
+            f"experiment.continue_existing=true needs the config {root} was started with; changed:\n{lines}"
+        )

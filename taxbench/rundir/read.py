@@ -1,0 +1,410 @@
+"""Load step records of run directories into pandas, rejecting other schema versions, and check them for gaps.
+
+Each rank's stream is read through its columnar mirror (taxbench.rundir.step_stream: Arrow IPC, used only as far as it
+provably matches the JSONL's bytes), and whatever the mirror does not cover is parsed by pyarrow's JSON reader (a
+thousand times fewer Python calls than `json.loads` per line); a parse problem falls back to a line-by-line reader
+only to name the offending line. A stream whose mirror is missing or behind gets a new one, so the next analysis
+reads columnar data: an edited stream, a stale or foreign mirror, or a flipped byte anywhere in a mirror means
+parsing the JSONL, never a different frame. mtimes play no part: a copy (cp, rsync without -t) keeps its mirrors.
+
+`check_run` checks a loaded run against its manifest: every rank of the world, every step 1..steps, nothing twice,
+nothing outside that grid. Its findings make an experiment "incomplete" (taxbench.analysis.summary).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from taxbench.rundir.records import MANIFEST, METRICS, SCHEMA_VERSION
+from taxbench.rundir.step_stream import STEP_SCHEMA, read_stream, records_of, write_mirror
+
+_STREAM_NAME = re.compile(r"steps\.rank(\d+)\.jsonl")
+_FAULTS_NAME = re.compile(r"faults\.rank(\d+)\.jsonl")
+_READERS = 2  # streams read, hashed and parsed side by side (file reads, xxh3 and pyarrow release the GIL)
+
+
+class RecordError(ValueError):
+    """A run directory or record file that cannot be analysed; the message names the file."""
+
+
+class ResultWriteError(RecordError):
+    """A result of the analysis (summary.json, sweep.csv, the report) that cannot be written; names the path."""
+
+
+# ------------------------------------------------------------------------------------------------ reading streams
+def _version_error(path: Path, number: int, version: object) -> RecordError:
+    return RecordError(
+        f"{path}:{number}: schema_version={version!r}, this taxbench reads {SCHEMA_VERSION}; analyse it with "
+        "the taxbench version that wrote it"
+    )
+
+
+def _diagnose(path: Path) -> RecordError:
+    """The precise complaint about a stream the fast reader refused (slow, only on the error path)."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        return RecordError(f"{path}: cannot be read ({exc.strerror or exc})")
+    for number, line in enumerate(data[: data.rfind(b"\n") + 1].decode("utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            return RecordError(f"{path}:{number}: not a JSON record ({exc.msg})")
+        if not isinstance(record, dict):
+            return RecordError(f"{path}:{number}: not a JSON object")
+        if record.get("schema_version") != SCHEMA_VERSION:
+            return _version_error(path, number, record.get("schema_version"))
+    return RecordError(f"{path}: records have inconsistent field types; was it written by taxbench?")
+
+
+def _first_complaint(files: list[Path]) -> RecordError:
+    """The first stream's precise complaint; the generic one when no single stream is wrong by itself."""
+    errors = [_diagnose(f) for f in files]
+    return next((e for e in errors if not str(e).endswith("was it written by taxbench?")), errors[0])
+
+
+def _version_ok(table: pa.Table) -> bool:
+    versions = table.column("schema_version")
+    return versions.null_count == 0 and bool((versions.to_numpy() == SCHEMA_VERSION).all())
+
+
+def _stream_records(path: Path, use_mirror: bool) -> pa.Table:
+    """One stream's records: its verified mirror, then its JSONL lines after what the mirror covers, parsed; with
+    `use_mirror` a mirror that does not cover every complete line is (re)written for the next reader."""
+    try:
+        read = read_stream(path, use_mirror)
+    except OSError as exc:
+        raise RecordError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
+    try:
+        table = records_of(read)
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        raise _diagnose(path) from None
+    if use_mirror and not read.mirror_current:
+        try:
+            write_mirror(path, table, read.complete, read.digest)
+        except OSError:
+            pass  # a read-only results folder: analyse without leaving mirrors
+    return table
+
+
+def _concat(where: Path, tables: list[pa.Table]) -> pa.Table:
+    try:
+        return pa.concat_tables(tables, promote_options="default")
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise RecordError(f"{where}: records have inconsistent field types ({exc}); was it written by taxbench?") \
+            from exc
+
+
+def stream_files(run_dir: Path) -> list[Path]:
+    """The run's steps.rank<R>.jsonl streams in rank order (names that carry no rank last, by name)."""
+    def rank_first(path: Path) -> tuple[int, int, str]:
+        match = _STREAM_NAME.fullmatch(path.name)
+        return (0, int(match.group(1)), "") if match else (1, 0, path.name)
+
+    return sorted(run_dir.glob("steps.rank*.jsonl"), key=rank_first)
+
+
+def load_run(run_dir: Path, use_mirrors: bool = True, empty_ok: bool = False) -> pd.DataFrame:
+    """All ranks' step records of one run, sorted by (rank, step).
+
+    Rank-major because that is how the records lie (a stream per rank, in step order): the frame of 1,000 ranks x
+    1,000 steps needs no gather. Each stream is read through its columnar mirror as far as the mirror provably
+    matches it (taxbench.rundir.step_stream); `use_mirrors=False` parses every JSONL line instead (and writes no
+    mirror).
+    Either way the frame is the same. A run without records is an error unless `empty_ok` (the completeness check
+    then reports every step missing).
+    """
+    files = stream_files(run_dir)
+    if not files:
+        if empty_ok:
+            return empty_run()
+        raise RecordError(f"{run_dir}: no steps.rank<R>.jsonl files; is this a taxbench run directory?")
+    halves = [files[: len(files) // 2], files[len(files) // 2:]]  # one task per reader: 1,000 tasks cost 0.1 s
+    with ThreadPoolExecutor(_READERS) as pool:
+        tables = [t for part in pool.map(lambda part: _records_of(part, use_mirrors), halves) for t in part]
+    if not any(t.num_rows for t in tables):
+        if empty_ok:
+            return empty_run()
+        raise RecordError(f"{run_dir}: the step record files are empty")
+    table = _concat(run_dir, tables)
+    if not _version_ok(table):  # a mirror written by another taxbench version
+        raise _first_complaint(files)
+    # split_blocks keeps numeric columns zero-copy instead of consolidating them into 2-D blocks (5x faster here).
+    return _sorted_by_rank_and_step(_copied(table)).to_pandas(split_blocks=True)
+
+
+def _copied(table: pa.Table) -> pa.Table:
+    """The table in one chunk per column, in memory of its own: mirrors are memory-mapped files, and a frame must
+    not change under its reader when someone rewrites one in place (combine_chunks keeps a lone chunk as it is)."""
+    columns = [pa.concat_arrays(column.chunks) if column.num_chunks else column for column in table.columns]
+    return pa.Table.from_arrays(columns, schema=table.schema)
+
+
+def _records_of(files: list[Path], use_mirrors: bool) -> list[pa.Table]:
+    return [_stream_records(path, use_mirrors) for path in files]
+
+
+def _sorted_by_rank_and_step(table: pa.Table) -> pa.Table:
+    """The table in (rank, step) order, stable: as it is when every stream holds its own rank in step order."""
+    step, rank = table.column("step"), table.column("rank")
+    if step.null_count or rank.null_count:  # records without a step or rank (check_run names them): last
+        return table.sort_by([("rank", "ascending"), ("step", "ascending")])
+    steps, ranks = step.to_numpy(), rank.to_numpy()
+    in_order = (ranks[1:] > ranks[:-1]) | ((ranks[1:] == ranks[:-1]) & (steps[1:] >= steps[:-1]))
+    return table if in_order.all() else table.take(np.lexsort((steps, ranks)))
+
+
+# ------------------------------------------------------------------------------------------------------ manifest
+def read_json_object(path: Path, what: str) -> dict:
+    """A JSON object from `path`; a RecordError naming the path (and `what` it should be) otherwise."""
+    try:
+        stored = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise RecordError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RecordError(f"{path}: not valid JSON ({exc}); the {what} is damaged") from exc
+    if not isinstance(stored, dict):
+        raise RecordError(f"{path}: not a JSON object; the {what} is damaged")
+    return stored
+
+
+def load_manifest(run_dir: Path) -> dict:
+    path = run_dir / MANIFEST
+    if not path.exists():
+        raise RecordError(f"{path}: missing manifest; the run never started (or this is not a taxbench run folder)")
+    manifest = read_json_object(path, "manifest")
+    if manifest.get("schema_version") != SCHEMA_VERSION:
+        raise RecordError(f"{path}: schema_version={manifest.get('schema_version')!r}, expected {SCHEMA_VERSION}")
+    return manifest
+
+
+def manifest_value(manifest: dict, run_dir: Path, dotted: str) -> Any:
+    """manifest[a][b]... for "a.b...", or a RecordError naming the manifest and the key it lacks."""
+    node: Any = manifest
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise RecordError(f"{run_dir / MANIFEST}: lacks {dotted}; the manifest is damaged or from another tool")
+        node = node[part]
+    return node
+
+
+def step_times(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per-step time of the whole job (the slowest rank) with its block, sorted by step."""
+    grouped = frame.groupby("step", sort=True).agg(time_s=("time_s", "max"), block=("block", "first"))
+    return grouped.reset_index()
+
+
+def step_losses(frame: pd.DataFrame) -> pd.Series:
+    """Per-step loss of the whole job (the mean over ranks: data-parallel ranks each record their own batch's loss),
+    indexed by step."""
+    return frame.groupby("step", sort=True)["loss"].mean()
+
+
+def empty_run() -> pd.DataFrame:
+    """The frame of a run that recorded no step (every known column, no rows)."""
+    return STEP_SCHEMA.empty_table().to_pandas()
+
+
+# ------------------------------------------------------------------------------------------------- completeness
+def compact_ranges(values: np.ndarray | list[int], limit: int = 6) -> str:
+    """Sorted integers as ranges: [3, 5, 6, 7] -> "3, 5-7"; more than `limit` ranges end in "... (N ranges)"."""
+    values = np.unique(np.asarray(values, dtype=np.int64))
+    if values.size == 0:
+        return "none"
+    breaks = np.flatnonzero(np.diff(values) != 1)
+    return _format_intervals(values[np.r_[0, breaks + 1]], values[np.r_[breaks, values.size - 1]], limit)
+
+
+def _format_intervals(lows: np.ndarray, highs: np.ndarray, limit: int = 6) -> str:
+    shown = zip(lows[:limit].tolist(), highs[:limit].tolist(), strict=True)
+    parts = [str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in shown]
+    more = f", ... ({len(lows)} ranges)" if len(lows) > limit else ""
+    return ", ".join(parts) + more
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + compact_ranges(ranks)
+
+
+def _steps_text(lows: np.ndarray, highs: np.ndarray) -> str:
+    single = len(lows) == 1 and lows[0] == highs[0]
+    return ("step " if single else "steps ") + _format_intervals(lows, highs)
+
+
+def _grouped_by_rank(run: str, ranks: np.ndarray, lows: np.ndarray, highs: np.ndarray, what: str) -> list[str]:
+    """One line per set of ranks sharing the same step intervals: "run ranks 0-3: steps 30-60 missing"."""
+    by_rank: dict[int, list[tuple[int, int]]] = {}
+    for rank, lo, hi in zip(ranks.tolist(), lows.tolist(), highs.tolist(), strict=True):
+        by_rank.setdefault(rank, []).append((lo, hi))
+    groups: dict[tuple[tuple[int, int], ...], list[int]] = {}
+    for rank, intervals in by_rank.items():
+        groups.setdefault(tuple(intervals), []).append(rank)
+    lines = []
+    for intervals, members in sorted(groups.items(), key=lambda item: min(item[1])):
+        lo, hi = np.array([i[0] for i in intervals]), np.array([i[1] for i in intervals])
+        lines.append(f"{run} {_ranks_text(members)}: {_steps_text(lo, hi)} {what}")
+    return lines
+
+
+def _runs_of_consecutive(ranks: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rank, first step, last step) of each run of consecutive steps; input sorted by (rank, step), unique."""
+    if ranks.size == 0:
+        return ranks, steps, steps
+    breaks = np.flatnonzero((np.diff(ranks) != 0) | (np.diff(steps) != 1))
+    starts, ends = np.r_[0, breaks + 1], np.r_[breaks, ranks.size - 1]
+    return ranks[starts], steps[starts], steps[ends]
+
+
+def _missing_intervals(ranks: np.ndarray, steps: np.ndarray, expected_steps: int, world: int,
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rank, first, last) of every gap in 1..expected_steps, from the present (rank, step) pairs (sorted, unique)."""
+    rank_of, first, last = _runs_of_consecutive(ranks, steps)
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    if rank_of.size:
+        rank_starts = np.r_[True, rank_of[1:] != rank_of[:-1]]
+        rank_ends = np.r_[rank_starts[1:], True]
+        head = rank_starts & (first > 1)  # before a rank's first present run
+        parts.append((rank_of[head], np.ones(int(head.sum()), np.int64), first[head] - 1))
+        inner = ~rank_ends  # between a run and the next run of the same rank
+        parts.append((rank_of[inner], last[inner] + 1, first[1:][inner[:-1]] - 1))
+        tail = rank_ends & (last < expected_steps)  # after a rank's last present run
+        parts.append((rank_of[tail], last[tail] + 1, np.full(int(tail.sum()), expected_steps, np.int64)))
+    silent = np.setdiff1d(np.arange(world), rank_of)  # ranks without a single record of the grid
+    parts.append((silent, np.ones(silent.size, np.int64), np.full(silent.size, expected_steps, np.int64)))
+    rank_out, lo_out, hi_out = (np.concatenate([part[i] for part in parts]).astype(np.int64) for i in range(3))
+    order = np.lexsort((lo_out, rank_out))
+    return rank_out[order], lo_out[order], hi_out[order]
+
+
+def stream_ranks(run_dir: Path) -> tuple[list[int], list[str]]:
+    """Ranks of the run's steps.rank<R>.jsonl files, and the names of stream-like files that name no rank."""
+    ranks, odd = [], []
+    for path in stream_files(run_dir):
+        match = _STREAM_NAME.fullmatch(path.name)
+        (ranks.append(int(match.group(1))) if match else odd.append(path.name))
+    return sorted(ranks), odd
+
+
+def load_checked_run(run_dir: Path, manifest: dict, steps: int) -> tuple[pd.DataFrame, list[str]]:
+    """One run's records and what keeps them from covering `steps` x its manifest's ranks."""
+    world = int(manifest_value(manifest, run_dir, "layout.world_size"))
+    frame = load_run(run_dir, empty_ok=True)
+    return frame, check_run(run_dir.name, run_dir, frame, steps, world)
+
+
+def check_run(run: str, run_dir: Path, frame: pd.DataFrame, steps: int, world: int) -> list[str]:
+    """What keeps `frame` from being the full grid of steps 1..steps x ranks 0..world-1, one line per finding.
+
+    Vectorised over the records (sorting and run-length encoding), with Python only per gap, so a run of 1000
+    ranks x 1000 steps is checked in well under a second.
+    """
+    problems = []
+    file_ranks, odd = stream_ranks(run_dir)
+    if odd:
+        problems.append(f"{run}: {', '.join(odd)} name no rank (expected steps.rank<R>.jsonl)")
+    outside = [r for r in file_ranks if r >= world]
+    if outside:
+        problems.append(f"{run} {_ranks_text(outside)}: {_stream_names(outside)} outside its world of {world} "
+                        "ranks (manifest layout.world_size)")
+    no_file = sorted(set(range(world)) - set(file_ranks))
+    if no_file:
+        problems.append(f"{run} {_ranks_text(no_file)}: no {_stream_names(no_file)} (all {steps} steps missing)")
+
+    step = frame["step"].to_numpy(dtype=np.float64, na_value=np.nan)
+    rank = frame["rank"].to_numpy(dtype=np.float64, na_value=np.nan)
+    inside = (step >= 1) & (step <= steps) & (rank >= 0) & (rank < world)  # NaN compares False: no step, no rank
+    if not inside.all():
+        first = int(np.flatnonzero(~inside)[0])
+        problems.append(f"{run}: {_records(int((~inside).sum()))} outside steps 1-{steps} x ranks 0-{world - 1} "
+                        f"(first: step {_number(step[first])}, rank {_number(rank[first])})")
+    keys = np.sort(rank[inside].astype(np.int64) * (steps + 1) + step[inside].astype(np.int64))
+    repeated = np.zeros(keys.size, dtype=bool)
+    repeated[1:] = keys[1:] == keys[:-1]
+    unique = keys[~repeated]
+    unique_rank, unique_step = unique // (steps + 1), unique % (steps + 1)
+    gaps = _missing_intervals(unique_rank, unique_step, steps, world)
+    keep = ~np.isin(gaps[0], no_file)  # already reported as a missing file
+    problems += _grouped_by_rank(run, *(part[keep] for part in gaps), "missing")
+    twice = np.unique(keys[repeated])
+    problems += _grouped_by_rank(run, *_runs_of_consecutive(twice // (steps + 1), twice % (steps + 1)),
+                                 "recorded more than once")
+    unsigned = frame[list(METRICS)].isna().any(axis=1).to_numpy() & inside
+    if unsigned.any():
+        first = int(np.flatnonzero(unsigned)[0])
+        problems.append(f"{run}: {_records(int(unsigned.sum()))} without a fingerprint (first: step "
+                        f"{_number(step[first])}, rank {_number(rank[first])})")
+    return problems
+
+
+def _stream_names(ranks: list[int]) -> str:
+    return f"steps.rank{ranks[0]}.jsonl" if len(ranks) == 1 else "step record files"
+
+
+def _records(count: int) -> str:
+    return f"{count} record" + ("" if count == 1 else "s")
+
+
+def _number(value: float) -> str:
+    return "none" if np.isnan(value) else str(int(value)) if value == int(value) else str(value)
+
+
+# ---------------------------------------------------------------------------------------------------- fault events
+@dataclass(frozen=True)
+class FaultEvent:
+    """An injected fault that fired (written by the trainer to faults.rank<R>.jsonl)."""
+
+    kind: str
+    step: int
+    rank: int
+    where: str
+
+    def describe(self) -> str:
+        return f"fault {self.kind} fired at step {self.step}, rank {self.rank} ({self.where})"
+
+
+_FAULT_FIELDS = {"kind": str, "step": int, "rank": int, "where": str}
+
+
+def _fault_event(record: Any, where: str) -> FaultEvent:
+    if not isinstance(record, dict):
+        raise RecordError(f"{where}: not a JSON object")
+    if record.get("schema_version") != SCHEMA_VERSION:
+        raise _version_error(Path(where.rsplit(":", 1)[0]), int(where.rsplit(":", 1)[1]), record.get("schema_version"))
+    wrong = [k for k, kind in _FAULT_FIELDS.items() if not isinstance(record.get(k), kind)
+             or isinstance(record.get(k), bool)]
+    if wrong:
+        raise RecordError(f"{where}: fault event lacks or mistypes {wrong}; the file is damaged")
+    return FaultEvent(record["kind"], record["step"], record["rank"], record["where"])
+
+
+def load_fault_events(run_dir: Path) -> list[FaultEvent]:
+    """Every fault event of a run (faults.rank<R>.jsonl), sorted by (step, rank); a torn last line is dropped."""
+    events = []
+    for path in sorted(run_dir.glob("faults.rank*.jsonl")):
+        if not _FAULTS_NAME.fullmatch(path.name):
+            continue
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise RecordError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
+        text = data[: data.rfind(b"\n") + 1].decode("utf-8", errors="replace")  # a torn last line is dropped
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise RecordError(f"{path}:{number}: not a JSON record ({exc.msg})") from exc
+            events.append(_fault_event(record, f"{path}:{number}"))
+    return sorted(events, key=lambda e: (e.step, e.rank))

@@ -1,0 +1,219 @@
+"""A rank's step stream: its JSONL records and their columnar mirror `steps.rank<R>.arrow` beside them.
+
+The JSONL stream stays the record of truth (readable, flushed per line, a crash loses one line at most). Parsing it
+is what analysis of a big run costs: 1,000 ranks x 1,000 steps is 352 MiB of JSON per run, parsed at ~200 MB/s on two
+cores. So each stream also gets a mirror: the parsed records of a prefix of the stream as one Arrow IPC record batch,
+read back at memory speed. It proves what it mirrors:
+- its schema metadata holds how many bytes of the JSONL it mirrors and their xxh3-128 hash;
+- after the IPC stream's end it holds the xxh3-128 of all its own bytes before it.
+A reader uses a mirror only for the bytes it provably mirrors: it hashes that prefix of the JSONL (xxh3 runs at
+memory speed, ~13 GB/s here) and the mirror itself; on any doubt (no mirror, a stale, torn, damaged or foreign one)
+those bytes are parsed from the JSONL instead. A mirror's rows are what `parse_records` made of those very bytes, so a
+mirrored record and a parsed one are the same values.
+
+The trainer refreshes its rank's mirror when it closes the stream; analysis writes one for any stream whose mirror
+does not cover it (older runs, a crash before close). Mirrors are replaced atomically and verified on every read, so a
+writer and an analysis racing on one can only cost a re-parse, never change a frame.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import pyarrow.json as pa_json
+import xxhash
+
+from taxbench.diagnostics import logger
+from taxbench.rundir.records import METRICS, JsonlWriter
+
+log = logger(__name__)
+
+MIRROR_FORMAT = 1
+_METADATA_KEY = b"taxbench.mirror"
+_DIGEST_BYTES = 16  # xxh3-128
+_CHUNK = 1 << 20  # JSONL prefixes are hashed through one reused buffer of this size (it stays in cache)
+
+# Types of the known fields; fields a newer writer adds are inferred. Fixing these keeps a column that is null in one
+# stream (device_s on CPU) and a number in another from failing to concatenate. Strings are large_string, what pandas'
+# string dtype holds: anything else is cast (copied) on every to_pandas.
+STEP_FIELDS: dict[str, pa.DataType] = {
+    "schema_version": pa.int64(),
+    "arm": pa.large_string(),
+    "replica": pa.large_string(),
+    "rank": pa.int64(),
+    "step": pa.int64(),
+    "block": pa.int64(),
+    "data_s": pa.float64(),
+    "tokens": pa.int64(),
+    "time_s": pa.float64(),
+    "window_s": pa.float64(),
+    "fingerprint_s": pa.float64(),
+    "device_s": pa.float64(),
+    "planted_s": pa.float64(),
+    "mem_peak_bytes": pa.int64(),
+    "mem_reserved_bytes": pa.int64(),
+    "loss": pa.float64(),
+    "grad_norm": pa.float64(),
+    **{metric: pa.large_string() for metric in METRICS},
+}
+STEP_SCHEMA = pa.schema(STEP_FIELDS)
+_PARSE = pa_json.ParseOptions(explicit_schema=STEP_SCHEMA, unexpected_field_behavior="infer")
+_READ = pa_json.ReadOptions(block_size=4 << 20)  # blocks are parsed in parallel; 4 MiB measured best here
+
+
+def parse_records(data: pa.Buffer | bytes | bytearray | memoryview) -> pa.Table:
+    """JSON lines -> a table with STEP_FIELDS' types (raises pyarrow.ArrowInvalid on anything else)."""
+    buffer = data if isinstance(data, pa.Buffer) else pa.py_buffer(data)
+    return pa_json.read_json(pa.BufferReader(buffer), read_options=_READ, parse_options=_PARSE)
+
+
+def mirror_file(stream: Path) -> Path:
+    return stream.with_suffix(".arrow")
+
+
+@dataclass
+class StreamRead:
+    """One JSONL stream as a reader sees it: the verified mirrored rows and the complete lines after them."""
+
+    path: Path
+    mirrored: pa.Table | None  # rows of the JSONL's first `covered` bytes (None: no usable mirror)
+    covered: int
+    rest: bytes  # the stream's complete lines after `covered` (a torn final line of a crashed writer is dropped)
+    complete: int  # bytes of complete lines in the stream: covered + len(rest)
+    digest: bytes  # xxh3-128 of the stream's first `complete` bytes
+
+    @property
+    def mirror_current(self) -> bool:
+        """Whether the mirror covers every complete line (nothing to parse, nothing to refresh)."""
+        return self.mirrored is not None and self.covered == self.complete
+
+
+def read_stream(stream: Path, use_mirror: bool = True) -> StreamRead:
+    """Read `stream`, through its mirror as far as the mirror provably matches the stream's bytes (OSError if the
+    stream cannot be read; an unusable mirror is no error)."""
+    mirror = _read_mirror(mirror_file(stream)) if use_mirror else None
+    with stream.open("rb", buffering=0) as handle:
+        if mirror is not None and mirror[1] <= os.fstat(handle.fileno()).st_size:
+            table, covered, expected = mirror
+            hasher = _hash_prefix(handle, covered)
+            if hasher is not None and hasher.digest() == expected:
+                return _with_rest(stream, handle, table, covered, hasher)
+            handle.seek(0)
+        return _with_rest(stream, handle, None, 0, xxhash.xxh3_128())
+
+
+_buffers = threading.local()
+
+
+def _hash_prefix(handle, length: int) -> xxhash.xxh3_128 | None:  # noqa: ANN001 (a raw binary file)
+    """xxh3-128 of the next `length` bytes, read through one buffer per thread (it stays in cache, and a fresh one
+    per stream costs more in page faults than the hashing); None when the file ends first."""
+    if getattr(_buffers, "view", None) is None:
+        _buffers.view = memoryview(bytearray(_CHUNK))
+    view = _buffers.view
+    hasher = xxhash.xxh3_128()
+    left = length
+    while left:
+        n = handle.readinto(view[: min(left, _CHUNK)])
+        if not n:
+            return None
+        hasher.update(view[:n])
+        left -= n
+    return hasher
+
+
+def _with_rest(stream: Path, handle, table: pa.Table | None, covered: int,  # noqa: ANN001
+               hasher: xxhash.xxh3_128) -> StreamRead:
+    rest = handle.read()
+    complete = rest.rfind(b"\n") + 1  # a final line without its newline is a torn write: not a record yet
+    rest = rest[:complete] if complete != len(rest) else rest
+    hasher.update(rest)
+    return StreamRead(stream, table, covered, rest, covered + len(rest), hasher.digest())
+
+
+def _read_mirror(path: Path) -> tuple[pa.Table, int, bytes] | None:
+    """(rows, JSONL bytes mirrored, their xxh3-128) of an intact mirror of this format; None for anything else.
+
+    The rows are a view of the memory-mapped file (page-cache pages, no copy): callers copy what they keep, so that
+    no frame changes under its reader when someone rewrites the file in place.
+    """
+    try:
+        with pa.memory_map(str(path)) as mapped:
+            data = mapped.read_buffer()
+    except (OSError, pa.ArrowException):
+        return None
+    if data.size <= _DIGEST_BYTES:
+        return None
+    body = data.slice(0, data.size - _DIGEST_BYTES)
+    if xxhash.xxh3_128_digest(body) != data.slice(data.size - _DIGEST_BYTES).to_pybytes():
+        return None
+    try:
+        table = ipc.open_stream(body).read_all()
+        key = json.loads((table.schema.metadata or {})[_METADATA_KEY])
+        covered, digest = int(key["jsonl_bytes"]), bytes.fromhex(key["jsonl_xxh3"])
+    except (pa.ArrowException, KeyError, TypeError, ValueError):
+        return None
+    if key.get("format") != MIRROR_FORMAT or covered < 0:
+        return None
+    return table.replace_schema_metadata(None), covered, digest
+
+
+def write_mirror(stream: Path, table: pa.Table, covered: int, digest: bytes) -> None:
+    """Mirror `table` (the records of the stream's first `covered` bytes, whose xxh3-128 is `digest`) atomically.
+
+    Not fsynced: a mirror lost or torn by a power cut fails its own hash and the JSONL is parsed instead.
+    """
+    key = {"format": MIRROR_FORMAT, "jsonl_bytes": covered, "jsonl_xxh3": digest.hex()}
+    table = table.combine_chunks().replace_schema_metadata({_METADATA_KEY: json.dumps(key).encode()})
+    sink = pa.BufferOutputStream()
+    with ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    body = sink.getvalue()
+    path = mirror_file(stream)
+    # A name of this process and thread (writer and analysis may race on one mirror); created with the umask's mode,
+    # as the JSONL beside it (NamedTemporaryFile would make it readable by its owner only).
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666), "wb") as handle:
+            handle.write(body)
+            handle.write(xxhash.xxh3_128_digest(body))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def records_of(read: StreamRead) -> pa.Table:
+    """Every complete record of the stream: the mirrored rows, then the rest parsed (pyarrow.ArrowInvalid or
+    ArrowTypeError when the rest is no JSON records of compatible types)."""
+    parts = [t for t in (read.mirrored, parse_records(read.rest) if read.rest.strip() else None) if t is not None]
+    return pa.concat_tables(parts, promote_options="default") if parts else STEP_SCHEMA.empty_table()
+
+
+def refresh_mirror(stream: Path) -> None:
+    """Bring the stream's mirror up to date with every complete line (what a writer does when it closes).
+
+    Raises OSError when a file cannot be read or written, and what records_of raises when the JSONL does not parse.
+    """
+    read = read_stream(stream)
+    if not read.mirror_current:
+        write_mirror(stream, records_of(read), read.complete, read.digest)
+
+
+class StepWriter(JsonlWriter):
+    """A rank's step records: a JSONL stream whose mirror is brought up to date when the stream is closed."""
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        super().close()
+        try:
+            refresh_mirror(self.path)
+        except (OSError, pa.ArrowException) as exc:  # analysis parses the JSONL instead (and reports what is wrong)
+            log.warning("%s: no columnar mirror written (%s); analysis will parse the JSONL", self.path, exc)

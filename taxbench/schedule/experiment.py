@@ -1,0 +1,288 @@
+"""The experiment schedule that every rank runs inside one allocation.
+
+1. Interleaved rounds (experiment.interleave=all): baseline-0, deterministic-0, deterministic-1 (repeatability gate)
+   and baseline-1 (baseline sanity: what determinism buys) advance one block each per round, in an A B B A order of
+   the arms (see round_orders), so that drift over the allocation lands on every run alike and every run's steps
+   are timed. They stop after experiment.steps, or, with experiment.target_half_width, once the tax interval is that
+   narrow (see taxbench.schedule.stopping). With interleave=pair only the *-0 runs are interleaved and the other two
+   run whole after them.
+2. deterministic-resumed: runs to experiment.resume_step, checkpoints, is torn down, and a fresh trainer resumes from
+   the checkpoint (restart-replay gate); it runs as many steps as the interleaved runs took.
+3. With experiment.ablation (taxbench.design): the with_<knob> arms are timed in the rounds beside the pair, the
+   without_<knob> replicas run whole after the resumed run, and last each timed arm runs experiment.warmup_steps +
+   experiment.profile_steps steps in a run of its own (<arm>-profile) whose last steps torch.profiler records
+   (taxbench.train.op_profile), so that profiling never touches a timed step.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from taxbench.checkpoint.store import RunCheckpoints, commit, finish, resume_step
+from taxbench.config import policy
+from taxbench.config.schema import TaxbenchConfig, max_steps
+from taxbench.design import (
+    ALL_RUNS,
+    INTERLEAVED,
+    KNOBS_BY_NAME,
+    PROFILE_REPLICA,
+    RESUMED,
+    ExperimentDesign,
+    RunRef,
+    design_of,
+    knob_of,
+    round_orders,
+)
+from taxbench.parallel.distributed import DistContext
+from taxbench.progress import IDLE, StepProgress
+from taxbench.rundir import manifest, provenance
+from taxbench.rundir.read import load_manifest
+from taxbench.rundir.records import MANIFEST, Stop, op_table_file, read_stop, write_manifest
+from taxbench.schedule.stopping import StoppingRule
+from taxbench.train.flops import throughput_manifest
+from taxbench.train.op_profile import profile_steps
+from taxbench.train.trainer import Trainer
+
+
+def profile_run_steps(cfg: TaxbenchConfig) -> int:
+    return cfg.experiment.warmup_steps + cfg.experiment.profile_steps
+
+
+def total_steps(cfg: TaxbenchConfig, steps: int | None = None, design: ExperimentDesign | None = None) -> int:
+    """Steps of the whole experiment at `steps` per run (default experiment.steps: with a precision target, the least
+    it may take; the progress bar grows)."""
+    per_run = cfg.experiment.steps if steps is None else steps
+    design = design or design_of(cfg)
+    return len(design.runs) * per_run + len(design.profiled) * profile_run_steps(cfg)
+
+
+class Experiment:
+    def __init__(self, cfg: TaxbenchConfig, ctx: DistContext, root: Path, progress: StepProgress = IDLE):
+        self.cfg, self.ctx, self.root, self.progress = cfg, ctx, root, progress
+        self.attempt_id = uuid.uuid4().hex[:12]  # this start of the schedule (rank 0 names it in the manifests)
+        self._throughput: dict | None = None  # counted once, on rank 0 (see taxbench.train.flops)
+        self.design = design_of(cfg)
+
+    def _trainer(self, ref: RunRef) -> Trainer:
+        run_dir = self.root / ref.name
+        fault = self.cfg.experiment.fault
+        trainer = Trainer(self.cfg, ref.arm, ref.replica, self.design.policies[ref.arm], self.ctx, run_dir,
+                          fault if fault.applies_to(ref.arm, ref.replica) else None)
+        self._write_manifest(ref, trainer)
+        return trainer
+
+    def _attempts(self, ref: RunRef, stack: dict) -> list[dict]:
+        """Every start of this run's processes (a requeue or continue adds one), with where it ran."""
+        attempts = []
+        if (self.root / ref.name / MANIFEST).exists():
+            attempts = load_manifest(self.root / ref.name).get("attempts", [])
+        if not attempts or attempts[-1]["id"] != self.attempt_id:
+            attempts.append({
+                "id": self.attempt_id,
+                "started_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+                "hostnames": stack["hostnames"],
+                "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+                "slurm_restart_count": os.environ.get("SLURM_RESTART_COUNT"),
+            })
+        return attempts
+
+    def _write_manifest(self, ref: RunRef, trainer: Trainer) -> None:
+        stack = manifest.gather_stack(self.ctx)
+        if self.ctx.rank != 0:
+            return
+        arm_policy = self.design.policies[ref.arm]
+        with policy.active(arm_policy):
+            applied = policy.applied_state(self.cfg.cluster.device)
+        if self._throughput is None:
+            self._throughput = throughput_manifest(self.cfg.recipe, self.cfg.cluster)
+        config = OmegaConf.to_container(OmegaConf.structured(self.cfg), resolve=True, enum_to_str=True)
+        write_manifest(
+            self.root / ref.name,
+            {
+                "experiment": self.root.name,
+                "run": ref.name,
+                "arm": ref.arm,
+                "replica": ref.replica,
+                "config": config,
+                "policy": OmegaConf.to_container(OmegaConf.structured(arm_policy)),
+                "policy_applied": applied,
+                # Rank 0's view (world, dp/tp/ep sizes, mesh); fingerprints stay per rank in steps.rank<R>.jsonl.
+                "layout": {
+                    **trainer.parallel.layout.manifest(),
+                    "backend": self.ctx.backend,
+                    "grad_accum": trainer.grad_accum,
+                    **trainer.pipeline_manifest(),
+                },
+                "stack": stack,
+                # What shapes step-time noise, as this process has it (rank 0).
+                "timing": {
+                    "torch_threads": torch.get_num_threads(),
+                    "interop_threads": torch.get_num_interop_threads(),
+                    "manual_gc": self.cfg.experiment.manual_gc,
+                    "block_steps": self.cfg.experiment.block_steps,
+                    "interleave": self.cfg.experiment.interleave,
+                },
+                "throughput": self._throughput,
+                "attempts": self._attempts(ref, stack),
+                "provenance": provenance.manifest_provenance(config),
+                **self._ablation_manifest(ref),
+            },
+        )
+
+    def _ablation_manifest(self, ref: RunRef) -> dict[str, Any]:
+        """Which knob a knob arm switches, and which arm a profile run profiles (nothing for the pair's runs)."""
+        found = knob_of(ref.arm)
+        entry: dict[str, Any] = {}
+        if found is not None:
+            direction, name = found
+            entry["knob"] = {"direction": direction, "name": name, "fields": list(KNOBS_BY_NAME[name].fields)}
+        if ref.replica == PROFILE_REPLICA:
+            entry["profile"] = {"warmup_steps": self.cfg.experiment.warmup_steps,
+                                "profiled_steps": self.cfg.experiment.profile_steps}
+        return entry
+
+    def run(self) -> None:
+        """Run the schedule. Restarted after a preemption, it skips finished runs and resumes unfinished ones from
+        their newest complete checkpoint that is intact on every rank (records written past it are dropped, so
+        nothing is duplicated)."""
+        interleaved = INTERLEAVED[self.cfg.experiment.interleave] + self.design.timed_knob_runs
+        stop = self._run_interleaved(interleaved)
+        profiled = self.design.profiled
+        self.progress.grow_to(total_steps(self.cfg, stop.steps, self.design))
+        for ref in (r for r in ALL_RUNS if r not in interleaved and r != RESUMED):
+            self._run_whole(ref, stop.steps)
+        self._run_resumed(stop.steps)
+        for ref in self.design.repeated_knob_runs:
+            self._run_whole(ref, stop.steps)
+        for ref in profiled:
+            self._run_profiled(ref)
+
+    def _checkpoints(self, ref: RunRef) -> RunCheckpoints:
+        return RunCheckpoints(self.root / ref.name, self.ctx.rank)
+
+    def _start(self, ref: RunRef, step: int | None) -> Trainer:
+        """A trainer for `ref` at `step` (None: from scratch, dropping records of an interrupted earlier attempt)."""
+        trainer = self._trainer(ref)
+        if step is None:
+            trainer.drop_records_after(0)
+        else:
+            trainer.load_checkpoint(self._checkpoints(ref).path(step))
+        return trainer
+
+    def _skip(self, steps: int) -> None:
+        for _ in range(steps):
+            self.progress.advance()
+
+    def _checkpoint_due(self, step: int, last: int, block_steps: int) -> bool:
+        """Whether the block of `block_steps` just ended at `step` reached a multiple of the checkpoint interval."""
+        every = self.cfg.experiment.checkpoint_every_steps
+        return every > 0 and step < last and step // every > (step - block_steps) // every
+
+    def _run_interleaved(self, runs: Sequence[RunRef]) -> Stop:
+        exp = self.cfg.experiment
+        progress = {ref: self._checkpoints(ref) for ref in runs}
+        stored = read_stop(self.root)
+        if stored is not None and all(p.finished for p in progress.values()):
+            self._skip(len(runs) * stored.steps)
+            return stored
+        # The runs resume from the same block boundary, so every round still holds one block of each run.
+        start = resume_step(list(progress.values()))
+        self.progress.describe(f"timed rounds of {len(runs)} runs")
+        trainers = {ref: self._start(ref, start) for ref in runs}
+        rule = StoppingRule(exp, runs, self.ctx)
+        if start:
+            rule.resume(self.root, start)
+        self._skip(len(runs) * (start or 0))
+        first_block = (start or 0) // exp.block_steps
+        cap = max_steps(exp)
+        stop = None
+        for block, order in enumerate(round_orders(exp.order_seed, runs, cap // exp.block_steps)):
+            if block < first_block:
+                continue
+            for ref in order:
+                trainers[ref].run_block(exp.block_steps, block, self.progress.advance)
+            step = (block + 1) * exp.block_steps
+            rule.add_round({ref.name: trainers[ref].block_times for ref in runs})
+            stop = rule.stop_after(step)
+            if stop is not None:
+                break
+            if step >= exp.steps:  # one more round than planned
+                self.progress.grow_to(total_steps(self.cfg, step + exp.block_steps, self.design))
+            if self._checkpoint_due(step, cap, exp.block_steps):
+                commit(step, [(progress[ref], trainers[ref]) for ref in runs])
+        assert stop is not None, "the step cap always stops the rounds"
+        for trainer in trainers.values():
+            trainer.close()
+        if self.ctx.rank == 0:
+            stop.write(self.root)
+        finish(list(progress.values()))
+        return stop
+
+    def _advance(self, ref: RunRef, trainer: Trainer, until: int, last: int) -> None:
+        exp = self.cfg.experiment
+        checkpoints = self._checkpoints(ref)
+        while trainer.step < until:
+            n = min(exp.block_steps - trainer.step % exp.block_steps, until - trainer.step)
+            trainer.run_block(n, trainer.step // exp.block_steps, self.progress.advance)
+            if self._checkpoint_due(trainer.step, last, n):
+                commit(trainer.step, [(checkpoints, trainer)])
+
+    def _run_whole(self, ref: RunRef, steps: int) -> None:
+        checkpoints = self._checkpoints(ref)
+        if checkpoints.finished:
+            self._skip(steps)
+            return
+        start = resume_step([checkpoints])
+        self.progress.describe(ref.name)
+        trainer = self._start(ref, start)
+        self._skip(start or 0)
+        self._advance(ref, trainer, steps, steps)
+        trainer.close()
+        finish([checkpoints])
+
+    def _run_profiled(self, ref: RunRef) -> None:
+        """Warm a fresh trainer of the arm up, then record its op table over experiment.profile_steps steps."""
+        exp = self.cfg.experiment
+        checkpoints = self._checkpoints(ref)
+        if checkpoints.finished:
+            self._skip(profile_run_steps(self.cfg))
+            return
+        self.progress.describe(f"{ref.name}: op profile")
+        trainer = self._start(ref, None)
+        if exp.warmup_steps:
+            trainer.run_block(exp.warmup_steps, 0, self.progress.advance)
+        table = profile_steps(trainer, exp.profile_steps, 1, self.progress.advance)
+        table.write(op_table_file(self.root / ref.name, self.ctx.rank))
+        trainer.close()
+        finish([checkpoints])
+
+    def _run_resumed(self, steps: int) -> None:
+        exp = self.cfg.experiment
+        checkpoints = self._checkpoints(RESUMED)
+        if checkpoints.finished:
+            self._skip(steps)
+            return
+        start = resume_step([checkpoints])
+        self._skip(start or 0)
+        self.progress.describe(RESUMED.name)
+        if start is None or start < exp.resume_step:
+            first = self._start(RESUMED, start)
+            self._advance(RESUMED, first, exp.resume_step, steps)
+            if checkpoints.latest() != exp.resume_step:  # else _advance has just committed it
+                commit(exp.resume_step, [(checkpoints, first)])
+            first.close()
+            del first
+            start = exp.resume_step
+        # The restart-replay gate: a fresh trainer continues from the checkpoint.
+        resumed = self._start(RESUMED, start)
+        self._advance(RESUMED, resumed, steps, steps)
+        resumed.close()
+        finish([checkpoints])

@@ -1,0 +1,1 @@
+"""Statistics of step times: warmup detection and the determinism-tax estimator, shared by the schedule and analysis."""

@@ -1,0 +1,1 @@
+"""One training run on one rank: the trainer (the step loop), step execution, data, planted tax, op profiles, FLOPs."""

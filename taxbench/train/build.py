@@ -1,0 +1,80 @@
+"""Build what one rank trains: its model parts, pipeline boundaries and step executor, then its optimizer.
+
+One entry, as torchtitan's `pipeline_llm`: the model is built on the meta device, activation recompute is applied,
+the model is split into this rank's pipeline stages (layer ranges; each stage a copy without what other stages own),
+each part is sharded for the layout (experts over ep, tensor parallel, FSDP2), and only then is this rank's share
+materialised on its device with layout-invariant initial values (taxbench.parallel.materialize) and wrapped in DDP
+where the layout asks for it. No rank ever holds the whole model. The trainer and `benchmarks/rank_build.py` (a rank
+of a 2,432-GPU world simulated on a CPU) build through here, so what the benchmark measures is what a rank trains.
+
+A custom model (`recipe.model.kind=custom`) is built by its factory on the host, as it comes, and moved to the device
+before it is sharded: its initial values are its own and not layout invariant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from taxbench.config import policy
+from taxbench.config.schema import PolicyConfig, Precision, RecipeConfig
+from taxbench.parallel.distributed import DistContext
+from taxbench.parallel.layout import ModelParts, ParallelModel, layout_for, parallelize
+from taxbench.parallel.materialize import materialize
+from taxbench.parallel.pipeline import Boundary, StageSplit, boundaries, split_model, stage_split
+from taxbench.parallel.recompute import apply_activation_checkpointing
+from taxbench.train.step import PipelineStep, PlainStep, StepExecutor
+from taxbench.workloads import build_model, own_workload
+
+
+@dataclass
+class RankModel:
+    """This rank's share of the model and how a step runs it."""
+
+    parallel: ParallelModel  # the wrapped parts, gradient sync, clipping
+    split: StageSplit | None  # the pipeline stages this rank holds (None without pipeline parallelism)
+    boundaries: list[Boundary]  # pipeline stage edges (faults, tracing)
+    executor: StepExecutor  # plain forward/backward over the micro-batches, or the pipeline schedule
+    pipeline: PipelineStep | None
+
+    @property
+    def parts(self) -> ModelParts:
+        return self.parallel.parts
+
+
+def autocast_dtype(recipe: RecipeConfig) -> torch.dtype | None:
+    return torch.bfloat16 if recipe.precision is Precision.bf16 else None
+
+
+def build_pipeline(recipe: RecipeConfig, arm_policy: PolicyConfig, ctx: DistContext, micro_batches: int) -> RankModel:
+    """This rank's model parts, boundaries and executor for the recipe's layout (see the module docstring)."""
+    layout = layout_for(recipe.parallel, ctx.world_size, ctx.rank)
+    with policy.active(arm_policy):
+        model = build_model(recipe.model, arm_policy.deterministic_kernels)
+    apply_activation_checkpointing(model, recipe.activation_checkpointing)
+    split = stage_split(recipe, layout.pp_rank) if layout.pp > 1 else None
+    parts = [model] if split is None else [split_model(model, split, s) for s in split.stages]
+    del model
+    fill: Callable[[nn.Module], None]
+    if own_workload(recipe.model):
+        def fill(part: nn.Module) -> None:
+            materialize(part, ctx.device, recipe.seed)
+    else:
+        parts = [part.to(ctx.device) for part in parts]
+
+        def fill(part: nn.Module) -> None:
+            del part  # built with its values on the host and already on the device
+    parallel = parallelize(parts, recipe, ctx, arm_policy, fill)
+    dtype = autocast_dtype(recipe)
+    pipeline = None if split is None else PipelineStep(parallel, split, recipe, micro_batches, ctx.device, dtype)
+    executor: StepExecutor = pipeline or PlainStep(parallel, ctx.device, dtype)
+    return RankModel(parallel, split, boundaries(parallel.parts.parts, split), executor, pipeline)
+
+
+def build_optimizer(recipe: RecipeConfig, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    opt = recipe.optimizer
+    return torch.optim.AdamW(params, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
+                             weight_decay=opt.weight_decay)

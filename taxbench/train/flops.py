@@ -1,0 +1,79 @@
+"""Model FLOPs per step, counted once per recipe with torch's FlopCounterMode, and the peak FLOP/s they are held to.
+
+FLOPs are the model's (forward and backward of one micro-batch, times the micro-batches of a global batch): activation
+recompute is not counted, as in MFU's usual definition. The model is built on the meta device; a model with ops that
+have no meta kernel (MoE token counts) is counted on a real host copy when it is small, and left uncounted otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from taxbench.config.schema import ClusterConfig, Precision, RecipeConfig
+from taxbench.workloads import build_model
+
+HOST_COUNT_MAX_PARAMS = 50_000_000  # a model without meta kernels is counted on the host up to this size
+
+# Dense peak TFLOP/s per GPU (no sparsity) by precision: the vendors' datasheets (SXM parts). fp32 steps are held to
+# the TF32 tensor-core peak, which is what fp32 matmuls reach with TF32 on (the baseline's setting).
+PEAK_TFLOPS = {
+    "H200": {"bf16": 989.0, "fp32": 494.0},
+    "H100": {"bf16": 989.0, "fp32": 494.0},
+    "A100": {"bf16": 312.0, "fp32": 156.0},
+    "B200": {"bf16": 2250.0, "fp32": 1100.0},
+}
+
+
+def _count(recipe: RecipeConfig, device: str) -> int:
+    with torch.device(device):  # a host count needs values: the MoE routes tokens by them
+        model = build_model(recipe.model, deterministic_kernels=True, seed=None if device == "meta" else recipe.seed)
+    tokens = torch.zeros(recipe.micro_batch_size, recipe.model.seq_len, dtype=torch.long, device=device)
+    with FlopCounterMode(display=False) as counter:
+        logits = model(tokens)
+        F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten()).backward()
+    return int(counter.get_total_flops())
+
+
+def flops_per_step(recipe: RecipeConfig) -> tuple[float | None, str]:
+    """Model FLOPs of one training step of the whole job, and how they were counted (or why not)."""
+    micro_batches = recipe.global_batch_size // recipe.micro_batch_size
+    try:
+        return float(_count(recipe, "meta") * micro_batches), "FlopCounterMode on the meta device"
+    except NotImplementedError as exc:
+        with torch.device("meta"):
+            params = sum(p.numel() for p in build_model(recipe.model, deterministic_kernels=True).parameters())
+        if params > HOST_COUNT_MAX_PARAMS:
+            op = str(exc).split(":")[0]
+            return None, f"not counted: {op} has no meta kernel and the model is too big to count on the host"
+        return float(_count(recipe, "cpu") * micro_batches), "FlopCounterMode on a host copy"
+
+
+def peak_flops(cluster: ClusterConfig, precision: Precision, device_name: str | None) -> tuple[float | None, str]:
+    """Peak FLOP/s of one device: cluster.peak_tflops if set, else the table by device name; None on CPU."""
+    if cluster.peak_tflops > 0:
+        return cluster.peak_tflops * 1e12, "cluster.peak_tflops"
+    if cluster.device.value != "cuda" or not device_name:
+        return None, "MFU does not apply on CPU"
+    key = "bf16" if precision is Precision.bf16 else "fp32"
+    for name, peaks in PEAK_TFLOPS.items():
+        if name in device_name:
+            return peaks[key] * 1e12, f"{name} {key} datasheet peak"
+    return None, f"no peak known for {device_name!r}; set cluster.peak_tflops"
+
+
+def throughput_manifest(recipe: RecipeConfig, cluster: ClusterConfig) -> dict[str, Any]:
+    """What the analysis turns into tokens/s, TFLOP/s and MFU: per-step work and the peak it is held to."""
+    device_name = torch.cuda.get_device_name() if cluster.device.value == "cuda" and torch.cuda.is_available() else None
+    flops, counted = flops_per_step(recipe)
+    peak, peak_source = peak_flops(cluster, recipe.precision, device_name)
+    return {
+        "tokens_per_step": recipe.global_batch_size * recipe.model.seq_len,
+        "flops_per_step": flops,
+        "flops_counted": counted,
+        "peak_flops_per_device": peak,
+        "peak_source": peak_source,
+    }
