@@ -2,10 +2,10 @@
 
 1. Interleaved rounds (experiment.interleave=all): baseline-0, deterministic-0, deterministic-1 (repeatability gate)
    and baseline-1 (baseline sanity: what determinism buys) advance one block each per round, in an A B B A order of
-   the arms (see round_orders), so that drift over the allocation lands on every run alike and every run's steps
-   are timed. They stop after experiment.steps, or, with experiment.target_half_width, once the tax interval is that
-   narrow (see taxbench.schedule.stopping). With interleave=pair only the *-0 runs are interleaved and the other two
-   run whole after them.
+   the arms (see taxbench.design.round_orders), so that drift over the allocation lands on every run alike and every
+   run's steps are timed. They stop after experiment.steps, or, with experiment.target_half_width, once the tax
+   interval is that narrow (see taxbench.schedule.stopping). With interleave=pair only the *-0 runs are interleaved
+   and the other two run whole after them.
 2. deterministic-resumed: runs to experiment.resume_step, checkpoints, is torn down, and a fresh trainer resumes from
    the checkpoint (restart-replay gate); it runs as many steps as the interleaved runs took.
 3. With experiment.ablation (taxbench.design): the with_<knob> arms are timed in the rounds beside the pair, the
