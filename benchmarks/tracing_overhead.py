@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 
 from taxbench.config.schema import register_configs, to_typed
 from taxbench.parallel.distributed import DistContext
-from taxbench.train.trainer import Trainer
+from taxbench.train.trainer import RunSpec, Trainer
 
 ARMS = {"untraced": None, "rung1": 1, "rung2": 2, "rung3": 3}
 
@@ -50,7 +50,8 @@ def main() -> None:
             if rung is not None:
                 cfg.experiment.trace.enabled = True
                 cfg.experiment.trace.rung = rung
-            trainers[name] = Trainer(cfg, "deterministic", name, cfg.arms["deterministic"], ctx, Path(tmp) / name)
+            spec = RunSpec.of(cfg, "deterministic", name, cfg.arms["deterministic"], Path(tmp) / name)
+            trainers[name] = Trainer(spec, ctx)
         for trainer in trainers.values():  # warm up every arm once
             trainer.run_block(1, 0)
         per_step: dict[str, list[float]] = {name: [] for name in ARMS}

@@ -16,7 +16,6 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -52,14 +51,14 @@ def die_with_parent(parent_pid: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _spawned(local_rank: int, launcher_pid: int, log_level: int, world: int, cfg_container: dict[str, Any], root: str,
+def _spawned(local_rank: int, launcher_pid: int, log_level: int, world: int, cfg: TaxbenchConfig, root: str,
              addr: str, port: int) -> None:
     die_with_parent(launcher_pid)
     logging.getLogger(NAMESPACE).setLevel(log_level)  # the launcher's, e.g. DEBUG under hydra.verbose=taxbench
-    run_rank(local_rank, world, local_rank, cfg_container, root, addr, port)
+    run_rank(local_rank, world, local_rank, cfg, root, addr, port)
 
 
-def launch_local(cfg: TaxbenchConfig, cfg_container: dict[str, Any], root: Path) -> None:
+def launch_local(cfg: TaxbenchConfig, root: Path) -> None:
     world = world_size(cfg.cluster)
     addr = cfg.cluster.master_addr
     port = cfg.cluster.master_port or free_port(addr)
@@ -68,7 +67,7 @@ def launch_local(cfg: TaxbenchConfig, cfg_container: dict[str, Any], root: Path)
     log.debug("starting %d rank processes (gloo/NCCL rendezvous at %s:%d)", world, addr, port)
     try:
         mp.start_processes(_spawned, args=(os.getpid(), logging.getLogger(NAMESPACE).getEffectiveLevel(), world,
-                                           cfg_container, str(root), addr, port),
+                                           cfg, str(root), addr, port),
                            nprocs=world, join=True, start_method="spawn")
     except (mp.ProcessExitedException, mp.ProcessRaisedException) as exc:
         raise rank_failed(rank_failure(exc), cfg.experiment.name) from None
@@ -119,9 +118,9 @@ def _hydra_value(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def launch_inprocess(cfg: TaxbenchConfig, cfg_container: dict[str, Any], root: Path) -> None:
+def launch_inprocess(cfg: TaxbenchConfig, root: Path) -> None:
     addr = cfg.cluster.master_addr
     try:
-        run_rank(0, 1, 0, cfg_container, str(root), addr, cfg.cluster.master_port or free_port(addr))
+        run_rank(0, 1, 0, cfg, str(root), addr, cfg.cluster.master_port or free_port(addr))
     except (RunWriteError, CheckpointError) as exc:  # one-line errors of the run itself, as from a spawned rank
         raise rank_failed(f"rank 0 failed: {exc}", cfg.experiment.name) from None

@@ -28,7 +28,7 @@ import json
 import os
 import shutil
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -183,15 +183,15 @@ def make_executor(cfg: TaxbenchConfig, root: Path,
 class SlurmExperiment(submitit.helpers.Checkpointable):
     """What each Slurm task runs. Stateless: requeueing resubmits it as is and the experiment resumes from disk."""
 
-    def __init__(self, cfg_container: dict[str, Any], root: str, master_addr: str, master_port: int) -> None:
-        self.cfg_container, self.root = cfg_container, root
+    def __init__(self, cfg: TaxbenchConfig, root: str, master_addr: str, master_port: int) -> None:
+        self.cfg, self.root = cfg, root
         self.master_addr, self.master_port = master_addr, master_port
 
     def __call__(self) -> dict[str, Any]:
         env = submitit.helpers.TorchDistributedEnvironment()
-        cluster = self.cfg_container.get("cluster", {})
-        expected = cluster.get("gpus") if cluster.get("device") == Device.cuda.value else cluster.get("cpu_ranks")
-        if expected is not None and env.world_size != expected:
+        cluster = self.cfg.cluster
+        expected = cluster.gpus if cluster.device is Device.cuda else cluster.cpu_ranks
+        if env.world_size != expected:
             raise RuntimeError(
                 f"the Slurm job has {env.world_size} tasks but the config asks for {expected} ranks; "
                 "check cluster.sbatch_args for task-count overrides"
@@ -201,7 +201,7 @@ class SlurmExperiment(submitit.helpers.Checkpointable):
         # export() refuses to overwrite variables a requeued or nested job already has.
         addr = env.master_addr if self.master_addr == ALLOCATION_MASTER else self.master_addr
         port = self.master_port or env.master_port
-        run_rank(env.rank, env.world_size, env.local_rank, self.cfg_container, self.root, addr, port)
+        run_rank(env.rank, env.world_size, env.local_rank, self.cfg, self.root, addr, port)
         return {
             "rank": env.rank,
             "host": socket.gethostname(),
@@ -209,14 +209,11 @@ class SlurmExperiment(submitit.helpers.Checkpointable):
         }
 
 
-def job_container(cfg_container: dict[str, Any]) -> dict[str, Any]:
+def job_config(cfg: TaxbenchConfig) -> TaxbenchConfig:
     """The config the job's tasks get, pickled into the submitit folder: setup lines and sbatch arguments are used by
     the job script only, so the pickle holds them redacted (the manifests record them redacted anyway)."""
-    cluster = dict(cfg_container.get("cluster", {}))
-    for key in ("setup", "sbatch_args"):
-        if key in cluster:
-            cluster[key] = redact(cluster[key])
-    return {**cfg_container, "cluster": cluster}
+    cluster = cfg.cluster
+    return replace(cfg, cluster=replace(cluster, setup=redact(cluster.setup), sbatch_args=redact(cluster.sbatch_args)))
 
 
 def make_job_files_private(job: submitit.Job[Any]) -> None:
@@ -231,11 +228,11 @@ def make_job_files_private(job: submitit.Job[Any]) -> None:
             pass
 
 
-def submit(cfg: TaxbenchConfig, cfg_container: dict[str, Any], root: Path) -> submitit.Job[Any]:
+def submit(cfg: TaxbenchConfig, root: Path) -> submitit.Job[Any]:
     preflight(cfg)
     executor = make_executor(cfg, root)
     make_private_folder(cfg, root)
-    task = SlurmExperiment(job_container(cfg_container), str(root), cfg.cluster.master_addr, cfg.cluster.master_port)
+    task = SlurmExperiment(job_config(cfg), str(root), cfg.cluster.master_addr, cfg.cluster.master_port)
     try:
         job = executor.submit(task)
     except FailedJobError as exc:  # sbatch refused the job (controller down, bad partition, ...); it printed why
@@ -264,9 +261,9 @@ def wait(job: submitit.Job[Any], root: Path) -> list[dict[str, Any]]:
         ) from exc
 
 
-def launch_slurm(cfg: TaxbenchConfig, cfg_container: dict[str, Any], root: Path, block: bool = True) -> bool:
+def launch_slurm(cfg: TaxbenchConfig, root: Path, block: bool = True) -> bool:
     """Submit the experiment; True once it has finished, False when it was queued without waiting (multirun)."""
-    job = submit(cfg, cfg_container, root)
+    job = submit(cfg, root)
     print(f"taxbench: submitted Slurm job {job.job_id} ({root}); logs in {job.paths.folder}", flush=True)
     if not block:
         SUBMITTED.append((root, job))

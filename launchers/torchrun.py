@@ -232,8 +232,8 @@ def run_started_rank(raw: DictConfig, env: Mapping[str, str] = os.environ) -> in
         started = control.from_rank_zero()
         if isinstance(started, Refused):
             return started.code
-        container, root = started
-        _run_share(to_typed(container), ctx, Path(root))
+        cfg, root = started
+        _run_share(cfg, ctx, Path(root))
         control.wait_for_all()
         return int(control.from_rank_zero())
 
@@ -249,12 +249,12 @@ def _run_share(cfg: TaxbenchConfig, ctx: DistContext, root: Path) -> None:
 def _run_rank_zero(raw: DictConfig, ctx: DistContext, control: ControlGroup) -> int:
     with ExitStack() as held:
         try:
-            cfg, container = prepare(raw)
+            cfg = prepare(raw)
             root = held.enter_context(claimed(cfg, experiment_root(cfg)))
         except ConfigError:
             control.from_rank_zero(Refused(exit_codes.CONFIG_ERROR))
             raise
-        control.from_rank_zero((container, str(root)))
+        control.from_rank_zero((cfg, str(root)))
         capture_launch()
         _run_share(cfg, ctx, root)
         control.wait_for_all()  # every rank's records are complete before they are analysed

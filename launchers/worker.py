@@ -6,12 +6,11 @@ import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from taxbench.config import policy
-from taxbench.config.schema import TaxbenchConfig, to_typed
+from taxbench.config.schema import TaxbenchConfig
 from taxbench.parallel import distributed
 from taxbench.parallel.distributed import DistContext
 from taxbench.progress import step_progress
@@ -34,9 +33,8 @@ def rank_process(cfgs: Sequence[TaxbenchConfig], rank: int, world_size: int, loc
         distributed.shutdown()
 
 
-def run_rank(rank: int, world_size: int, local_rank: int, cfg_container: dict[str, Any], root: str,
+def run_rank(rank: int, world_size: int, local_rank: int, cfg: TaxbenchConfig, root: str,
              master_addr: str, master_port: int) -> None:
-    cfg = to_typed(cfg_container)
     with rank_process([cfg], rank, world_size, local_rank, master_addr, master_port) as ctx:
         run_schedule(cfg, ctx, Path(root))
 

@@ -21,7 +21,6 @@ import difflib
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import hydra
 from hydra.errors import HydraException
@@ -50,15 +49,15 @@ def fail(message: str, code: int = exit_codes.CONFIG_ERROR) -> None:
     raise SystemExit(code)
 
 
-def launch(cfg: TaxbenchConfig, container: dict[str, Any], root: Path) -> bool:
+def launch(cfg: TaxbenchConfig, root: Path) -> bool:
     """Run the experiment; False when there is nothing to report yet: only queued (Slurm points of a multirun: the
     sweep report waits), or a Slurm dry run (cluster.dry_run=true: the job script is written, nothing submitted)."""
     from taxbench.launchers.local import launch_inprocess, launch_local
 
     if cfg.cluster.launcher is Launcher.local:
-        launch_local(cfg, container, root)
+        launch_local(cfg, root)
     elif cfg.cluster.launcher is Launcher.inprocess:
-        launch_inprocess(cfg, container, root)
+        launch_inprocess(cfg, root)
     elif cfg.cluster.launcher is Launcher.slurm:
         try:
             from taxbench.launchers.slurm import dry_run_slurm, launch_slurm
@@ -68,7 +67,7 @@ def launch(cfg: TaxbenchConfig, container: dict[str, Any], root: Path) -> bool:
             if cfg.cluster.dry_run:
                 dry_run_slurm(cfg, root)
                 return False
-            return launch_slurm(cfg, container, root, block=not _is_multirun())
+            return launch_slurm(cfg, root, block=not _is_multirun())
         except ConfigError as exc:
             fail(str(exc))
     else:
@@ -101,12 +100,12 @@ def run_experiment(raw: DictConfig) -> int:
     try:
         if raw.cluster.launcher == Launcher.torchrun:
             return run_as_started_rank(raw)
-        cfg, container = prepare(raw)
+        cfg = prepare(raw)
         with claimed(cfg, experiment_root(cfg, _multirun_point())) as root:
             log.debug("experiment folder %s: cluster=%s, %d ranks", root, cfg.cluster.name, world_size(cfg.cluster))
             try:
                 capture_launch()
-                if not launch(cfg, container, root):
+                if not launch(cfg, root):
                     return exit_codes.OK
             except RankFailed as exc:
                 fail(str(exc), exit_codes.FAILED)

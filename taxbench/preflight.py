@@ -12,7 +12,6 @@ import fnmatch
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -44,17 +43,16 @@ from taxbench.workloads import build_model
 CPU_FORWARD_CHECK_MAX_PARAMS = 50_000_000
 
 
-def prepare(raw: DictConfig) -> tuple[TaxbenchConfig, dict[str, Any]]:
-    """Typed config that passed every pre-launch check, plus its plain container (what gets shipped to ranks)."""
-    container = OmegaConf.to_container(raw, resolve=True)
-    assert isinstance(container, dict)
-    cfg = to_typed(container)
+def prepare(raw: DictConfig) -> TaxbenchConfig:
+    """The one conversion of Hydra's config: resolved and typed once, then checked before anything launches. This
+    typed config is what every launcher hands its ranks (pickled by spawn, submitit or torchrun's control group)."""
+    cfg = to_typed(OmegaConf.to_container(raw, resolve=True))  # type: ignore[arg-type]
     if cfg.cluster.dry_run and cfg.cluster.launcher is not Launcher.slurm:
         raise ConfigError(f"cluster.dry_run=true writes a Slurm job script without submitting it, but "
                           f"cluster={cfg.cluster.name} runs here; use cluster=slurm with it, or plan=true for the plan "
                           "without running")
     check_before_launch(cfg)
-    return cfg, container
+    return cfg
 
 
 def check_before_launch(cfg: TaxbenchConfig) -> None:

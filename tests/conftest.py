@@ -4,7 +4,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 from hydra import compose, initialize_config_module
@@ -36,8 +35,8 @@ def compose_typed(*overrides: str) -> TaxbenchConfig:
     return to_typed(OmegaConf.to_container(compose_raw(*overrides), resolve=True))
 
 
-def compose_config(*overrides: str) -> tuple[TaxbenchConfig, dict[str, Any]]:
-    """What the CLI would launch: typed, validated and pair-checked (taxbench.preflight.prepare), plus its container."""
+def compose_config(*overrides: str) -> TaxbenchConfig:
+    """What the CLI would launch: typed, validated and pair-checked (taxbench.preflight.prepare)."""
     return prepare(compose_raw(*overrides))
 
 

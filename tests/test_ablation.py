@@ -21,7 +21,7 @@ from tests.test_checkpoints import run_schedule, tiny_config
 
 
 def pair_policies():
-    cfg, _ = compose_config("experiment.name=x")
+    cfg = compose_config("experiment.name=x")
     return cfg.arms
 
 

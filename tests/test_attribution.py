@@ -15,7 +15,7 @@ from taxbench.analysis.attribution import ATTRIBUTION_COLUMNS, attribute, mean_o
 from taxbench.parallel.distributed import DistContext
 from taxbench.rundir.read import RecordError
 from taxbench.train.op_profile import OP_COLUMNS, OP_TABLE_SCHEMA_VERSION, OpTable, profile_ops, profile_steps
-from taxbench.train.trainer import Trainer
+from taxbench.train.trainer import RunSpec, Trainer
 
 CTX = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
 
@@ -81,9 +81,9 @@ def test_planted_kernel_tops_the_cuda_attribution() -> None:
 def test_moe_tiny_attribution_names_the_dispatch_and_combine_ops(tmp_path: Path) -> None:
     """moe_tiny with deterministic kernels on vs off: the ops the fixed-order paths swap in and out (top-k, dispatch
     gather, combine scatter-add, expert histogram) are what differs between the two profiles."""
-    cfg, _ = compose_config("cluster=inprocess", "+recipe=moe_tiny", "recipe.global_batch_size=8",
+    cfg = compose_config("cluster=inprocess", "+recipe=moe_tiny", "recipe.global_batch_size=8",
                             "experiment.name=t")
-    trainers = {arm: Trainer(cfg, arm, "0", cfg.arms[arm], CTX, tmp_path / arm)
+    trainers = {arm: Trainer(RunSpec.of(cfg, arm, "0", cfg.arms[arm], tmp_path / arm), CTX)
                 for arm in ("baseline", "deterministic")}
     for trainer in trainers.values():
         trainer.run_block(1, 0)

@@ -14,7 +14,7 @@ from conftest import compose_config
 
 from taxbench.launchers.worker import rank_process
 from taxbench.parallel.distributed import free_port
-from taxbench.train.trainer import Trainer
+from taxbench.train.trainer import RunSpec, Trainer
 from taxbench.workloads import build_model
 
 MOE = ("+recipe=moe_tiny", "recipe.model.n_layers=4", "recipe.model.n_experts=8", "recipe.parallel.data_parallel=fsdp",
@@ -33,9 +33,9 @@ LAYOUTS = {
 
 
 def _save_at_init(rank: int, world: int, overrides: tuple[str, ...], out: str, port: int) -> None:
-    cfg, _ = compose_config(*overrides)
+    cfg = compose_config(*overrides)
     with rank_process([cfg], rank, world, rank, "127.0.0.1", port) as ctx:
-        trainer = Trainer(cfg, "deterministic", "0", cfg.arms["deterministic"], ctx, Path(out) / "run")
+        trainer = Trainer(RunSpec.of(cfg, "deterministic", "0", cfg.arms["deterministic"], Path(out) / "run"), ctx)
         files = trainer.save_checkpoint(Path(out) / "ckpt")
         trainer.close()
     (Path(out) / f"files.rank{rank}").write_text("\n".join(sorted(f.name for f in files)))
@@ -45,7 +45,7 @@ def _save_at_init(rank: int, world: int, overrides: tuple[str, ...], out: str, p
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_sharded_checkpoint_reads_back_as_the_unsplit_model(layout: str, tmp_path: Path) -> None:
     overrides = LAYOUTS[layout]
-    cfg, _ = compose_config(*overrides)
+    cfg = compose_config(*overrides)
     world = cfg.cluster.cpu_ranks
     mp.start_processes(_save_at_init, args=(world, overrides, str(tmp_path), free_port()), nprocs=world, join=True,
                        start_method="spawn")

@@ -21,7 +21,7 @@ from taxbench.parallel.distributed import DistContext, free_port
 from taxbench.progress import IDLE, StepProgress
 from taxbench.rundir.records import METRICS, RunWriteError, steps_file, write_atomically, write_manifest
 from taxbench.schedule.experiment import Experiment
-from taxbench.train.trainer import Trainer
+from taxbench.train.trainer import RunSpec, Trainer
 
 
 class Saver:
@@ -168,7 +168,7 @@ def full_disk(tmp_path: Path) -> Iterator[Path]:
 def test_a_checkpoint_and_a_manifest_on_a_full_disk_fail_in_one_line_and_leave_no_tmp(full_disk: Path) -> None:
     cfg = tiny_config()
     ctx = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
-    trainer = Trainer(cfg, "deterministic", "1", cfg.arms["deterministic"], ctx, full_disk / "run")
+    trainer = Trainer(RunSpec.of(cfg, "deterministic", "1", cfg.arms["deterministic"], full_disk / "run"), ctx)
     trainer.run_block(1, 0)
     checkpoints = RunCheckpoints(full_disk / "run", rank=0)
     with pytest.raises(RunWriteError) as caught:
@@ -187,7 +187,7 @@ def test_a_checkpoint_and_a_manifest_on_a_full_disk_fail_in_one_line_and_leave_n
 # ---- the schedule: crash, damage a checkpoint, continue ------------------------------------------------------------
 
 def tiny_config(*extra: str) -> TaxbenchConfig:
-    cfg, _ = compose_config("cluster=inprocess", "recipe.global_batch_size=4", "recipe.model.d_model=32",
+    cfg = compose_config("cluster=inprocess", "recipe.global_batch_size=4", "recipe.model.d_model=32",
                             "recipe.model.n_heads=2", "recipe.model.seq_len=16", "recipe.model.d_ff=64",
                             "experiment.name=ckpt", "experiment.steps=12", "experiment.block_steps=3",
                             "experiment.warmup_steps=2", "experiment.resume_step=6",

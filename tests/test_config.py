@@ -11,7 +11,7 @@ from taxbench.config.schema import ConfigError, Device, Precision
 
 
 def test_embedded_default_is_dense_tiny_on_two_cpu_ranks() -> None:
-    cfg, _ = compose_config()
+    cfg = compose_config()
     assert cfg.recipe.name == "dense_tiny"
     assert cfg.cluster.device is Device.cpu and cfg.cluster.cpu_ranks == 2
     assert cfg.recipe.precision is Precision.fp32
@@ -20,7 +20,7 @@ def test_embedded_default_is_dense_tiny_on_two_cpu_ranks() -> None:
 
 
 def test_explicit_recipe_selection_replaces_the_default() -> None:
-    cfg, _ = compose_config("+recipe=dense_tiny", "recipe.model.d_model=32", "recipe.model.n_heads=2")
+    cfg = compose_config("+recipe=dense_tiny", "recipe.model.d_model=32", "recipe.model.n_heads=2")
     assert cfg.recipe.model.d_model == 32
 
 
@@ -52,7 +52,7 @@ def test_pair_differing_beyond_policy_is_refused_with_the_diff() -> None:
 
 
 def test_override_that_changes_nothing_is_accepted() -> None:
-    cfg, _ = compose_config("+arm_overrides.deterministic.recipe.micro_batch_size=4")
+    cfg = compose_config("+arm_overrides.deterministic.recipe.micro_batch_size=4")
     assert cfg.recipe.micro_batch_size == 4
 
 

@@ -18,7 +18,7 @@ import sys, time
 sys.path.insert(0, {tests!r})
 from conftest import compose_config
 from taxbench.rundir.experiment_folder import claimed, experiment_root
-cfg, _ = compose_config("experiment.name=busy", "experiment.out_dir={out}")
+cfg = compose_config("experiment.name=busy", "experiment.out_dir={out}")
 with claimed(cfg, experiment_root(cfg)):
     print("holding", flush=True)
     time.sleep(120)
@@ -49,7 +49,7 @@ def test_second_launch_on_a_held_folder_is_refused_naming_the_holder(
 
 def test_continue_while_the_first_launch_still_runs_is_refused(folder_held_elsewhere: subprocess.Popen,
                                                                  tmp_path: Path) -> None:
-    cfg, _ = compose_config("experiment.name=busy", f"experiment.out_dir={tmp_path}",
+    cfg = compose_config("experiment.name=busy", f"experiment.out_dir={tmp_path}",
                             "experiment.continue_existing=true")
     with pytest.raises(ConfigError, match="is in use by"), claimed(cfg, experiment_root(cfg)):
         pass
@@ -58,18 +58,18 @@ def test_continue_while_the_first_launch_still_runs_is_refused(folder_held_elsew
 def test_lock_is_released_when_the_holder_dies(folder_held_elsewhere: subprocess.Popen, tmp_path: Path) -> None:
     folder_held_elsewhere.kill()
     folder_held_elsewhere.wait()
-    cfg, _ = compose_config("experiment.name=busy", f"experiment.out_dir={tmp_path}")
+    cfg = compose_config("experiment.name=busy", f"experiment.out_dir={tmp_path}")
     with claimed(cfg, experiment_root(cfg)) as root:
         assert (root / LOCK_FILE).exists()
 
 
 def test_refused_claim_removes_the_folder_it_created_and_keeps_results(tmp_path: Path) -> None:
-    cfg, _ = compose_config("experiment.name=fresh", f"experiment.out_dir={tmp_path}")
+    cfg = compose_config("experiment.name=fresh", f"experiment.out_dir={tmp_path}")
     with pytest.raises(RuntimeError), claimed(cfg, experiment_root(cfg)):
         raise RuntimeError("the launch failed before any run wrote anything")
     assert not (tmp_path / "fresh").exists()
     (tmp_path / "old" / "deterministic-0").mkdir(parents=True)
-    cfg, _ = compose_config("experiment.name=old", f"experiment.out_dir={tmp_path}")
+    cfg = compose_config("experiment.name=old", f"experiment.out_dir={tmp_path}")
     with pytest.raises(ConfigError, match="already holds results"), claimed(cfg, experiment_root(cfg)):
         pass
     assert (tmp_path / "old" / "deterministic-0").is_dir()

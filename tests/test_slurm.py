@@ -60,7 +60,7 @@ needs_slurm = pytest.mark.skipif(UNREACHABLE is not None, reason=UNREACHABLE or 
 
 
 def sbatch_script(overrides: list[str], root: Path) -> str:
-    cfg, _ = compose_config(*["experiment.name=x", *overrides])
+    cfg = compose_config(*["experiment.name=x", *overrides])
     with mocked_slurm():  # submitit's executor refuses to exist where srun is missing
         executor = slurm.make_executor(cfg, root)
     return executor._make_submission_file_text("python -c pass", "uid")
@@ -136,12 +136,12 @@ SETUP_SECRETS = {
 def test_submission_is_private_and_warns_about_secrets_in_setup(tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     setup = ",".join(f"'{line}'" for line in SETUP_SECRETS)
-    cfg, container = compose_config("cluster=slurm_cpu", f"experiment.out_dir={tmp_path}", "experiment.name=s",
+    cfg = compose_config("cluster=slurm_cpu", f"experiment.out_dir={tmp_path}", "experiment.name=s",
                                     f"cluster.setup=[module load cuda,{setup}]")
     root = tmp_path / "s"
     with mocked_slurm() as mock:
         mock.known_cmds.append("sbatch")
-        job = slurm.submit(cfg, container, root)
+        job = slurm.submit(cfg, root)
     folder = root / ".submitit"
     assert folder.stat().st_mode & 0o777 == 0o700
     assert job.paths.folder.stat().st_mode & 0o777 == 0o700
@@ -161,11 +161,11 @@ def test_submission_is_private_and_warns_about_secrets_in_setup(tmp_path: Path,
 def test_submitit_dir_is_made_private_too(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o755)
-    cfg, container = compose_config("cluster=slurm_cpu", f"experiment.out_dir={tmp_path}", "experiment.name=d",
+    cfg = compose_config("cluster=slurm_cpu", f"experiment.out_dir={tmp_path}", "experiment.name=d",
                                     f"cluster.submitit_dir={shared}")
     with mocked_slurm() as mock:
         mock.known_cmds.append("sbatch")
-        job = slurm.submit(cfg, container, tmp_path / "d")
+        job = slurm.submit(cfg, tmp_path / "d")
     assert shared.stat().st_mode & 0o777 == 0o700 and job.paths.folder.parent == shared
 
 
@@ -202,7 +202,7 @@ def test_dry_run_writes_the_script_a_submission_would_write(tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     overrides = ["cluster=slurm_cpu", f"experiment.out_dir={tmp_path}", "experiment.name=d", "cluster.partition=debug",
                  "cluster.account=proj", "cluster.setup=[module load cuda,'export MYPASS=hunter2-setup']"]
-    cfg, container = compose_config(*overrides, "cluster.dry_run=true")
+    cfg = compose_config(*overrides, "cluster.dry_run=true")
     root = tmp_path / "d"
     script = slurm.dry_run_slurm(cfg, root)  # no mocked Slurm: a dry run needs neither srun nor sbatch
 
@@ -216,10 +216,10 @@ def test_dry_run_writes_the_script_a_submission_would_write(tmp_path: Path,
     assert f"cluster.setup line 2 looks like it holds a secret; it is copied into the job script {script}" in err
 
     # The very script a submission hands to sbatch (submitted here to submitit's mocked Slurm).
-    cfg, container = compose_config(*overrides)
+    cfg = compose_config(*overrides)
     with mocked_slurm() as mock:
         mock.known_cmds.append("sbatch")
-        job = slurm.submit(cfg, container, root)
+        job = slurm.submit(cfg, root)
     assert script.read_text() == job.paths.submission_file.read_text()
 
 
@@ -297,10 +297,10 @@ def test_cli_runs_the_experiment_as_one_two_task_job(tmp_path: Path) -> None:
 @pytest.mark.slow
 @needs_slurm
 def test_preempted_job_requeues_and_resumes_from_its_checkpoint_bitwise(tmp_path: Path) -> None:
-    cfg, container = compose_config(*["cluster=slurm_cpu", f"experiment.out_dir={tmp_path}", "experiment.name=p",
+    cfg = compose_config(*["cluster=slurm_cpu", f"experiment.out_dir={tmp_path}", "experiment.name=p",
                                      *TINY, *SLOWER_MODEL])
     root = tmp_path / "p"
-    job = slurm.submit(cfg, container, root)
+    job = slurm.submit(cfg, root)
     job._results_timeout_s = 2
     timed = RunCheckpoints(root / "deterministic-0", 0)
     wait_until(lambda: timed.latest() is not None, 120, "the timed pair's first checkpoint")
@@ -331,12 +331,12 @@ def test_preempted_job_requeues_and_resumes_from_its_checkpoint_bitwise(tmp_path
 @pytest.mark.slow
 @needs_slurm
 def test_cancelled_job_fails_clearly_and_keeps_its_records(tmp_path: Path) -> None:
-    cfg, container = compose_config(*["cluster=slurm_cpu", f"experiment.out_dir={tmp_path}", "experiment.name=c",
+    cfg = compose_config(*["cluster=slurm_cpu", f"experiment.out_dir={tmp_path}", "experiment.name=c",
                                      *TINY, *SLOWER_MODEL, "experiment.steps=240"])
     # 240 steps: minutes of work left after the first checkpoint, so a cancel that a loaded machine delivers late
     # still lands before the job could finish (at 24 steps one CI run finished the experiment first).
     root = tmp_path / "c"
-    job = slurm.submit(cfg, container, root)
+    job = slurm.submit(cfg, root)
     job._results_timeout_s = 2
     timed = RunCheckpoints(root / "baseline-0", 0)
     wait_until(lambda: timed.latest() is not None, 120, "the timed pair's first checkpoint")

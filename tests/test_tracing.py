@@ -28,7 +28,7 @@ from taxbench.tracing.diff import (
     render,
 )
 from taxbench.tracing.trace_io import TRACE_SCHEMA_VERSION, TraceError, TraceWriter, read_trace, trace_file
-from taxbench.train.trainer import Trainer
+from taxbench.train.trainer import RunSpec, Trainer
 
 FAULT_MM = ["experiment.fault.kind=nondeterministic_op", "experiment.fault.module=blocks.1.ffn",
             "experiment.fault.op=aten.mm.default"]
@@ -49,8 +49,8 @@ def _cfg(overrides: list[str]) -> TaxbenchConfig:
 
 def _run_in_process(cfg: TaxbenchConfig, run_dir: Path, steps: int, faulty: bool) -> Path:
     ctx = DistContext(0, 1, 0, torch.device("cpu"), "gloo")
-    trainer = Trainer(cfg, "deterministic", "x", cfg.arms["deterministic"], ctx, run_dir,
-                      cfg.experiment.fault if faulty else None)
+    fault = cfg.experiment.fault if faulty else None
+    trainer = Trainer(RunSpec.of(cfg, "deterministic", "x", cfg.arms["deterministic"], run_dir, fault), ctx)
     trainer.run_block(steps, 0)
     trainer.close()
     return run_dir
@@ -290,10 +290,10 @@ def _experiment(tmp_path: Path, fault: list[str]) -> Path:
                 "experiment.block_steps=2", "experiment.resume_step=2",
                 "experiment.warmup_steps=0", "cluster.cpu_ranks=2", f"experiment.out_dir={tmp_path}",
                 "experiment.fault.enabled=true", "experiment.fault.step=2", "experiment.fault.rank=1", *fault])
-    cfg, container = prepare(raw)
+    cfg = prepare(raw)
     root = tmp_path / cfg.experiment.name
     root.mkdir(parents=True)
-    launch_local(cfg, container, root)
+    launch_local(cfg, root)
     return root
 
 

@@ -20,11 +20,11 @@ from taxbench.parallel.distributed import DistContext
 from taxbench.rundir.read import load_run
 from taxbench.rundir.records import METRICS, SCHEMA_VERSION, faults_file, steps_file
 from taxbench.rundir.step_stream import read_stream
-from taxbench.train.trainer import Trainer
+from taxbench.train.trainer import RunSpec, Trainer
 
 
 def tiny_config() -> TaxbenchConfig:
-    cfg, _ = compose_config("cluster=inprocess", "recipe.global_batch_size=4", "recipe.model.d_model=32",
+    cfg = compose_config("cluster=inprocess", "recipe.global_batch_size=4", "recipe.model.d_model=32",
                             "recipe.model.n_heads=2", "recipe.model.seq_len=16", "experiment.name=t")
     return cfg
 
@@ -33,7 +33,7 @@ CTX = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")
 
 
 def make(cfg: TaxbenchConfig, run_dir: Path, arm: str = "deterministic") -> Trainer:
-    return Trainer(cfg, arm, "0", cfg.arms[arm], CTX, run_dir)
+    return Trainer(RunSpec.of(cfg, arm, "0", cfg.arms[arm], run_dir), CTX)
 
 
 def fingerprints(run_dir: Path):
@@ -171,7 +171,7 @@ def test_an_unreadable_checkpoint_is_named(tmp_path: Path) -> None:
 
 def faulty(cfg: TaxbenchConfig, run_dir: Path, **fault: object) -> Trainer:
     settings = replace(cfg.experiment.fault, enabled=True, **fault)
-    return Trainer(cfg, "deterministic", "1", cfg.arms["deterministic"], CTX, run_dir, settings)
+    return Trainer(RunSpec.of(cfg, "deterministic", "1", cfg.arms["deterministic"], run_dir, settings), CTX)
 
 
 def fault_events(run_dir: Path) -> list[dict]:
@@ -224,9 +224,8 @@ def _perturbing_rank(rank: int, world: int, cfg: TaxbenchConfig, run_dir: str, p
     from taxbench.launchers.worker import rank_process
 
     with rank_process([cfg], rank, world, rank, "127.0.0.1", port) as ctx:
-        trainer = Trainer(cfg, "deterministic", "1", cfg.arms["deterministic"], ctx, Path(run_dir),
-                          replace(cfg.experiment.fault, enabled=True, kind=FaultKind.perturb_collective, step=2,
-                                  rank=1))
+        fault = replace(cfg.experiment.fault, enabled=True, kind=FaultKind.perturb_collective, step=2, rank=1)
+        trainer = Trainer(RunSpec.of(cfg, "deterministic", "1", cfg.arms["deterministic"], Path(run_dir), fault), ctx)
         trainer.run_block(3, 0)
         trainer.close()
 
@@ -237,7 +236,7 @@ def test_a_perturbed_collective_is_recorded_on_its_rank_with_its_bucket(tmp_path
 
     from taxbench.parallel.distributed import free_port
 
-    cfg, _ = compose_config("cluster.cpu_ranks=2", "recipe.global_batch_size=4", "recipe.model.d_model=32",
+    cfg = compose_config("cluster.cpu_ranks=2", "recipe.global_batch_size=4", "recipe.model.d_model=32",
                             "recipe.model.n_heads=2", "recipe.model.seq_len=16", "recipe.micro_batch_size=2",
                             "experiment.name=t")
     mp.start_processes(_perturbing_rank, args=(2, cfg, str(tmp_path), free_port()), nprocs=2, join=True,

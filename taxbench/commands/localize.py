@@ -40,7 +40,7 @@ from taxbench.tracing.diff import (
     describe,
     diff_runs,
 )
-from taxbench.train.trainer import Trainer
+from taxbench.train.trainer import RunSpec, Trainer
 
 NO_DIVERGENCE = "no_divergence"
 NAMED = "named"
@@ -53,7 +53,7 @@ class LocalizeError(ValueError):
 
 
 @dataclass(frozen=True)
-class RunSpec:
+class RecordedRun:
     run_dir: Path
     name: str
     arm: str
@@ -62,7 +62,7 @@ class RunSpec:
     world_size: int
 
     @classmethod
-    def load(cls, run_dir: Path) -> RunSpec:
+    def load(cls, run_dir: Path) -> RecordedRun:
         manifest = load_manifest(run_dir)
         try:
             config = manifest["config"]
@@ -118,7 +118,7 @@ class Localization:
         return asdict(self)
 
 
-def _replay_config(spec: RunSpec, rung: int, step: int, modules: tuple[str, ...], max_numel: int) -> dict[str, Any]:
+def _replay_config(spec: RecordedRun, rung: int, step: int, modules: tuple[str, ...], max_numel: int) -> dict[str, Any]:
     config = copy.deepcopy(spec.config)
     experiment = config.setdefault("experiment", {})
     experiment["trace"] = {"enabled": True, "rung": rung, "steps": [step], "ranks": [], "runs": [],
@@ -126,7 +126,7 @@ def _replay_config(spec: RunSpec, rung: int, step: int, modules: tuple[str, ...]
     return config
 
 
-def _job(spec: RunSpec, out_dir: Path, rung: int, step: int, modules: tuple[str, ...], max_numel: int) -> ReplayJob:
+def _job(spec: RecordedRun, out_dir: Path, rung: int, step: int, modules: tuple[str, ...], max_numel: int) -> ReplayJob:
     start = spec.checkpoint_before(step)
     resume_step = int(spec.config.get("experiment", {}).get("resume_step", 0))
     restart_at = resume_step if spec.replica == "resumed" and start < resume_step < step else 0
@@ -143,8 +143,8 @@ def run_replay_rank(rank: int, world: int, jobs: list[ReplayJob], addr: str, por
             out = Path(job.out_dir)
 
             def trainer(cfg: Any = cfg, out: Path = out, applies: bool = applies, job: ReplayJob = job) -> Trainer:
-                return Trainer(cfg, job.arm, job.replica, cfg.arms[job.arm], ctx, out,
-                               cfg.experiment.fault if applies else None)
+                fault = cfg.experiment.fault if applies else None
+                return Trainer(RunSpec.of(cfg, job.arm, job.replica, cfg.arms[job.arm], out, fault), ctx)
 
             current = trainer()
             if job.checkpoint_step:
@@ -180,7 +180,7 @@ def _first_mismatch(dir_a: Path, dir_b: Path, from_step: int = 0) -> Any:
     return compare_runs("localize", str(dir_a), load_run(dir_a), str(dir_b), load_run(dir_b), from_step).first_mismatch
 
 
-def _check_comparable(a: RunSpec, b: RunSpec) -> None:
+def _check_comparable(a: RecordedRun, b: RecordedRun) -> None:
     if a.world_size != b.world_size:
         raise LocalizeError(f"{a.run_dir} ran on {a.world_size} ranks and {b.run_dir} on {b.world_size}; localize "
                             "replays both on the same ranks, so compare runs of the same world size")
@@ -189,7 +189,7 @@ def _check_comparable(a: RunSpec, b: RunSpec) -> None:
 
 
 def localize(run_a: Path, run_b: Path, work_dir: Path, max_numel: int = 0) -> Localization:
-    spec_a, spec_b = RunSpec.load(run_a), RunSpec.load(run_b)
+    spec_a, spec_b = RecordedRun.load(run_a), RecordedRun.load(run_b)
     _check_comparable(spec_a, spec_b)
     mismatch = _first_mismatch(run_a, run_b)
     result = Localization(str(run_a), str(run_b), NO_DIVERGENCE, asdict(mismatch) if mismatch else None, None)

@@ -49,7 +49,7 @@ from taxbench.rundir.records import MANIFEST, Stop, op_table_file, read_stop, wr
 from taxbench.schedule.stopping import StoppingRule
 from taxbench.train.flops import throughput_manifest
 from taxbench.train.op_profile import profile_steps
-from taxbench.train.trainer import Trainer
+from taxbench.train.trainer import RunSpec, Trainer
 
 
 def profile_run_steps(cfg: TaxbenchConfig) -> int:
@@ -74,8 +74,9 @@ class Experiment:
     def _trainer(self, ref: RunRef) -> Trainer:
         run_dir = self.root / ref.name
         fault = self.cfg.experiment.fault
-        trainer = Trainer(self.cfg, ref.arm, ref.replica, self.design.policies[ref.arm], self.ctx, run_dir,
-                          fault if fault.applies_to(ref.arm, ref.replica) else None)
+        applies = fault if fault.applies_to(ref.arm, ref.replica) else None
+        spec = RunSpec.of(self.cfg, ref.arm, ref.replica, self.design.policies[ref.arm], run_dir, applies)
+        trainer = Trainer(spec, self.ctx)
         self._write_manifest(ref, trainer)
         return trainer
 

@@ -7,9 +7,7 @@ On CUDA, step times come from CUDA events and digests stay on the device until t
 
 from __future__ import annotations
 
-import gc
 import random
-import resource
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
@@ -22,21 +20,21 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from taxbench import fingerprint
 from taxbench.checkpoint import state as checkpoint_state
 from taxbench.checkpoint.store import CheckpointError
 from taxbench.config import policy
-from taxbench.config.schema import FaultConfig, PolicyConfig, TaxbenchConfig
+from taxbench.config.schema import FaultConfig, PolicyConfig, RecipeConfig, TaxbenchConfig, TraceConfig
 from taxbench.design import run_name
 from taxbench.parallel.distributed import DistContext
 from taxbench.parallel.layout import layout_for
-from taxbench.rundir.records import FaultLog, step_record, steps_file
-from taxbench.rundir.step_stream import StepWriter
+from taxbench.rundir.records import FaultLog, steps_file
 from taxbench.tracing.capture import tracer_for_run
 from taxbench.tracing.faults import STEP_FAULT_KINDS, flip_lowest_bit, step_fault
 from taxbench.train.build import build_optimizer, build_pipeline
 from taxbench.train.data import build_source
 from taxbench.train.planted import PlantedDelay
+from taxbench.train.recorder import StepRecorder
+from taxbench.train.timer import StepTimer, collected_between_blocks, peak_memory, synchronize
 
 
 @dataclass
@@ -76,77 +74,39 @@ class RngSnapshot:
                    None if cuda is None else [s.cpu() for s in cuda])
 
 
-class StepTimer:
-    """perf_counter on CPU; CUDA events (read at block end) on GPU."""
+@dataclass(frozen=True)
+class RunSpec:
+    """What one run of one arm needs: the recipe, which run it is and under which policy, where its records go, and
+    the few experiment settings the step loop reads."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+    recipe: RecipeConfig
+    arm: str
+    replica: str
+    policy: PolicyConfig
+    run_dir: Path
+    manual_gc: bool = True
+    planted_tax: float = 0.0  # this run's planted slowdown (experiment.planted_tax on the deterministic arm)
+    trace: TraceConfig | None = None  # the tracing ladder's capture (experiment.trace), if it selects this run
+    fault: FaultConfig | None = None  # an injected fault that applies to this run
 
-    def start(self) -> Any:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def stop(self, started: Any) -> Any:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return (started, event)
-        return time.perf_counter() - started
-
-    def seconds(self, measured: Any) -> float:
-        if self.cuda:
-            start, end = measured
-            return float(start.elapsed_time(end)) / 1000.0
-        return float(measured)
-
-
-@contextmanager
-def collected_between_blocks(manual: bool) -> Iterator[None]:
-    """Python's garbage collector run before a timed block and paused inside it (a collection inside a timed step
-    costs milliseconds at random; Megatron's --manual-gc does the same). Only the young generations are collected:
-    a full collection walks every object of the process (over 100 ms here), and the long-lived ones are the models."""
-    if not manual or not gc.isenabled():
-        yield
-        return
-    gc.collect(1)
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
-def peak_memory(device: torch.device) -> dict[str, int]:
-    """This process's peak memory so far (every run it holds counts): CUDA allocated and reserved, or host RSS."""
-    if device.type == "cuda":
-        return {"mem_peak_bytes": torch.cuda.max_memory_allocated(device),
-                "mem_reserved_bytes": torch.cuda.max_memory_reserved(device)}
-    return {"mem_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    @classmethod
+    def of(cls, cfg: TaxbenchConfig, arm: str, replica: str, arm_policy: PolicyConfig, run_dir: Path,
+           fault: FaultConfig | None = None) -> RunSpec:
+        exp = cfg.experiment
+        return cls(cfg.recipe, arm, replica, arm_policy, run_dir, exp.manual_gc,
+                   exp.planted_tax if arm == "deterministic" else 0.0, exp.trace,
+                   fault if fault is not None and fault.enabled else None)
 
 
 class Trainer:
-    def __init__(
-        self,
-        cfg: TaxbenchConfig,
-        arm: str,
-        replica: str,
-        arm_policy: PolicyConfig,
-        ctx: DistContext,
-        run_dir: Path,
-        fault: FaultConfig | None = None,
-    ) -> None:
-        recipe = cfg.recipe
+    """One run of one arm on this rank, the step loop: its model share, data, timed steps and their records."""
+
+    def __init__(self, spec: RunSpec, ctx: DistContext) -> None:
+        recipe = spec.recipe
+        arm, replica, arm_policy, run_dir = spec.arm, spec.replica, spec.policy, spec.run_dir
         self.arm, self.replica, self.policy, self.ctx = arm, replica, arm_policy, ctx
         self.run_dir = run_dir
-        self.fault = fault if fault is not None and fault.enabled else None
+        self.fault = spec.fault
         self.step = 0
         self.grad_clip = recipe.optimizer.grad_clip
         layout = layout_for(recipe.parallel, ctx.world_size, ctx.rank)
@@ -166,21 +126,18 @@ class Trainer:
         )
         self.rng = RngSnapshot(rng.python, rng.numpy, rng.torch_cpu, rng.torch_cuda)
         self.timer = StepTimer(ctx.device)
-        self.manual_gc = cfg.experiment.manual_gc
+        self.manual_gc = spec.manual_gc
         self._gradients_checked = False  # see _require_every_parameter_trained
         self.block_times: list[float] = []  # this rank's step times of the last block run (for the stopping rule)
-        planted = cfg.experiment.planted_tax if arm == "deterministic" else 0.0
-        self.planted = PlantedDelay(planted, ctx.device) if planted > 0 else None
-        self.writer = StepWriter(steps_file(run_dir, ctx.rank))
-        # (record, step time, fingerprint time, planted-delay mark, digests) per step not yet written
-        self._pending: list[tuple[dict[str, Any], Any, Any, Any, torch.Tensor]] = []
+        self.planted = PlantedDelay(spec.planted_tax, ctx.device) if spec.planted_tax > 0 else None
+        self.recorder = StepRecorder(steps_file(run_dir, ctx.rank), self.timer, ctx.device, self.planted)
         # Where an injected fault fired (faults.rank<R>.jsonl, on every rank of a run with a fault: an empty file says
         # that it never fired there). Faults acting inside a step and the tracing-ladder capture are None in ordinary
         # runs (no per-step cost).
         self.fault_log = FaultLog(run_dir, ctx.rank) if self.fault is not None else None
         self._step_fault = step_fault(self.fault, ctx.rank, self.model, self.raw_model, self.boundaries,
                                       self._fault_fired)
-        self.tracer = tracer_for_run(cfg.experiment.trace, run_name(arm, replica), run_dir, ctx.rank)
+        self.tracer = tracer_for_run(spec.trace, run_name(arm, replica), run_dir, ctx.rank)
         if self.tracer is not None:
             self.tracer.attach(self)
 
@@ -207,23 +164,24 @@ class Trainer:
                 self.rng = RngSnapshot.capture()
 
     def run_block(self, steps: int, block: int, on_step: Callable[[], None] | None = None) -> None:
-        self.block_times = []
+        self.recorder.take_times()  # forget steps written outside a block (none but after a checkpoint save)
         with self.activated(), collected_between_blocks(self.manual_gc):
             # Start the block together: untimed work before it (the arm switch, the other arm's records) on one rank
             # would otherwise leak into another rank's timed first step through the gradient all-reduce.
             if dist.is_initialized() and self.ctx.world_size > 1:
                 dist.barrier()
-            _sync(self.ctx.device)
+            synchronize(self.ctx.device)
             window_start = time.perf_counter()
             for _ in range(steps):
                 with self._step_scope():
                     self._train_step(block)
                 if on_step is not None:
                     on_step()
-            _sync(self.ctx.device)
+            synchronize(self.ctx.device)
             window = time.perf_counter() - window_start
-            self._flush(window / steps)
-            self.writer.sync()
+            self.recorder.flush(window / steps)
+            self.block_times = self.recorder.take_times()
+            self.recorder.sync()
 
     def _step_scope(self) -> AbstractContextManager[None]:
         if self._step_fault is None and self.tracer is None:
@@ -258,15 +216,8 @@ class Trainer:
 
         self._inject_fault()
         fingerprint_started = self.timer.start()  # the gates' own cost, outside the timed step, shown beside it
-        digests = torch.stack(
-            [
-                fingerprint.float_bits(loss_mean.float()),
-                self._digest(p.grad for p in params),
-                fingerprint.float_bits(grad_norm.float()),
-                self._digest(self.raw_model.parameters()),
-                self._digest(self.optimizer_tensors()),
-            ]
-        )
+        digests = self.recorder.fingerprints(loss_mean, (p.grad for p in params), grad_norm,
+                                             self.raw_model.parameters(), self.optimizer_tensors())
         fingerprint_measured = self.timer.stop(fingerprint_started)
         record = {
             "arm": self.arm,
@@ -281,9 +232,7 @@ class Trainer:
         }
         if self.split is not None:  # which pipeline stages this rank's fingerprints cover
             record["stages"] = list(self.split.stages)
-        self._pending.append((record, measured, fingerprint_measured, planted_mark, digests))
-        if self.ctx.device.type == "cpu":
-            self._flush(None)
+        self.recorder.add(record, measured, fingerprint_measured, planted_mark, digests)
 
     def _require_every_parameter_trained(self) -> None:
         """Fail the first step this trainer runs when a trainable parameter of this rank got no gradient: the
@@ -297,10 +246,6 @@ class Trainer:
                 f"rank {self.ctx.rank}, {run_name(self.arm, self.replica)} step {self.step}: {len(missing)} trainable "
                 f"parameters got no gradient ({shown}); this layout or schedule would leave them untrained"
             )
-
-    def _digest(self, tensors: Any) -> torch.Tensor:
-        digest = fingerprint.tensors_digest(tensors)
-        return digest if digest is not None else torch.zeros((), dtype=torch.int64, device=self.ctx.device)
 
     def optimizer_tensors(self) -> Iterator[torch.Tensor]:
         """Optimizer state in a fixed order, on its parameter's device (Adam keeps `step` on the CPU)."""
@@ -323,40 +268,10 @@ class Trainer:
         if self.fault_log is not None:
             self.fault_log.fired(kind, step, where)
 
-    def _flush(self, window_per_step: float | None) -> None:
-        """Turn pending steps into records: one host copy of all digests, then one line per step."""
-        if not self._pending:
-            return
-        digests = torch.stack([d for *_, d in self._pending]).cpu().tolist()
-        for (record, measured, fingerprint_measured, planted_mark, _), values in zip(self._pending, digests,
-                                                                                      strict=True):
-            seconds = self.timer.seconds(measured)
-            self.block_times.append(seconds)
-            if self.planted is not None and self.timer.cuda:
-                self.planted.observe(measured[0], planted_mark)
-            loss_bits, grads, norm_bits, params, optim = values
-            record.update(
-                time_s=seconds,  # the analysed step time: CUDA events on GPU, perf_counter on CPU
-                device_s=seconds if self.timer.cuda else None,
-                # GPU: the block's synchronized wall-clock window per step (data loading and the harness's own work
-                # included), a cross-check on the event times. On CPU time_s is already wall-clock.
-                window_s=window_per_step,
-                fingerprint_s=self.timer.seconds(fingerprint_measured),
-                loss=_bits_to_float(loss_bits),
-                loss_bits=fingerprint.bits_hex(loss_bits, torch.float32),
-                grad_norm=_bits_to_float(norm_bits),
-                grad_norm_bits=fingerprint.bits_hex(norm_bits, torch.float32),
-                grads=fingerprint.to_hex(grads),
-                params=fingerprint.to_hex(params),
-                optim=fingerprint.to_hex(optim),
-            )
-            self.writer.write(record)  # flushed per line; fsync once per block (run_block), not per step
-        self._pending.clear()
-
     def save_checkpoint(self, directory: Path) -> list[Path]:
         """Write this rank's part of the checkpoint into `directory` (a collective); the files it wrote."""
-        self._flush(None)
-        self.writer.sync()
+        self.recorder.flush(None)
+        self.recorder.sync()
         extras = {"step": self.step, "data": self.data.state_dict(), "rng": self.rng.state_dict()}
         return checkpoint_state.save(directory, self.parallel, self.optimizer, extras, self.ctx.rank)
 
@@ -371,40 +286,21 @@ class Trainer:
             raise
         except (OSError, RuntimeError, KeyError, TypeError, ValueError, EOFError, CheckpointException) as exc:
             raise CheckpointError(f"{directory}: unreadable checkpoint ({_first_line(exc)})") from exc
-        self._check_restored(directory)
+        self.recorder.check_restored(directory, self.step, self.raw_model.parameters(), self.optimizer_tensors())
         self.drop_records_after(self.step)
         if self.tracer is not None:
             self.tracer.checkpoint_loaded(self)
 
-    def _check_restored(self, path: Path) -> None:
-        """A restore that does not reproduce the recorded parameters and optimizer state is an error, never a
-        divergence for the gates to find later. Runs without a record of that step (a replay elsewhere) pass."""
-        record = step_record(self.writer.path, self.step)
-        if record is None:
-            return
-        restored = {
-            "params": fingerprint.to_hex(int(self._digest(self.raw_model.parameters()).item())),
-            "optim": fingerprint.to_hex(int(self._digest(self.optimizer_tensors()).item())),
-        }
-        differing = [f"{metric} {value} vs recorded {record.get(metric)}" for metric, value in restored.items()
-                     if record.get(metric) != value]
-        if differing:
-            raise CheckpointError(
-                f"{path}: restored state does not reproduce the record of step {self.step} in {self.writer.path} "
-                f"({'; '.join(differing)})"
-            )
-
     def drop_records_after(self, step: int) -> None:
         """Forget step, fault and trace records past `step`: a resumed or restarted run writes them again."""
-        self.writer.truncate_after(step)
+        self.recorder.truncate_after(step)
         if self.fault_log is not None:
             self.fault_log.truncate_after(step)
         if self.tracer is not None:
             self.tracer.truncate_after(step)
 
     def close(self) -> None:
-        self._flush(None)
-        self.writer.close()
+        self.recorder.close()
         if self.fault_log is not None:
             self.fault_log.close()
         if self.tracer is not None:
@@ -415,7 +311,3 @@ def _first_line(exc: BaseException) -> str:
     if isinstance(exc, CheckpointException) and exc.failures:  # DCP: the first failing rank's own error
         exc = next(iter(exc.failures.values()))[0]
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-
-
-def _bits_to_float(bits: int) -> float:
-    return float(np.array([bits & 0xFFFFFFFF], dtype=np.uint32).view(np.float32)[0])
