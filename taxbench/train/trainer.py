@@ -1,4 +1,6 @@
-"""One training run of one arm on one rank: seeded init, timed steps, fingerprints, checkpoint/resume.
+"""One training run of one arm on one rank, the step loop: timed steps, their records, checkpoint/resume.
+
+It gets a RunSpec; its model share comes from taxbench.train.build, its records from taxbench.train.recorder.
 
 Timing covers zero_grad, forward, backward, gradient reduction, clipping and the optimizer step; data loading is
 timed separately and fingerprinting runs after the timer stops, so the harness stays out of the numbers it reports.
