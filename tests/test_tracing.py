@@ -328,7 +328,7 @@ def test_localize_walks_the_ladder_to_a_nondeterministic_op(tmp_path: Path) -> N
 
 def test_replays_start_from_the_latest_complete_checkpoint_before_the_step(tmp_path: Path) -> None:
     from taxbench.checkpoint.store import RunCheckpoints, commit, finish
-    from taxbench.commands.localize import RunSpec
+    from taxbench.commands.localize import RecordedRun
 
     class Saver:
         def save_checkpoint(self, directory: Path) -> list[Path]:
@@ -340,7 +340,7 @@ def test_replays_start_from_the_latest_complete_checkpoint_before_the_step(tmp_p
     checkpoints = RunCheckpoints(run, rank=0)
     for step in (6, 12):
         commit(step, [(checkpoints, Saver())])
-    spec = RunSpec(run, run.name, "deterministic", "1", {}, world_size=1)
+    spec = RecordedRun(run, run.name, "deterministic", "1", {}, world_size=1)
     assert [spec.checkpoint_before(s) for s in (5, 7, 12, 13)] == [0, 6, 6, 12]
     finish([checkpoints])  # a finished run keeps no checkpoints: replays start from seeded init
     assert spec.checkpoint_before(13) == 0
