@@ -349,8 +349,10 @@ def test_replays_start_from_the_latest_complete_checkpoint_before_the_step(tmp_p
 @pytest.mark.slow
 def test_localize_names_an_op_inside_the_second_pipeline_stage(tmp_path: Path) -> None:
     """pp=2 on two ranks, a nondeterministic op in block 1 (stage 1, rank 1): rung 1 sees the stage send different
-    gradients back, rung 2 and 3 narrow it to the module and op on that rank."""
-    root = _experiment(tmp_path, [*FAULT_MM, "recipe.parallel.pp=2"])
+    gradients back, rung 2 and 3 narrow it to the module and op on that rank. Seed 1: whether a one-ulp difference in
+    the forward survives into the gradient sent back depends on the values (with the layout-invariant initial values
+    of seed 0 it rounds away there, rung 1 finds nothing and rungs 2-3 still name the op; seeds 1 and 2 keep it)."""
+    root = _experiment(tmp_path, [*FAULT_MM, "recipe.parallel.pp=2", "recipe.seed=1"])
     result = localize(root / "deterministic-0", root / "deterministic-1", tmp_path / "work")
     assert result.verdict == NAMED, [(s.rung, s.verdict) for s in result.path]
     first = result.path[0].finding
