@@ -32,10 +32,6 @@ class StepRecorder:
         self._pending: list[tuple[dict[str, Any], Any, Any, Any, torch.Tensor]] = []
         self._times: list[float] = []  # step times of the steps written since the last take_times()
 
-    @property
-    def path(self) -> Path:
-        return self.writer.path
-
     def digest(self, tensors: Iterable[torch.Tensor]) -> torch.Tensor:
         found = fingerprint.tensors_digest(tensors)
         return found if found is not None else torch.zeros((), dtype=torch.int64, device=self.device)
