@@ -52,6 +52,8 @@ INTERLEAVED = {
     "pair": (TIMED["baseline"], TIMED["deterministic"]),
 }
 PROFILE_REPLICA = "profile"  # <arm>-profile: an arm's op-profile run (experiment.ablation; never timed or gated)
+
+
 def run_name(arm: str, replica: str) -> str:
     return f"{arm}-{replica}"
 
@@ -162,7 +164,7 @@ def plan_ablation(arms: Mapping[str, PolicyConfig], device: Device) -> list[Knob
     return plans
 
 
-def knob_policies(plans: list[KnobPlan]) -> dict[str, PolicyConfig]:
+def knob_policies(plans: Sequence[KnobPlan]) -> dict[str, PolicyConfig]:
     """Arm name -> policy of every knob arm that runs."""
     policies = {}
     for plan in plans:
@@ -173,11 +175,11 @@ def knob_policies(plans: list[KnobPlan]) -> dict[str, PolicyConfig]:
     return policies
 
 
-def timed_knob_runs(plans: list[KnobPlan]) -> tuple[RunRef, ...]:
+def timed_knob_runs(plans: Sequence[KnobPlan]) -> tuple[RunRef, ...]:
     return tuple(plan.with_run for plan in plans if plan.with_run is not None)
 
 
-def repeated_knob_runs(plans: list[KnobPlan]) -> tuple[RunRef, ...]:
+def repeated_knob_runs(plans: Sequence[KnobPlan]) -> tuple[RunRef, ...]:
     return tuple(ref for plan in plans for ref in plan.without_runs)
 
 
@@ -200,7 +202,6 @@ def knob_plans(cfg: TaxbenchConfig) -> list[KnobPlan]:
 class ExperimentDesign:
     """The runs of one experiment and the policy of every arm, decided once from its config."""
 
-    plans: tuple[KnobPlan, ...]  # the ablation's knobs (none without experiment.ablation)
     policies: Mapping[str, PolicyConfig]  # arm name -> policy: the pair's arms, then the knob arms
     timed_knob_runs: tuple[RunRef, ...]
     repeated_knob_runs: tuple[RunRef, ...]
@@ -213,14 +214,13 @@ class ExperimentDesign:
 
 
 def design_of(cfg: TaxbenchConfig) -> ExperimentDesign:
-    plans = tuple(knob_plans(cfg))
-    timed = timed_knob_runs(list(plans))
+    plans = knob_plans(cfg)  # the ablation's knobs (none without experiment.ablation)
+    timed = timed_knob_runs(plans)
     profiled = ()
     if cfg.experiment.ablation:
         arms = ("baseline", "deterministic", *(ref.arm for ref in timed))
         profiled = tuple(RunRef(arm, PROFILE_REPLICA) for arm in arms)
-    return ExperimentDesign(plans, {**cfg.arms, **knob_policies(list(plans))}, timed, repeated_knob_runs(list(plans)),
-                            profiled)
+    return ExperimentDesign({**cfg.arms, **knob_policies(plans)}, timed, repeated_knob_runs(plans), profiled)
 
 
 # ---------------------------------------------------------------------------------------------------- round orders
