@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Shard, _StridedShard, _StridedShardOffsetMode
 
-from taxbench.workloads.init import GlobalView, fill_local, initial_values, parameter_key
+from taxbench.workloads.init import GlobalView, fill_model
 
 
 def global_view(param: torch.Tensor, global_rows: tuple[int, int] | None = None) -> GlobalView:
@@ -59,15 +59,10 @@ def _global_rows(model: nn.Module) -> dict[str, tuple[int, int]]:
 
 def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     """Allocate this rank's share of a meta-device model on `device` and fill every parameter by its rule."""
-    model.to_empty(device=device)
-    rules, rows = initial_values(model), _global_rows(model)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            rule = rules.get(name)
-            if rule is None:
-                raise ValueError(f"parameter {name} has no initial-value rule (taxbench.workloads.init)")
-            local = param.to_local() if isinstance(param, DTensor) else param
-            fill_local(local, global_view(param, rows.get(name)), rule, parameter_key(seed, name))
-    for name, buffer in model.named_buffers():
-        raise ValueError(f"buffer {name} {tuple(buffer.shape)} of a meta-device model has no initial value; "
-                         "taxbench's workloads hold none")
+    rows = _global_rows(model)
+
+    def view_of(name: str, param: torch.Tensor) -> tuple[torch.Tensor, GlobalView]:
+        local = param.to_local() if isinstance(param, DTensor) else param
+        return local, global_view(param, rows.get(name))
+
+    fill_model(model, device, seed, view_of)

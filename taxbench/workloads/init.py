@@ -13,6 +13,7 @@ transcendental function whose last bit could depend on vectorisation or on how m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -125,12 +126,28 @@ def fill_local(local: torch.Tensor, view: GlobalView, rule: InitRule, key: int) 
         flat[start:start + step].copy_(normal_values(index, key, rule.std, local.dtype))
 
 
-def initialize(model: nn.Module, seed: int, device: torch.device | str = "cpu") -> nn.Module:
-    """Allocate a whole (unsplit, unsharded) meta-device model on `device` and fill it: the values every layout's
-    shards reproduce."""
+ViewOf = Callable[[str, torch.Tensor], tuple[torch.Tensor, GlobalView]]
+
+
+def fill_model(model: nn.Module, device: torch.device | str, seed: int, view_of: ViewOf) -> None:
+    """Allocate a meta-device model (or this rank's share of it) on `device` and fill every parameter by its rule;
+    `view_of(name, param)` gives the tensor to fill and where it lies in the unsplit parameter."""
     model.to_empty(device=device)
     rules = initial_values(model)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            fill_local(param, GlobalView.whole(param), rules[name], parameter_key(seed, name))
+            rule = rules.get(name)
+            if rule is None:
+                raise ValueError(f"parameter {name} has no initial-value rule (taxbench.workloads.init)")
+            local, view = view_of(name, param)
+            fill_local(local, view, rule, parameter_key(seed, name))
+    for name, buffer in model.named_buffers():
+        raise ValueError(f"buffer {name} {tuple(buffer.shape)} of a meta-device model has no initial value; "
+                         "taxbench's workloads hold none")
+
+
+def initialize(model: nn.Module, seed: int, device: torch.device | str = "cpu") -> nn.Module:
+    """A whole (unsplit, unsharded) meta-device model allocated on `device` and filled: the values every layout's
+    shards reproduce."""
+    fill_model(model, device, seed, lambda name, param: (param, GlobalView.whole(param)))
     return model
