@@ -23,7 +23,9 @@ import time
 
 import torch
 from hydra import compose, initialize_config_module
+from hydra.errors import HydraException
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from torch.distributed.tensor import DTensor
 
 from taxbench.config.schema import ConfigError, TaxbenchConfig, register_configs, to_typed
@@ -60,7 +62,7 @@ def build_rank(cfg: TaxbenchConfig, rank: int) -> dict[str, float]:
         micro_batches = recipe.global_batch_size // (recipe.micro_batch_size * layout.dp)
         started = time.perf_counter()
         built = build_pipeline(recipe, cfg.arms["deterministic"], ctx, micro_batches)
-        params = [p for p in built.parts.parameters()]
+        params = list(built.parts.parameters())
         built_s = time.perf_counter() - started
         for param in params:
             param.grad = torch.zeros_like(param)
@@ -96,7 +98,7 @@ def main() -> int:
         bad = [r for r in ranks if not 0 <= r < world]
         if bad:
             raise ConfigError(f"--ranks {bad} outside the world of cluster.gpus={world} ranks (0..{world - 1})")
-    except Exception as exc:  # config errors (Hydra, OmegaConf, ConfigError): one line, exit 2
+    except (ConfigError, HydraException, OmegaConfBaseException, ValueError) as exc:  # bad input: one line, exit 2
         print(f"rank_build: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
     if args.one_rank is not None:
