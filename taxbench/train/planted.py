@@ -1,11 +1,19 @@
 """A planted tax: a known slowdown of every deterministic step, the tax estimator's self-test.
 
 The delay is a fraction of the arm's own step time (not a fixed time), spent inside the timed step after the
-optimizer step. On CPU it is a busy wait of that fraction of the step's own unplanted time, so every planted step
-takes exactly (1 + fraction) times what it would have, whatever the machine's drift. On GPU the step's time is not
-known while it is being queued: a spin kernel (torch.cuda._sleep) on the step's stream runs for the fraction of the
-run's running median step time. The true tax of an A/A pair (both arms on the baseline policy) is then the planted
-fraction.
+optimizer step: a wait on CPU, a spin kernel (torch.cuda._sleep) on the step's stream on GPU. Its length is the
+fraction of the run's running median unplanted step time, agreed by all ranks at the start of each block (the mean of
+their medians), so every rank plants the same duration and none waits in the next collective for another's longer
+delay. Until a run has a median (its first step on CPU), a step plants the fraction of its own unplanted time; on GPU,
+whose step times are read from CUDA events when a block's records are flushed, the first block plants nothing.
+
+On CPU the wait must last what it is asked, also on a loaded machine. A busy wait to a deadline does not: a process
+spinning through its time slice is preempted by the other jobs and resumes after its deadline (a 3 ms spin took
+4.8-5.0 ms, median, with two other busy processes on this 2-core machine; a planted 10% came out as +14-18%). So the
+wait sleeps and spins only its last WAIT_SPIN_S (a woken sleeper is scheduled promptly, and holds no core it does not
+use), and what a wait still overruns is taken off the following waits, so that the planted time adds up to what was
+asked. planted_s records the time actually waited. The true tax of an A/A pair (both arms on the baseline policy) is
+then the planted fraction.
 """
 
 from __future__ import annotations
@@ -16,13 +24,19 @@ from collections import deque
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 WINDOW = 64  # unplanted step times the running median is taken over
 
 
-def busy_wait(seconds: float) -> None:
-    """Spin (not sleep: a sleeping thread would give its core away and change what is measured)."""
+WAIT_SPIN_S = 0.0005  # the end of a CPU wait is spun: sleeping to the deadline would end late by a wake-up
+
+
+def wait_for(seconds: float) -> None:
+    """Sleep, then spin the last WAIT_SPIN_S, until `seconds` have passed (see the module docstring)."""
     end = time.perf_counter() + seconds
+    if seconds > WAIT_SPIN_S:
+        time.sleep(seconds - WAIT_SPIN_S)
     while time.perf_counter() < end:
         pass
 
@@ -49,28 +63,49 @@ class SpinKernel:
 
 
 class PlantedDelay:
-    """Adds `fraction` x this step's unplanted time (CPU) or x the running median of the run's unplanted step
-    times (GPU: read from CUDA events when a block's records are flushed, so it lags by up to one block and the
-    first block plants nothing) to every step it is asked to."""
+    """Adds `fraction` x the running median of the run's unplanted step times, as agreed for the block (`agree`), to
+    every step it is asked to (see the module docstring)."""
 
     def __init__(self, fraction: float, device: torch.device) -> None:
         self.fraction = fraction
+        self.device = device
         self.unplanted: deque[float] = deque(maxlen=WINDOW)
         self.spinner = SpinKernel(device) if device.type == "cuda" else None
+        self.agreed: float | None = None  # this block's median unplanted step time, the same on every rank
+        self.overrun = 0.0  # CPU: seconds waited beyond what was planted so far (taken off the next waits)
 
     def _median(self) -> float:
         return statistics.median(self.unplanted) if self.unplanted else 0.0
 
+    def agree(self, world_size: int) -> None:
+        """Fix the median this block plants from: the mean over ranks of their running medians (a collective of the
+        default group when world_size > 1; call it on every rank, outside the timed steps)."""
+        if not self.unplanted:
+            self.agreed = None
+            return
+        median = self._median()
+        if world_size > 1 and dist.is_initialized():
+            total = torch.tensor([median], dtype=torch.float64, device=self.device)
+            dist.all_reduce(total)
+            median = float(total.item()) / world_size
+        self.agreed = median
+
     def apply(self, started: Any) -> tuple[float, Any]:
-        """Spin for the planted share of a step that began at `started` (the step timer's start); returns the
-        planted seconds and a mark to read the unplanted time from (seconds on CPU, an event on GPU)."""
+        """Wait (CPU) or spin (GPU) for the planted share of a step that began at `started` (the step timer's
+        start); returns the planted seconds (CPU: as waited) and a mark to read the unplanted time from (None on CPU,
+        an event on GPU)."""
         if self.spinner is None:
-            planted = self.fraction * (time.perf_counter() - started)
-            busy_wait(planted)
-            return planted, None
+            began = time.perf_counter()
+            unplanted = began - started
+            self.unplanted.append(unplanted)
+            planted = self.fraction * (unplanted if self.agreed is None else self.agreed)
+            wait_for(max(planted - self.overrun, 0.0))
+            waited = time.perf_counter() - began
+            self.overrun += waited - planted
+            return waited, None
         mark = torch.cuda.Event(enable_timing=True)
         mark.record()
-        planted = self.fraction * self._median()
+        planted = self.fraction * (self.agreed or 0.0)
         self.spinner.spin(planted)
         return planted, mark
 
