@@ -308,12 +308,14 @@ def _median_fingerprint_s(frames: Iterable[pd.DataFrame]) -> float:
 
 
 def analyse_experiment(root: Path) -> ExperimentAnalysis:
-    manifests = {name: load_manifest(root / name) for name in GATED_RUNS}
     first = TIMED["deterministic"].name  # every run's manifest holds the experiment's config; read it from one
-    manifest = manifests[first]
+    manifest = load_manifest(root / first)
     experiment = manifest_value(manifest, root / first, "config.experiment")
+    # The gated runs, then timed runs of their own (experiment.interleave=policy: the shared model's <arm>-timed).
+    names = GATED_RUNS + tuple(ref.name for ref in interleaved_runs(experiment) if ref.name not in GATED_RUNS)
+    manifests = {name: manifest if name == first else load_manifest(root / name) for name in names}
     steps, stopped_by, stop_problems = expected_steps(root, experiment)
-    loaded = {name: load_checked_run(root / name, manifests[name], steps) for name in GATED_RUNS}
+    loaded = {name: load_checked_run(root / name, manifests[name], steps) for name in names}
     runs = {name: frame for name, (frame, _) in loaded.items()}
     problems = {name: found for name, (_, found) in loaded.items()}
     timed = timed_runs(runs, experiment)
@@ -336,7 +338,7 @@ def analyse_experiment(root: Path) -> ExperimentAnalysis:
                                        stop_problems + [line for name in EQUIVALENCE_RUNS for line in problems[name]])
     steps_needed = steps_for_half_width(tax)
     # The whole experiment at that length: every run (timed or not) at its arm's median step.
-    arm_runs = {arm: sum(1 for name in GATED_RUNS if name.startswith(arm)) for arm in ("baseline", "deterministic")}
+    arm_runs = {arm: sum(1 for name in names if name.startswith(arm)) for arm in ("baseline", "deterministic")}
     step_cost = arm_runs["baseline"] * tax.baseline_median_s + arm_runs["deterministic"] * tax.deterministic_median_s
     medians = {"baseline": tax.baseline_median_s, "deterministic": tax.deterministic_median_s}
     throughput = {arm: arm_throughput([after_warmup(f, tax.warmup_steps, THROUGHPUT_FIELDS) for f in frames],
@@ -363,7 +365,7 @@ def analyse_experiment(root: Path) -> ExperimentAnalysis:
         code=code_of(manifest),
         cost=cost_of_tax(throughput["baseline"], throughput["deterministic"], tax.tax, world),
         equivalence=equivalence,
-        problems=(stop_problems + [line for name in GATED_RUNS for line in problems[name]]
+        problems=(stop_problems + [line for name in names for line in problems[name]]
                   + [line for knob in knobs for line in knob.problems] + attribution_problems),
         faults=faults,
         fault_fired=fired,

@@ -45,12 +45,18 @@ REPEAT = RunRef("deterministic", "1")
 RESUMED = RunRef("deterministic", "resumed")
 BASELINE_REPEAT = RunRef("baseline", "1")
 ALL_RUNS = (TIMED["baseline"], TIMED["deterministic"], REPEAT, RESUMED, BASELINE_REPEAT)
+# Under experiment.interleave=policy the timed rounds train one model whose policy switches per block; the blocks of
+# each arm are recorded as a run of their own, <arm>-timed (never gated: the trajectory mixes both policies).
+SHARED_MODEL_REPLICA = "timed"
 # The runs advanced together in interleaved rounds and timed, per experiment.interleave. The resumed run is never
 # timed: its restart is part of what it tests.
 INTERLEAVED = {
     "all": (TIMED["baseline"], TIMED["deterministic"], REPEAT, BASELINE_REPEAT),
     "pair": (TIMED["baseline"], TIMED["deterministic"]),
+    "policy": (RunRef("baseline", SHARED_MODEL_REPLICA), RunRef("deterministic", SHARED_MODEL_REPLICA)),
 }
+# Models each mode holds in memory at once during the timed rounds (the runs after them hold one).
+MODELS_HELD = {"all": 4, "pair": 2, "policy": 1}
 PROFILE_REPLICA = "profile"  # <arm>-profile: an arm's op-profile run (experiment.ablation; never timed or gated)
 
 
@@ -203,14 +209,18 @@ class ExperimentDesign:
     """The runs of one experiment and the policy of every arm, decided once from its config."""
 
     policies: Mapping[str, PolicyConfig]  # arm name -> policy: the pair's arms, then the knob arms
+    interleaved: tuple[RunRef, ...]  # the timed runs, in the rounds together: experiment.interleave's, then knob arms
+    shared_model: bool  # experiment.interleave=policy: the timed runs are the arms' blocks of one model
     timed_knob_runs: tuple[RunRef, ...]
     repeated_knob_runs: tuple[RunRef, ...]
     profiled: tuple[RunRef, ...]  # the ablation's op-profile runs, one per timed arm
 
     @property
     def runs(self) -> tuple[RunRef, ...]:
-        """Every run that takes the experiment's steps: the pair's five, then the ablation's knob arms."""
-        return ALL_RUNS + self.timed_knob_runs + self.repeated_knob_runs
+        """Every run that takes the experiment's steps: the pair's five, the shared model's timed runs, then the
+        ablation's knob arms."""
+        lanes = tuple(ref for ref in self.interleaved if ref.replica == SHARED_MODEL_REPLICA)
+        return ALL_RUNS + lanes + self.timed_knob_runs + self.repeated_knob_runs
 
 
 def design_of(cfg: TaxbenchConfig) -> ExperimentDesign:
@@ -220,7 +230,9 @@ def design_of(cfg: TaxbenchConfig) -> ExperimentDesign:
     if cfg.experiment.ablation:
         arms = ("baseline", "deterministic", *(ref.arm for ref in timed))
         profiled = tuple(RunRef(arm, PROFILE_REPLICA) for arm in arms)
-    return ExperimentDesign({**cfg.arms, **knob_policies(plans)}, timed, repeated_knob_runs(plans), profiled)
+    mode = cfg.experiment.interleave
+    return ExperimentDesign({**cfg.arms, **knob_policies(plans)}, INTERLEAVED[mode] + timed, mode == "policy", timed,
+                            repeated_knob_runs(plans), profiled)
 
 
 # ---------------------------------------------------------------------------------------------------- round orders

@@ -87,14 +87,16 @@ def test_a_damaged_stop_record_on_continue_reruns_the_rounds_instead_of_failing(
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        ("experiment.interleave=some", "experiment.interleave='some' must be one of ['all', 'pair']"),
+        ("experiment.interleave=some", "experiment.interleave='some' must be one of ['all', 'pair', 'policy']"),
+        ("experiment.interleave=policy experiment.ablation=true",
+         "experiment.interleave=policy with experiment.ablation=true: the knob arms are not timed on the shared model"),
         ("experiment.planted_tax=-0.1", "experiment.planted_tax=-0.1 must be in [0, 10)"),
         ("experiment.target_half_width=2", "experiment.target_half_width=2.0 must be in [0, 1)"),
     ],
 )
 def test_bad_calibration_settings_are_refused_with_the_fix(override: str, expected: str) -> None:
     with pytest.raises(ConfigError, match=expected.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
-        compose_config("experiment.name=x", override)
+        compose_config("experiment.name=x", *override.split())
 
 
 def test_max_steps_below_steps_is_refused() -> None:

@@ -40,6 +40,23 @@ def test_moe_1t_recomputes_what_it_needs_to_fit_an_80gb_gpu() -> None:
     assert "full * (stage 15)" in text and "none (stage 0)" in text and "selective (stage 0)" in text
 
 
+@pytest.mark.parametrize(("interleave", "models"), [("policy", 1), ("pair", 2), ("all", 4)])
+def test_the_plan_prints_what_the_recipes_interleave_mode_holds(interleave: str, models: int) -> None:
+    """moe_1t times one model (experiment.interleave=policy); the plan prints the memory of the mode in use."""
+    overrides = ("+recipe=moe_1t", "cluster.gpus=2432") + (() if interleave == "policy" else
+                                                           (f"experiment.interleave={interleave}",))
+    plan = make_plan(_cfg(*overrides))
+    assert plan.interleave == interleave and plan.memory is not None
+    state = plan.memory.weights + plan.memory.grads + plan.memory.optimizer
+    held = plan.memory.held(models)
+    assert held == pytest.approx(models * state + plan.memory.activations)
+    text = render_plan(plan)
+    plural = "s" if models > 1 else ""
+    assert f"experiment.interleave={interleave} holds {models} model{plural} at once, {held / GIB:.1f} GiB" in text
+    if interleave == "policy":
+        assert held == plan.memory.total  # one model: what the per-stage table shows
+
+
 @pytest.mark.parametrize("mode", list(ActivationCheckpointing))
 def test_the_headline_follows_the_recipes_recompute_setting(mode: ActivationCheckpointing) -> None:
     plan = make_plan(_cfg("+recipe=moe_1t", "cluster.gpus=2432", f"recipe.activation_checkpointing={mode.value}"))

@@ -237,7 +237,9 @@ class ExperimentConfig:
     # and a restarted experiment resumes from there.
     checkpoint_every_steps: int = 10
     # Which runs are timed: "all" interleaves baseline-0, deterministic-0, deterministic-1 and baseline-1 in rounds
-    # (four models in memory at once); "pair" interleaves only the two *-0 runs (two models, half the timed steps).
+    # (four models in memory at once); "pair" interleaves only the two *-0 runs (two models, half the timed steps);
+    # "policy" trains one model whose policy switches per block (baseline-timed, deterministic-timed: one model in
+    # memory; every gate run then runs whole, one after another).
     interleave: str = "all"
     # Stop at the precision asked for: with target_half_width > 0 (relative, e.g. 0.005) rounds are added after
     # `steps` until the tax interval's half-width reaches it, or until max_steps per run.
@@ -245,7 +247,7 @@ class ExperimentConfig:
     max_steps: int = 0  # 0: 10 x steps
     # An interval wider than this (relative half-width), or one spanning zero, is reported as inconclusive.
     conclusive_half_width: float = 0.02
-    # Calibration of the instrument: a known tax planted in every deterministic step (a busy wait on CPU, a spin
+    # Calibration of the instrument: a known tax planted in every deterministic step (a timed wait on CPU, a spin
     # kernel on GPU, sized as this fraction of the arm's running median step), and an A/A pair (calibration=true:
     # both arms on the baseline policy) whose true tax is then exactly planted_tax. Never a determinism result.
     planted_tax: float = 0.0
@@ -340,7 +342,7 @@ def to_typed(cfg: DictConfig | dict[str, Any]) -> TaxbenchConfig:
     return typed
 
 
-INTERLEAVE_MODES = ("all", "pair")
+INTERLEAVE_MODES = ("all", "pair", "policy")
 MAX_STEPS_FACTOR = 10  # experiment.max_steps=0 means this many times experiment.steps
 
 
@@ -510,7 +512,11 @@ def validate(cfg: TaxbenchConfig) -> None:
     _require(0 < exp.confidence < 1, f"experiment.confidence={exp.confidence} must be in (0, 1), e.g. 0.95")
     _require(exp.interleave in INTERLEAVE_MODES,
              f"experiment.interleave={exp.interleave!r} must be one of {list(INTERLEAVE_MODES)} (all: every run but "
-             "the resumed one is timed; pair: only baseline-0 and deterministic-0, for recipes that fit two models)")
+             "the resumed one is timed; pair: only baseline-0 and deterministic-0, for recipes that fit two models; "
+             "policy: one model whose policy switches per block, for recipes that fit one)")
+    _require(not (exp.interleave == "policy" and exp.ablation),
+             "experiment.interleave=policy with experiment.ablation=true: the knob arms are not timed on the shared "
+             "model yet; use experiment.interleave=pair or all for an ablation")
     _require(0 <= exp.planted_tax < 10,
              f"experiment.planted_tax={exp.planted_tax} must be in [0, 10) (a fraction: 0.02 plants a 2% tax)")
     _require(0 <= exp.target_half_width < 1,

@@ -38,6 +38,7 @@ from taxbench.config.schema import (
     TaxbenchConfig,
     layout_problems,
 )
+from taxbench.design import MODELS_HELD
 from taxbench.parallel.layout import expert_modules, tensor_parallel_plan
 from taxbench.workloads import build_model
 
@@ -60,6 +61,11 @@ class StageMemory:
     @property
     def total(self) -> float:
         return self.weights + self.grads + self.optimizer + self.activations
+
+    def held(self, models: int) -> float:
+        """Bytes with `models` models in memory at once: each keeps its weights, grads and optimizer state; only the
+        one training holds activations."""
+        return models * (self.weights + self.grads + self.optimizer) + self.activations
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,7 @@ class Plan:
     memory_by_mode: dict[ActivationCheckpointing, StageMemory] = field(default_factory=dict)
     # Every stage under the recipe's activation recompute, in stage order (what one rank of each stage holds).
     stages: list[StageMemory] = field(default_factory=list)
+    interleave: str = "all"  # the experiment's experiment.interleave: how many models its timed rounds hold
 
     @property
     def valid(self) -> bool:
@@ -171,7 +178,7 @@ def make_plan(cfg: TaxbenchConfig) -> Plan:
     m = recipe.model
     active = total - by_kind["experts"] + (by_kind["experts"] * m.top_k // m.n_experts if m.n_experts else 0)
     problems = layout_problems(recipe, gpus)
-    plan = Plan(recipe.name, gpus, total, active, by_kind, problems)
+    plan = Plan(recipe.name, gpus, total, active, by_kind, problems, interleave=cfg.experiment.interleave)
     if problems:
         return plan
 
@@ -258,4 +265,14 @@ def _render_memory(plan: Plan) -> list[str]:
         lines.append(f"  {label:12}" + "".join(f" {getattr(m, label) / GIB:20.1f}" for m in columns))
     lines.append("  * the recipe's setting. none keeps all activations, selective each layer's input and matmul "
                  "outputs, full its input")
-    return lines
+    return lines + _render_interleave(plan, chosen)
+
+
+def _render_interleave(plan: Plan, chosen: StageMemory) -> list[str]:
+    """What the experiment holds: the timed rounds keep experiment.interleave's models in memory at once."""
+    models = MODELS_HELD[plan.interleave]
+    others = ", ".join(f"{mode}: {n} model{'s' if n > 1 else ''}, {chosen.held(n) / GIB:.1f} GiB"
+                       for mode, n in MODELS_HELD.items() if mode != plan.interleave)
+    return [f"experiment: experiment.interleave={plan.interleave} holds {models} model{'s' if models > 1 else ''} at "
+            f"once, {chosen.held(models) / GIB:.1f} GiB per GPU on stage {chosen.stage}, "
+            f"{_fits(chosen.held(models))} ({others})"]

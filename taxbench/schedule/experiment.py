@@ -5,7 +5,9 @@
    the arms (see taxbench.design.round_orders), so that drift over the allocation lands on every run alike and every
    run's steps are timed. They stop after experiment.steps, or, with experiment.target_half_width, once the tax
    interval is that narrow (see taxbench.schedule.stopping). With interleave=pair only the *-0 runs are interleaved
-   and the other two run whole after them.
+   and the other two run whole after them. With interleave=policy one model trains in the rounds, its policy switched
+   per block in the same A B B A order (baseline-timed and deterministic-timed record each arm's blocks), and all
+   four runs run whole after them, one after another: the experiment never holds more than one model.
 2. deterministic-resumed: runs to experiment.resume_step, checkpoints, is torn down, and a fresh trainer resumes from
    the checkpoint (restart-replay gate); it runs as many steps as the interleaved runs took.
 3. With experiment.ablation (taxbench.design): the with_<knob> arms are timed in the rounds beside the pair, the
@@ -31,7 +33,6 @@ from taxbench.config import policy
 from taxbench.config.schema import TaxbenchConfig, max_steps
 from taxbench.design import (
     ALL_RUNS,
-    INTERLEAVED,
     KNOBS_BY_NAME,
     PROFILE_REPLICA,
     RESUMED,
@@ -71,13 +72,24 @@ class Experiment:
         self._throughput: dict | None = None  # counted once, on rank 0 (see taxbench.train.flops)
         self.design = design_of(cfg)
 
-    def _trainer(self, ref: RunRef) -> Trainer:
-        run_dir = self.root / ref.name
+    def _spec(self, ref: RunRef) -> RunSpec:
         fault = self.cfg.experiment.fault
         applies = fault if fault.applies_to(ref.arm, ref.replica) else None
-        spec = RunSpec.of(self.cfg, ref.arm, ref.replica, self.design.policies[ref.arm], run_dir, applies)
-        trainer = Trainer(spec, self.ctx)
+        return RunSpec.of(self.cfg, ref.arm, ref.replica, self.design.policies[ref.arm], self.root / ref.name, applies)
+
+    def _trainer(self, ref: RunRef) -> Trainer:
+        trainer = Trainer(self._spec(ref), self.ctx)
         self._write_manifest(ref, trainer)
+        return trainer
+
+    def _shared_trainer(self, runs: Sequence[RunRef]) -> Trainer:
+        """experiment.interleave=policy: one model with a lane per timed run (built under the first run's policy,
+        whose communicator its collectives keep: NCCL_ALGO is not switched per block)."""
+        trainer = Trainer(self._spec(runs[0]), self.ctx)
+        for ref in runs[1:]:
+            trainer.add_lane(self._spec(ref))
+        for ref in runs:
+            self._write_manifest(ref, trainer)
         return trainer
 
     def _attempts(self, ref: RunRef, stack: dict) -> list[dict]:
@@ -130,6 +142,8 @@ class Experiment:
                     "manual_gc": self.cfg.experiment.manual_gc,
                     "block_steps": self.cfg.experiment.block_steps,
                     "interleave": self.cfg.experiment.interleave,
+                    # The runs that trained one model, switching policy per block (experiment.interleave=policy).
+                    "shared_model": sorted(trainer.lanes) if len(trainer.lanes) > 1 else None,
                 },
                 "throughput": self._throughput,
                 "attempts": self._attempts(ref, stack),
@@ -154,7 +168,7 @@ class Experiment:
         """Run the schedule. Restarted after a preemption, it skips finished runs and resumes unfinished ones from
         their newest complete checkpoint that is intact on every rank (records written past it are dropped, so
         nothing is duplicated)."""
-        interleaved = INTERLEAVED[self.cfg.experiment.interleave] + self.design.timed_knob_runs
+        interleaved = self.design.interleaved
         stop = self._run_interleaved(interleaved)
         profiled = self.design.profiled
         self.progress.grow_to(total_steps(self.cfg, stop.steps, self.design))
@@ -187,6 +201,17 @@ class Experiment:
         every = self.cfg.experiment.checkpoint_every_steps
         return every > 0 and step < last and step // every > (step - block_steps) // every
 
+    def _timed_trainers(self, runs: Sequence[RunRef], start: int | None) -> dict[RunRef, Trainer]:
+        """A trainer per timed run, or one for all under experiment.interleave=policy, at `start`."""
+        if not self.design.shared_model:
+            return {ref: self._start(ref, start) for ref in runs}
+        shared = self._shared_trainer(runs)
+        if start is None:
+            shared.drop_records_after(0)
+        else:
+            shared.load_checkpoint(self._checkpoints(runs[0]).path(start))
+        return dict.fromkeys(runs, shared)
+
     def _run_interleaved(self, runs: Sequence[RunRef]) -> Stop:
         exp = self.cfg.experiment
         progress = {ref: self._checkpoints(ref) for ref in runs}
@@ -194,10 +219,13 @@ class Experiment:
         if stored is not None and all(p.finished for p in progress.values()):
             self._skip(len(runs) * stored.steps)
             return stored
+        # Where each trainer's checkpoints go: its run's folder, or the first run's for a shared model.
+        saved_in = [runs[0]] if self.design.shared_model else list(runs)
         # The runs resume from the same block boundary, so every round still holds one block of each run.
-        start = resume_step(list(progress.values()))
-        self.progress.describe(f"timed rounds of {len(runs)} runs")
-        trainers = {ref: self._start(ref, start) for ref in runs}
+        start = resume_step([progress[ref] for ref in saved_in])
+        self.progress.describe(f"timed rounds of {len(runs)} runs" + (" on one model" if self.design.shared_model
+                                                                      else ""))
+        trainers = self._timed_trainers(runs, start)
         rule = StoppingRule(exp, runs, self.ctx)
         if start:
             rule.resume(self.root, start)
@@ -208,19 +236,21 @@ class Experiment:
         for block, order in enumerate(round_orders(exp.order_seed, runs, cap // exp.block_steps)):
             if block < first_block:
                 continue
+            times = {}
             for ref in order:
-                trainers[ref].run_block(exp.block_steps, block, self.progress.advance)
+                trainers[ref].run_block(exp.block_steps, block, self.progress.advance, ref.name)
+                times[ref.name] = trainers[ref].block_times
             step = (block + 1) * exp.block_steps
-            rule.add_round({ref.name: trainers[ref].block_times for ref in runs})
+            rule.add_round(times)
             stop = rule.stop_after(step)
             if stop is not None:
                 break
             if step >= exp.steps:  # one more round than planned
                 self.progress.grow_to(total_steps(self.cfg, step + exp.block_steps, self.design))
             if self._checkpoint_due(step, cap, exp.block_steps):
-                commit(step, [(progress[ref], trainers[ref]) for ref in runs])
+                commit(step, [(progress[ref], trainers[ref]) for ref in saved_in])
         assert stop is not None, "the step cap always stops the rounds"
-        for trainer in trainers.values():
+        for trainer in {id(t): t for t in trainers.values()}.values():
             trainer.close()
         if self.ctx.rank == 0:
             stop.write(self.root)

@@ -83,12 +83,14 @@ class StepRecorder:
             self.writer.write(record)  # flushed per line; fsync once per block (sync), not per step
         self._pending.clear()
 
-    def check_restored(self, checkpoint: Path, step: int, params: Iterable[torch.Tensor],
+    def check_restored(self, checkpoint: Path, step: int, model_step: int, params: Iterable[torch.Tensor],
                        optimizer: Iterable[torch.Tensor]) -> None:
         """A restore that does not reproduce the recorded parameters and optimizer state is an error, never a
-        divergence for the gates to find later. Runs without a record of that step (a replay elsewhere) pass."""
+        divergence for the gates to find later. `step` is this run's step, `model_step` the restored model's (they
+        differ for a lane of a shared model, whose record of `step` describes the model only when it was the last
+        to train it). Runs without a record of that step (a replay elsewhere) pass."""
         record = step_record(self.writer.path, step)
-        if record is None:
+        if record is None or record.get("trajectory_step", step) != model_step:
             return
         restored = {
             "params": fingerprint.to_hex(int(self.digest(params).item())),

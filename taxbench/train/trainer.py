@@ -1,6 +1,8 @@
 """One training run of one arm on one rank, the step loop: timed steps, their records, checkpoint/resume.
 
 It gets a RunSpec; its model share comes from taxbench.train.build, its records from taxbench.train.recorder.
+Under experiment.interleave=policy one trainer serves every timed arm: each arm is a Lane (its policy, records and
+planted delay) of the one model, and each block runs under the lane it names.
 
 Timing covers zero_grad, forward, backward, gradient reduction, clipping and the optimizer step; data loading is
 timed separately and fingerprinting runs after the timer stops, so the harness stays out of the numbers it reports.
@@ -37,6 +39,7 @@ from taxbench.train.data import build_source
 from taxbench.train.planted import PlantedDelay
 from taxbench.train.recorder import StepRecorder
 from taxbench.train.timer import StepTimer, collected_between_blocks, peak_memory, synchronize
+from taxbench.workloads import use_deterministic_kernels
 
 
 @dataclass
@@ -100,14 +103,33 @@ class RunSpec:
                    fault if fault is not None and fault.enabled else None)
 
 
+@dataclass
+class Lane:
+    """One run's part of a trainer: its arm and policy, its records, its planted delay, the steps it has taken."""
+
+    arm: str
+    replica: str
+    policy: PolicyConfig
+    run_dir: Path
+    recorder: StepRecorder
+    planted: PlantedDelay | None
+    step: int = 0
+
+    @property
+    def name(self) -> str:
+        return run_name(self.arm, self.replica)
+
+
 class Trainer:
-    """One run of one arm on this rank, the step loop: its model share, data, timed steps and their records."""
+    """One run of one arm on this rank, the step loop: its model share, data, timed steps and their records.
+
+    With more lanes (add_lane), the one model trains every lane's blocks in turn: the model's step (`step`) counts
+    them all, each lane's records count its own steps (and name the model's step as trajectory_step)."""
 
     def __init__(self, spec: RunSpec, ctx: DistContext) -> None:
         recipe = spec.recipe
         arm, replica, arm_policy, run_dir = spec.arm, spec.replica, spec.policy, spec.run_dir
-        self.arm, self.replica, self.policy, self.ctx = arm, replica, arm_policy, ctx
-        self.run_dir = run_dir
+        self.recipe, self.ctx = recipe, ctx
         self.fault = spec.fault
         self.step = 0
         self.grad_clip = recipe.optimizer.grad_clip
@@ -131,8 +153,8 @@ class Trainer:
         self.manual_gc = spec.manual_gc
         self._gradients_checked = False  # see _require_every_parameter_trained
         self.block_times: list[float] = []  # this rank's step times of the last block run (for the stopping rule)
-        self.planted = PlantedDelay(spec.planted_tax, ctx.device) if spec.planted_tax > 0 else None
-        self.recorder = StepRecorder(steps_file(run_dir, ctx.rank), self.timer, ctx.device, self.planted)
+        self.lanes: dict[str, Lane] = {}
+        self.lane = self.add_lane(spec)
         # Where an injected fault fired (faults.rank<R>.jsonl, on every rank of a run with a fault: an empty file says
         # that it never fired there). Faults acting inside a step and the tracing-ladder capture are None in ordinary
         # runs (no per-step cost).
@@ -142,6 +164,37 @@ class Trainer:
         self.tracer = tracer_for_run(spec.trace, run_name(arm, replica), run_dir, ctx.rank)
         if self.tracer is not None:
             self.tracer.attach(self)
+
+    def add_lane(self, spec: RunSpec) -> Lane:
+        """A run that trains this trainer's model in blocks of its own (its policy, records and planted delay)."""
+        if spec.recipe != self.recipe:
+            raise ValueError(f"{run_name(spec.arm, spec.replica)}: a lane must train the same recipe as its model")
+        planted = PlantedDelay(spec.planted_tax, self.ctx.device) if spec.planted_tax > 0 else None
+        recorder = StepRecorder(steps_file(spec.run_dir, self.ctx.rank), self.timer, self.ctx.device, planted)
+        lane = Lane(spec.arm, spec.replica, spec.policy, spec.run_dir, recorder, planted)
+        self.lanes[lane.name] = lane
+        return lane
+
+    # The current lane's identity (the only one for an ordinary run).
+    @property
+    def arm(self) -> str:
+        return self.lane.arm
+
+    @property
+    def replica(self) -> str:
+        return self.lane.replica
+
+    @property
+    def policy(self) -> PolicyConfig:
+        return self.lane.policy
+
+    @property
+    def run_dir(self) -> Path:
+        return self.lane.run_dir
+
+    @property
+    def recorder(self) -> StepRecorder:
+        return self.lane.recorder
 
     def pipeline_manifest(self) -> dict[str, Any]:
         """The pipeline as the manifest records it: schedule, stages and which blocks each holds (empty without)."""
@@ -159,15 +212,24 @@ class Trainer:
     def activated(self) -> Iterator[None]:
         """This run's RNG streams and policy, so that runs can be interleaved in one process."""
         self.rng.restore()
+        if len(self.lanes) > 1:  # the model's kernels follow the lane's policy
+            for part in self.raw_model.parts:
+                use_deterministic_kernels(part, self.policy.deterministic_kernels)
         with policy.active(self.policy):
             try:
                 yield
             finally:
                 self.rng = RngSnapshot.capture()
 
-    def run_block(self, steps: int, block: int, on_step: Callable[[], None] | None = None) -> None:
+    def run_block(self, steps: int, block: int, on_step: Callable[[], None] | None = None,
+                  lane: str | None = None) -> None:
+        """Run `steps` steps as block `block` of the lane named `lane` (default: the current one)."""
+        if lane is not None:
+            self.lane = self.lanes[lane]
         self.recorder.take_times()  # forget steps written outside a block (none but after a checkpoint save)
         with self.activated(), collected_between_blocks(self.manual_gc):
+            if self.lane.planted is not None:  # every rank plants the same delay in this block's steps
+                self.lane.planted.agree(self.ctx.world_size)
             # Start the block together: untimed work before it (the arm switch, the other arm's records) on one rank
             # would otherwise leak into another rank's timed first step through the gradient all-reduce.
             if dist.is_initialized() and self.ctx.world_size > 1:
@@ -197,6 +259,8 @@ class Trainer:
 
     def _train_step(self, block: int) -> None:
         self.step += 1
+        lane = self.lane
+        lane.step += 1
         data_start = time.perf_counter()
         batches = [self.data.next_batch() for _ in range(self.grad_accum)]
         device = self.ctx.device
@@ -213,7 +277,7 @@ class Trainer:
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
         grad_norm = self.parallel.clip_grad_norm_(max_norm)
         self.optimizer.step()
-        planted_s, planted_mark = (0.0, None) if self.planted is None else self.planted.apply(started)
+        planted_s, planted_mark = (0.0, None) if lane.planted is None else lane.planted.apply(started)
         measured = self.timer.stop(started)
 
         self._inject_fault()
@@ -222,10 +286,10 @@ class Trainer:
                                              self.raw_model.parameters(), self.optimizer_tensors())
         fingerprint_measured = self.timer.stop(fingerprint_started)
         record = {
-            "arm": self.arm,
-            "replica": self.replica,
+            "arm": lane.arm,
+            "replica": lane.replica,
             "rank": self.ctx.rank,
-            "step": self.step,
+            "step": lane.step,
             "block": block,
             "data_s": data_s,
             "tokens": self.tokens_per_step,
@@ -234,7 +298,9 @@ class Trainer:
         }
         if self.split is not None:  # which pipeline stages this rank's fingerprints cover
             record["stages"] = list(self.split.stages)
-        self.recorder.add(record, measured, fingerprint_measured, planted_mark, digests)
+        if len(self.lanes) > 1:  # the model's own step, every lane's steps counted
+            record["trajectory_step"] = self.step
+        lane.recorder.add(record, measured, fingerprint_measured, planted_mark, digests)
 
     def _require_every_parameter_trained(self) -> None:
         """Fail the first step this trainer runs when a trainable parameter of this rank got no gradient: the
@@ -272,9 +338,11 @@ class Trainer:
 
     def save_checkpoint(self, directory: Path) -> list[Path]:
         """Write this rank's part of the checkpoint into `directory` (a collective); the files it wrote."""
-        self.recorder.flush(None)
-        self.recorder.sync()
-        extras = {"step": self.step, "data": self.data.state_dict(), "rng": self.rng.state_dict()}
+        for lane in self.lanes.values():
+            lane.recorder.flush(None)
+            lane.recorder.sync()
+        extras = {"step": self.step, "lane_steps": {name: lane.step for name, lane in self.lanes.items()},
+                  "data": self.data.state_dict(), "rng": self.rng.state_dict()}
         return checkpoint_state.save(directory, self.parallel, self.optimizer, extras, self.ctx.rank)
 
     def load_checkpoint(self, directory: Path) -> None:
@@ -284,25 +352,34 @@ class Trainer:
             self.data.load_state_dict(extras["data"])
             self.rng = RngSnapshot.from_state_dict(extras["rng"])
             self.step = int(extras["step"])
+            lane_steps = extras.get("lane_steps", {})
+            for name, lane in self.lanes.items():
+                lane.step = int(lane_steps.get(name, self.step) if len(self.lanes) > 1 else self.step)
         except torch.OutOfMemoryError:
             raise
         except (OSError, RuntimeError, KeyError, TypeError, ValueError, EOFError, CheckpointException) as exc:
             raise CheckpointError(f"{directory}: unreadable checkpoint ({_first_line(exc)})") from exc
-        self.recorder.check_restored(directory, self.step, self.raw_model.parameters(), self.optimizer_tensors())
-        self.drop_records_after(self.step)
+        for lane in self.lanes.values():
+            lane.recorder.check_restored(directory, lane.step, self.step, self.raw_model.parameters(),
+                                         self.optimizer_tensors())
+        self.drop_records_after(None)
         if self.tracer is not None:
             self.tracer.checkpoint_loaded(self)
 
-    def drop_records_after(self, step: int) -> None:
-        """Forget step, fault and trace records past `step`: a resumed or restarted run writes them again."""
-        self.recorder.truncate_after(step)
+    def drop_records_after(self, step: int | None) -> None:
+        """Forget step, fault and trace records past `step` (None: past each lane's own step): a resumed or restarted
+        run writes them again."""
+        for lane in self.lanes.values():
+            lane.recorder.truncate_after(lane.step if step is None else step)
+        step = self.step if step is None else step
         if self.fault_log is not None:
             self.fault_log.truncate_after(step)
         if self.tracer is not None:
             self.tracer.truncate_after(step)
 
     def close(self) -> None:
-        self.recorder.close()
+        for lane in self.lanes.values():
+            lane.recorder.close()
         if self.fault_log is not None:
             self.fault_log.close()
         if self.tracer is not None:

@@ -51,6 +51,13 @@ def own_workload(cfg: ModelConfig) -> bool:
     return cfg.kind in (ModelKind.dense, ModelKind.moe, ModelKind.dense.value, ModelKind.moe.value)
 
 
+def use_deterministic_kernels(model: nn.Module, deterministic_kernels: bool) -> None:
+    """Switch a built model's fixed-order kernel paths on or off (a model shared by both arms switches per block)."""
+    for module in model.modules():
+        if isinstance(getattr(module, "deterministic_kernels", None), bool):
+            module.deterministic_kernels = deterministic_kernels
+
+
 def build_model(cfg: ModelConfig, deterministic_kernels: bool, seed: int | None = None) -> nn.Module:
     """Build the recipe's model; `deterministic_kernels` selects fixed-order paths where a model has fast ones.
 
