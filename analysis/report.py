@@ -462,7 +462,10 @@ def experiment_report(analysis: ExperimentAnalysis) -> Report:
             f"Tax **{summary.headline()}** (paired t on log round ratios, {tax.pairs} interleaved rounds of "
             f"{tax.timed_runs} timed runs after a {tax.warmup_steps}-step warmup; {summary.steps} steps per run, "
             f"stopped by {summary.stopped_by}). Hodges-Lehmann cross-check {pct(tax.hl_tax)} "
-            f"[{pct(tax.hl_low)}, {pct(tax.hl_high)}].",
+            f"[{pct(tax.hl_low)}, {pct(tax.hl_high)}]." + (
+                " Timed on one model whose policy switched per block (experiment.interleave=policy: "
+                "baseline-timed, deterministic-timed); its communicators are the baseline's, so the cost of the "
+                "deterministic NCCL_ALGO is not in this tax." if summary.interleave == "policy" else ""),
             tone="warn" if tax.drifting or not summary.conclusive else "",
         ),
         TableBlock(

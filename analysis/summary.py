@@ -76,6 +76,7 @@ class ExperimentSummary:
     ablation: list[KnobResult] = field(default_factory=list)  # per knob (experiment.ablation=true), KNOBS order
     # arm -> its ops against the baseline's, by growth per step (experiment.ablation=true; analysis.attribution)
     attribution: dict[str, pd.DataFrame] = field(default_factory=dict)
+    interleave: str = "pair"  # experiment.interleave: which runs were timed (policy: one model, switched per block)
 
     @property
     def deterministic_ok(self) -> bool:
@@ -152,6 +153,7 @@ class ExperimentSummary:
             "target_half_width": self.target_half_width,
             "planted_tax": self.planted_tax,
             "calibration": self.calibration,
+            "interleave": self.interleave,
             "rank_median_s": [finite_or_none(m) for m in self.rank_median_s],
             "rank_spread": finite_or_none(self.rank_spread),
             "throughput": {arm: None if t is None else t.to_dict() for arm, t in self.throughput.items()},
@@ -372,6 +374,7 @@ def analyse_experiment(root: Path) -> ExperimentAnalysis:
         fingerprint_s=_median_fingerprint_s(runs.values()),
         ablation=knobs,
         attribution=attribution,
+        interleave=str(experiment.get("interleave", "pair")),
     )
     write_result(root / SUMMARY_FILE, json.dumps(summary.to_dict(), indent=2))
     return ExperimentAnalysis(summary, runs, timed, manifests)

@@ -101,7 +101,7 @@ def test_one_model_times_both_arms_and_the_gate_runs_run_whole_one_at_a_time(tmp
 
     summary = analyse(root)
     assert summary.exit_code == 0, summary.problems
-    assert summary.tax.pairs > 0 and summary.steps == 12
+    assert summary.tax.pairs > 0 and summary.steps == 12 and summary.to_dict()["interleave"] == "policy"
     # The pure deterministic runs are untouched by the shared model: the gates compare them as always.
     assert {v.gate: v.agree for v in summary.verdicts} == {
         "repeatability": True, "restart_replay": True, "baseline_sanity": True}

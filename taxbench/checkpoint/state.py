@@ -97,24 +97,26 @@ def _states(parallel: ParallelModel, optimizer: torch.optim.Optimizer) -> _State
 
 
 def save(directory: Path, parallel: ParallelModel, optimizer: torch.optim.Optimizer, extras: dict[str, Any],
-         rank: int) -> list[Path]:
+         rank: int, alone: bool = False) -> list[Path]:
     """Write this rank's part of the checkpoint in `directory` (a collective: every rank calls it); the files it
-    wrote, the DCP metadata included on rank 0."""
+    wrote, the DCP metadata included on rank 0. `alone`: this rank writes its shards and a metadata of its own
+    without any collective (benchmarks/rank_build.py, whose simulated process group moves no data)."""
     directory.mkdir(parents=True, exist_ok=True)
     writer = _RecordingWriter(directory)
     with _reported(directory), _single_process_quiet():
-        dcp.save(_states(parallel, optimizer).for_dcp(parallel), storage_writer=writer, no_dist=_single())
+        dcp.save(_states(parallel, optimizer).for_dcp(parallel), storage_writer=writer, no_dist=alone or _single())
     write_atomically(extras_path(directory, rank), lambda handle: torch.save(extras, handle))
     files = [directory / name for name in writer.written] + [extras_path(directory, rank)]
-    return files + [directory / METADATA] if rank == 0 else files
+    return files + [directory / METADATA] if rank == 0 or alone else files
 
 
 def load(directory: Path, parallel: ParallelModel, optimizer: torch.optim.Optimizer, rank: int,
-         map_location: torch.device) -> dict[str, Any]:
-    """Restore the model and optimizer from `directory` in place (a collective); this rank's extras."""
+         map_location: torch.device, alone: bool = False) -> dict[str, Any]:
+    """Restore the model and optimizer from `directory` in place (a collective, unless `alone`: see save); this
+    rank's extras. DCP reads only the chunks of this rank's own shards."""
     states = _states(parallel, optimizer)  # initialises the optimizer's state, into which DCP then loads
     with _single_process_quiet():
-        dcp.load(states.for_dcp(parallel), checkpoint_id=directory, no_dist=_single())
+        dcp.load(states.for_dcp(parallel), checkpoint_id=directory, no_dist=alone or _single())
     joined = parallel.parts.joined()
     set_model_state_dict(joined, states.model, options=OPTIONS)
     set_optimizer_state_dict(joined, optimizer, states.optimizer, options=OPTIONS)
