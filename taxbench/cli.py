@@ -19,10 +19,13 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import re
 import sys
+import warnings
 from pathlib import Path
 
 import hydra
+import yaml
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -35,6 +38,7 @@ from taxbench.config.schema import (
     TaxbenchConfig,
     register_configs,
     to_typed,
+    unknown_key_message,
     world_size,
 )
 from taxbench.diagnostics import logger
@@ -235,8 +239,18 @@ SUBCOMMANDS = ("analyse", "report", "build-shards", "diff", "localize")
 _HYDRA_INPUT_ERRORS = (HydraException, OmegaConfBaseException)
 
 
+# Hydra only warns about a search path that does not exist, then composes without it.
+_MISSING_SEARCHPATH = r"provider=hydra\.searchpath .*, path=(?P<path>.*) is not available\.?"
+_UNKNOWN_KEY = re.compile(r"Key '[^']*' not in '[^']*'\s+full_key: (?P<key>\S+)")
+
+
 def _config_error_line(exc: BaseException) -> str:
     """Hydra's multi-line message (and its OmegaConf cause) as one line, without the search-path and key noise."""
+    full_text = "\n".join(str(error) for error in (exc, exc.__cause__) if error is not None)
+    unknown = _UNKNOWN_KEY.search(full_text)
+    if unknown:  # instead of Hydra's "To append to your config use +key=value": a typo is the likelier cause
+        where = re.match(r"In '[^']+'", str(exc))
+        return (f"{where.group(0)}: " if where else "") + unknown_key_message(unknown.group("key"))
     parts: list[str] = []
     for error in (exc, exc.__cause__):
         options: list[str] | None = None
@@ -255,6 +269,23 @@ def _config_error_line(exc: BaseException) -> str:
         if options:
             parts[-1] += ": " + ", ".join(options)
     return "; ".join(dict.fromkeys(parts)) or type(exc).__name__
+
+
+def _yaml_error_line(exc: yaml.YAMLError) -> str:
+    """A YAML syntax error in a config file as one line: the file, where the construct began and what broke it."""
+    if not isinstance(exc, yaml.MarkedYAMLError) or exc.problem_mark is None:
+        return f"a config file is not valid YAML: {' '.join(str(exc).split())}"
+    problem = exc.problem_mark
+    context = (f"{exc.context} at line {exc.context_mark.line + 1}, column {exc.context_mark.column + 1}: "
+               if exc.context and exc.context_mark else "")
+    return (f"{problem.name} is not valid YAML: {context}{exc.problem} at line {problem.line + 1}, column "
+            f"{problem.column + 1}; fix the file")
+
+
+def _searchpath_error_line(warning: UserWarning) -> str:
+    path = re.match(_MISSING_SEARCHPATH, str(warning))
+    return (f"hydra.searchpath: {path.group('path') if path else warning} is neither an existing folder nor an "
+            "importable package; give a folder as file:///absolute/path or a package as pkg://module")
 
 
 def _unknown_word(argv: list[str]) -> str | None:
@@ -299,11 +330,20 @@ def main() -> None:
     # Hydra prints its own errors with exit 1; let them reach us instead, so that a config error is one line, exit 2.
     full_errors = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    warnings.filterwarnings("error", message=_MISSING_SEARCHPATH, category=UserWarning)
     try:
         hydra_entry()
     except _HYDRA_INPUT_ERRORS as exc:
         if full_errors:
             raise
         fail(_config_error_line(exc))
+    except yaml.YAMLError as exc:
+        if full_errors:
+            raise
+        fail(_yaml_error_line(exc))
+    except UserWarning as exc:  # only the missing search path is turned into an error (above)
+        if full_errors:
+            raise
+        fail(_searchpath_error_line(exc))
     except BrokenPipeError:  # `python -m taxbench --help | head`: the reader left, nothing to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -8,8 +8,11 @@ key, the offending value and what would be accepted.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import difflib
 import functools
 import secrets
+import typing
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
@@ -17,7 +20,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 
 class ConfigError(ValueError):
@@ -320,6 +323,35 @@ def register_configs() -> None:
     cs.store(group="schema", name="cluster", node=ClusterConfig)
 
 
+def _schema_keys(schema: type, prefix: str = "") -> list[str]:
+    """Every dotted key under a schema dataclass, nodes included ("recipe.model" and "recipe.model.kind")."""
+    keys = []
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        key = f"{prefix}{f.name}"
+        keys.append(key)
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            keys += _schema_keys(hint, f"{key}.")
+        elif key == "arms":  # dict[str, PolicyConfig] keyed by arm
+            for arm in ARM_NAMES:
+                keys += [f"arms.{arm}", *_schema_keys(PolicyConfig, f"arms.{arm}.")]
+    return keys
+
+
+@functools.cache
+def config_keys() -> tuple[str, ...]:
+    return tuple(_schema_keys(TaxbenchConfig))
+
+
+def unknown_key_message(key: str) -> str:
+    """One line for a key the schema does not have, with the closest valid key when there is one."""
+    close = difflib.get_close_matches(key, config_keys(), n=1, cutoff=0.8)
+    hint = f"did you mean {close[0]}? " if close else ""
+    return (f"{key} is not a config key; {hint}`python -m taxbench --cfg job` prints every valid key with its "
+            "value")
+
+
 def to_typed(cfg: DictConfig | dict[str, Any]) -> TaxbenchConfig:
     """Merge a plain or Hydra config onto the schema and return typed dataclasses.
 
@@ -330,6 +362,8 @@ def to_typed(cfg: DictConfig | dict[str, Any]) -> TaxbenchConfig:
         typed = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None)
+        if isinstance(exc, ConfigKeyError | ConfigAttributeError) and key and str(exc).startswith("Key '"):
+            raise ConfigError(unknown_key_message(key)) from exc
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         hint = "; `python -m taxbench --cfg job` prints every valid key with its value"
         raise ConfigError(f"{key + ': ' if key else ''}{first_line}{hint}") from exc
