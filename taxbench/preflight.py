@@ -34,13 +34,13 @@ from taxbench.config.schema import (
 )
 from taxbench.datasets.shards import ShardError
 from taxbench.datasets.source import check_shard_recipe
+from taxbench.diagnostics import logger
 from taxbench.parallel.layout import layout_for
 from taxbench.parallel.pipeline import stage_holding, stage_split
 from taxbench.parallel.recompute import apply_activation_checkpointing
-from taxbench.workloads import build_model
+from taxbench.workloads import TooLargeForHost, build_model, on_meta_or_host
 
-# A custom model whose forward has no meta kernels (data-dependent ops) is checked on CPU up to this size.
-CPU_FORWARD_CHECK_MAX_PARAMS = 50_000_000
+log = logger(__name__)
 
 
 def prepare(raw: DictConfig) -> TaxbenchConfig:
@@ -113,13 +113,11 @@ def _check_logits(recipe: RecipeConfig, model: nn.Module) -> None:
     batch, seq, vocab = recipe.micro_batch_size, recipe.model.seq_len, recipe.model.vocab_size
     target = recipe.model.factory.get("_target_")
     try:
-        with torch.no_grad():
-            logits = model(torch.zeros(batch, seq, dtype=torch.long, device="meta"))
-    except NotImplementedError:  # an op without a meta kernel (data-dependent shapes): try a real, small instance
-        if sum(p.numel() for p in model.parameters()) > CPU_FORWARD_CHECK_MAX_PARAMS:
-            return
-        with torch.no_grad():
-            logits = build_model(recipe.model, deterministic_kernels=True)(torch.zeros(batch, seq, dtype=torch.long))
+        logits = on_meta_or_host(recipe.model, lambda device: _forward(
+            model if device == "meta" else build_model(recipe.model, deterministic_kernels=True), batch, seq, device))
+    except TooLargeForHost as exc:
+        log.warning("recipe.model.factory._target_=%r: logits not checked before launch: %s", target, exc)
+        return
     except Exception as exc:
         raise ConfigError(f"recipe.model.factory._target_={target!r}: the forward pass on a [{batch}, {seq}] token "
                           f"batch failed: {_one_line(exc)}") from exc
@@ -131,6 +129,11 @@ def _check_logits(recipe: RecipeConfig, model: nn.Module) -> None:
                 if logits.dim() == 3 and tuple(logits.shape[:2]) == (batch, seq) else "")
         raise ConfigError(f"recipe.model.factory._target_={target!r} returns logits of shape {list(logits.shape)}, "
                           f"expected [batch, seq, vocab] = [{batch}, {seq}, {vocab}]{hint}")
+
+
+def _forward(model: nn.Module, batch: int, seq: int, device: str) -> object:
+    with torch.no_grad():
+        return model(torch.zeros(batch, seq, dtype=torch.long, device=device))
 
 
 def check_fault_and_trace(cfg: TaxbenchConfig, model: nn.Module) -> None:
