@@ -27,7 +27,12 @@ FACTORY = "++recipe.model.factory={_target_: torch.nn.Embedding, num_embeddings:
         (["recipe.model.n_heads=0"], "recipe.model.n_heads=0 must be >= 1"),
         (["recipe.model.vocab_size=0"], "recipe.model.vocab_size=0 must be >= 1"),
         (["recipe.model.d_model=0"], "recipe.model.d_model=0 must be >= 1"),
-        (["recipe.parallel.ep=2"], "expert parallelism needs an MoE model"),
+        (["recipe.parallel.ep=2"], "recipe.parallel.ep=2 needs an MoE model, but recipe.model.kind=dense; set "
+         "recipe.parallel.ep=1"),
+        (["+recipe=moe_1t_proxy", "recipe.parallel.pp=1", "recipe.model.kind=dense"],
+         "recipe.parallel.ep=2 needs an MoE model, but recipe.model.kind=dense"),
+        (["+recipe=moe_1t_proxy", "recipe.parallel.pp=1", "recipe.model.kind=custom", FACTORY % 256],
+         "recipe.parallel.ep=2 needs an MoE model, but recipe.model.kind=custom"),
         (["cluster.master_port=99999"], "cluster.master_port=99999 must be a TCP port"),
         (["experiment.name=../../x"], "experiment.name='../../x' must be a plain folder name"),
         (["experiment.name=/tmp/elsewhere"], "experiment.name='/tmp/elsewhere' must be a plain folder name"),
@@ -120,6 +125,8 @@ def test_shard_tokens_beyond_the_vocabulary_are_refused_before_launch(tmp_path: 
         (["recipe.model.n_heads=0"], "recipe.model.n_heads=0 must be >= 1"),
         (["experiment.name=../escape"], "must be a plain folder name"),
         (["reprot", "runs/x"], "did you mean `taxbench report`?"),
+        (["+recipe=moe_1t_proxy", "recipe.parallel.pp=1", "recipe.model.kind=dense"],
+         "recipe.parallel.ep=2 needs an MoE model, but recipe.model.kind=dense; set recipe.parallel.ep=1"),
     ],
 )
 def test_cli_config_errors_exit_2_with_one_line_and_leave_nothing(

@@ -416,7 +416,10 @@ def layout_problems(recipe: RecipeConfig, world: int) -> list[str]:
             f"data-parallel size dp = world/(tp*pp) = {world}/{model_parallel} = {dp} is not divisible by "
             f"recipe.parallel.ep={par.ep} (expert parallelism is carved out of data parallelism); pick ep dividing {dp}"
         )
-    if par.ep > 1 and (model.n_experts == 0 or model.n_experts % par.ep):
+    if par.ep > 1 and model.kind != ModelKind.moe:
+        problems.append(f"recipe.parallel.ep={par.ep} needs an MoE model, but recipe.model.kind={model.kind}; set "
+                        "recipe.parallel.ep=1 (or recipe.model.kind=moe)")
+    elif par.ep > 1 and (model.n_experts == 0 or model.n_experts % par.ep):
         problems.append(
             f"recipe.model.n_experts={model.n_experts} is not divisible by recipe.parallel.ep={par.ep}"
             + ("; expert parallelism needs an MoE model (recipe.model.kind=moe)" if model.n_experts == 0 else "")
