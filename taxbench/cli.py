@@ -203,7 +203,8 @@ def _parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="taxbench", description="Work on finished taxbench experiments.")
     sub = parser.add_subparsers(dest="command", required=True)
-    analyse_cmd = sub.add_parser("analyse", help="re-analyse an experiment directory and print its summary")
+    analyse_cmd = sub.add_parser("analyse", help="re-analyse an experiment directory, print its summary and "
+                                 "rewrite summary.json and any report/")
     analyse_cmd.add_argument("root", type=Path)
     analyse_cmd.set_defaults(handler=_analyse)
     report_cmd = sub.add_parser("report", help="write report/report.html and report.md for an experiment or sweep")

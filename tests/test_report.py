@@ -335,6 +335,22 @@ def test_damaged_manifest_or_unwritable_report_is_one_clear_line(tmp_path: Path,
     assert damaged.returncode == 2 and f"{manifest}: not a JSON object" in damaged.stderr
 
 
+def test_analyse_rewrites_an_existing_report_with_the_summary(tmp_path: Path, taxbench_cli) -> None:
+    root = write_experiment(tmp_path / "exp", SyntheticExperiment(ranks=2, steps=12, block_steps=3, resume_step=6))
+    assert publish(root, NO_WANDB, console=QUIET).exit_code == exit_codes.OK
+    assert "INCOMPLETE" not in (root / REPORT_DIR / MARKDOWN_FILE).read_text()
+    (root / "deterministic-1" / "steps.rank1.jsonl").unlink()
+    result = taxbench_cli("analyse", str(root), cwd=tmp_path)
+    assert result.returncode == exit_codes.INCOMPLETE, result.stderr
+    summary = json.loads((root / "summary.json").read_text())
+    assert summary["outcome"] == "incomplete"
+    for name in (MARKDOWN_FILE, HTML_FILE):
+        assert "deterministic-1 rank 1: no steps.rank1.jsonl" in (root / REPORT_DIR / name).read_text()
+    shutil.rmtree(root / REPORT_DIR)  # a run with report.html=false: analyse writes no report of its own
+    assert taxbench_cli("analyse", str(root), cwd=tmp_path).returncode == exit_codes.INCOMPLETE
+    assert not (root / REPORT_DIR).exists()
+
+
 @pytest.mark.slow
 def test_report_subcommand_exit_codes(tmp_path: Path, failing_experiment: Path, taxbench_cli) -> None:
     bad = taxbench_cli("report", str(failing_experiment), cwd=tmp_path)
