@@ -32,6 +32,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from taxbench import exit_codes
 from taxbench.config.schema import (
+    ClusterConfig,
     ConfigError,
     Launcher,
     ReportConfig,
@@ -84,9 +85,13 @@ def run_plan(raw: DictConfig) -> int:
     from taxbench.parallel.plan import make_plan, render_plan
 
     try:
-        plan = make_plan(to_typed(OmegaConf.to_container(raw, resolve=True)))  # type: ignore[arg-type]
+        cfg = to_typed(OmegaConf.to_container(raw, resolve=True))  # type: ignore[arg-type]
+        plan = make_plan(cfg)
     except ConfigError as exc:
         fail(str(exc))
+    if not _overridden("cluster.gpus") and cfg.cluster.gpus == ClusterConfig.gpus:
+        log.warning("plan=true without cluster.gpus: planning for the default %d GPUs; set cluster.gpus=N for your "
+                    "cluster", cfg.cluster.gpus)
     print(render_plan(plan))
     if not plan.valid:
         fail(f"the parallel layout of recipe {plan.recipe} does not fit cluster.gpus={plan.gpus} (see above)")
@@ -149,6 +154,13 @@ def _is_multirun() -> bool:
     from hydra.core.hydra_config import HydraConfig
 
     return HydraConfig.initialized() and HydraConfig.get().mode.name == "MULTIRUN"
+
+
+def _overridden(key: str) -> bool:
+    """Whether the command line sets `key` (as key=..., +key=... or ++key=...)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return any(o.lstrip("+~").partition("=")[0] == key for o in HydraConfig.get().overrides.task)
 
 
 def _multirun_point() -> int | None:

@@ -28,6 +28,7 @@ from taxbench.config.schema import (
     ModelKind,
     RecipeConfig,
     TaxbenchConfig,
+    layout_problems,
     to_typed,
     validate,
     world_size,
@@ -70,8 +71,11 @@ def check_before_launch(cfg: TaxbenchConfig) -> None:
 
 def check_device(cfg: TaxbenchConfig) -> None:
     cluster = cfg.cluster
-    if cluster.device != Device.cuda or cluster.launcher == Launcher.slurm:
-        return  # a Slurm job runs on the cluster's GPU nodes, not on the submitting machine
+    if cluster.launcher == Launcher.slurm:
+        return  # a Slurm job runs on the cluster's nodes, not on the submitting machine
+    if cluster.device == Device.cpu:
+        _check_cpu_can_hold_a_replica(cfg)
+        return
     available = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if available == 0:
         raise ConfigError(
@@ -81,6 +85,20 @@ def check_device(cfg: TaxbenchConfig) -> None:
     if cluster.launcher == Launcher.local and cluster.gpus > available:
         raise ConfigError(f"cluster.gpus={cluster.gpus} but this machine has {available} GPU(s); use "
                           f"cluster.gpus<={available}, or cluster=slurm for more")
+
+
+def _check_cpu_can_hold_a_replica(cfg: TaxbenchConfig) -> None:
+    """A recipe whose model replica spans more ranks (tp*pp) than this machine has cores is for a GPU cluster: there
+    the fix is a plan or a Slurm job, not another cluster.cpu_ranks."""
+    recipe, ranks = cfg.recipe, cfg.cluster.cpu_ranks
+    replica, cores = recipe.parallel.tp * recipe.parallel.pp, os.cpu_count() or 1
+    if replica <= cores or not layout_problems(recipe, ranks):
+        return
+    raise ConfigError(f"recipe {recipe.name} is a GPU-cluster recipe: one model replica spans tp*pp = {replica} "
+                      f"ranks, more than this machine's {cores} CPU cores, so it cannot run on cluster.cpu_ranks="
+                      f"{ranks}; with N GPUs (a multiple of {replica}), plan it here with `+recipe={recipe.name} "
+                      "cluster.gpus=N plan=true`, or write its Slurm job with `cluster=slurm cluster.gpus=N "
+                      "cluster.dry_run=true`")
 
 
 def check_data(recipe: RecipeConfig, world: int) -> None:

@@ -389,13 +389,18 @@ def world_size(cluster: ClusterConfig) -> int:
     return cluster.gpus if cluster.device is Device.cuda else cluster.cpu_ranks
 
 
+def world_size_key(cluster: ClusterConfig) -> str:
+    """The key that sets world_size(cluster)."""
+    return "cluster.gpus" if cluster.device is Device.cuda else "cluster.cpu_ranks"
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
 
 
-def layout_problems(recipe: RecipeConfig, world: int) -> list[str]:
-    """Every reason the recipe's parallel layout cannot run on `world` ranks (empty when it can).
+def layout_problems(recipe: RecipeConfig, world: int, world_key: str = "cluster.gpus") -> list[str]:
+    """Every reason the recipe's parallel layout cannot run on `world` ranks, set by `world_key` (empty when it can).
 
     world = tp * pp * dp, and the expert-parallel group is carved out of data parallel (ep divides dp), as in Megatron.
     """
@@ -408,8 +413,8 @@ def layout_problems(recipe: RecipeConfig, world: int) -> list[str]:
     dp = world // model_parallel
     if world % model_parallel:
         problems.append(
-            f"world size {world} is not divisible by tp*pp = {par.tp}*{par.pp} = {model_parallel}; change cluster.gpus "
-            "(or cluster.cpu_ranks) or the recipe's parallel layout"
+            f"world size {world} is not divisible by tp*pp = {par.tp}*{par.pp} = {model_parallel}; change {world_key} "
+            "or the recipe's parallel layout"
         )
     elif dp % par.ep:
         problems.append(
@@ -572,7 +577,7 @@ def validate(cfg: TaxbenchConfig) -> None:
     _require(exp.checkpoint_every_steps >= 0,
              f"experiment.checkpoint_every_steps={exp.checkpoint_every_steps} must be >= 0 (0: no checkpoints)")
     ws = world_size(cluster)
-    problems = layout_problems(recipe, ws)
+    problems = layout_problems(recipe, ws, world_size_key(cluster))
     _require(not problems, "; ".join(problems))
     _require(recipe.data.num_workers >= 0, f"recipe.data.num_workers={recipe.data.num_workers} must be >= 0")
     fault = exp.fault
