@@ -7,6 +7,7 @@ import math
 import os
 import re
 import shutil
+import subprocess
 from pathlib import Path
 from unittest import mock
 
@@ -440,3 +441,20 @@ def test_real_gate_failure_cannot_be_turned_into_a_pass_by_removing_records(tmp_
     assert cut.returncode == exit_codes.INCOMPLETE, cut.stdout + cut.stderr
     assert "deterministic-1 ranks 0-1: step 12 missing" in json.loads(
         (truncated / "summary.json").read_text())["incomplete"]
+
+
+def test_the_screenshot_script_says_what_it_needs_without_chromium(tmp_path: Path) -> None:
+    root = write_experiment(tmp_path / "exp", SyntheticExperiment(ranks=2, steps=12, block_steps=3, resume_step=6))
+    publish(root, NO_WANDB, console=QUIET)
+    bare = tmp_path / "bin"  # a PATH with what the script needs besides a browser
+    bare.mkdir()
+    for tool in ("bash", "realpath", "tail"):
+        (bare / tool).symlink_to(shutil.which(tool))
+    script = Path(__file__).resolve().parents[1] / "scripts" / "report_screenshot.sh"
+    result = subprocess.run([str(bare / "bash"), str(script), str(root)], capture_output=True, text=True,
+                            env={"PATH": str(bare)}, cwd=tmp_path, timeout=60)
+    assert result.returncode == 2
+    assert "needs chromium on PATH" in result.stderr
+    missing = subprocess.run([str(bare / "bash"), str(script), str(tmp_path / "nothing")], capture_output=True,
+                             text=True, env={"PATH": str(bare)}, cwd=tmp_path, timeout=60)
+    assert missing.returncode == 2 and "no report at" in missing.stderr
