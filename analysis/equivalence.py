@@ -38,7 +38,9 @@ slow, so read a "differs" beside the plot in the report.
 
 The floor. A bitwise-identical baseline pair (on CPU the "nondeterministic" baseline usually is deterministic) has no
 noise to measure: the band is then RELATIVE_FLOOR of the loss (two loss curves closer than 0.01% read the same), and
-the result names that yardstick; a deterministic curve identical to identical baselines is reported as such. The floor
+the result names that yardstick; a deterministic curve identical to identical baselines is reported as such. A curve
+that leaves a band at its floor is NOT_JUDGED rather than "differs": without run-to-run noise there is no yardstick
+to call a difference large by (on CPU a passing proxy run's deterministic kernels sum in another order). The floor
 also keeps steps where the baselines have barely parted from demanding bitwise agreement.
 
 Not evaluated (never a pass): a compared run is incomplete (the summary reports what is missing), fewer than
@@ -62,6 +64,7 @@ from taxbench.rundir.read import step_losses
 EQUIVALENT = "equivalent within baseline noise"
 DIFFERS = "differs beyond baseline noise"
 NOT_EVALUATED = "not evaluated"
+NOT_JUDGED = "not judged (baseline noise is zero here)"
 
 BAND_FACTOR = 3.0
 NOISE_WINDOW = 41  # steps, centred
@@ -83,7 +86,7 @@ def _no_steps() -> np.ndarray:
 class Equivalence:
     """The deterministic loss curve against the baseline band, with the per-step arrays for plotting."""
 
-    verdict: str  # EQUIVALENT, DIFFERS or NOT_EVALUATED
+    verdict: str  # EQUIVALENT, DIFFERS, NOT_JUDGED (baselines identical, curve outside the floor) or NOT_EVALUATED
     statistic: float  # share of compared steps inside the band (NaN when not evaluated)
     threshold: float  # the share needed for EQUIVALENT
     n_steps: int
@@ -184,7 +187,7 @@ def compare_loss_curves(baseline_0: pd.Series, baseline_1: pd.Series, determinis
         basis = ALL_IDENTICAL if np.array_equal(d, b0) else IDENTICAL_BASELINES
     else:
         basis = NOISE
-    verdict = EQUIVALENT if share >= REQUIRED_SHARE else DIFFERS
+    verdict = EQUIVALENT if share >= REQUIRED_SHARE else NOT_JUDGED if basis == IDENTICAL_BASELINES else DIFFERS
     return Equivalence(verdict, share, REQUIRED_SHARE, len(steps), basis, from_step, steps, b0, b1, d, band)
 
 

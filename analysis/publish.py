@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from taxbench.analysis.report import write_experiment_report, write_sweep_report
+from taxbench.analysis.report import REPORT_DIR, write_experiment_report, write_sweep_report
 from taxbench.analysis.summary import ExperimentAnalysis, analyse_experiment, render
 from taxbench.analysis.sweep import PointName, analyse_sweep, is_experiment, render_sweep
 from taxbench.analysis.wandb_log import WandbUnavailable, import_wandb, log_experiment, log_sweep
@@ -107,6 +107,9 @@ def _publish_sweep(root: Path, settings: ReportConfig, group: str | None, strict
 def report(
     root: Path, settings: ReportConfig | None = None, group: str | None = None, strict_wandb: bool = False
 ) -> int:
-    """Analyse an experiment (or a sweep folder), write its report and wandb run per settings, print the summary."""
-    settings = settings or ReportConfig(html=False, wandb=False)
+    """Analyse an experiment (or a sweep folder), write its report and wandb run per settings, print the summary.
+
+    Without settings (`taxbench analyse`): no wandb, and report/ is rewritten where it exists, so that it never
+    contradicts the summary.json that the analysis has just rewritten."""
+    settings = settings or ReportConfig(html=(root / REPORT_DIR).exists(), wandb=False)
     return publish(root, settings, group=group, strict_wandb=strict_wandb).exit_code

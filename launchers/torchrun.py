@@ -180,7 +180,7 @@ def sized_for_environment(raw: DictConfig, ranks: RankEnvironment) -> None:
     elif configured != ranks.world_size:
         raise ConfigError(f"cluster.{key}={configured} but the launcher started {variable}={ranks.world_size} ranks; "
                           f"drop cluster.{key} (0 takes {variable}) or start {configured} ranks")
-    problems = layout_problems(to_typed(raw).recipe, ranks.world_size)
+    problems = layout_problems(to_typed(raw).recipe, ranks.world_size, f"cluster.{key}")
     if problems:
         raise ConfigError(f"{variable}={ranks.world_size} does not fit recipe {raw.recipe.name}'s parallel layout: "
                           f"{'; '.join(problems)}; start a world size that fits (torchrun --nnodes x "

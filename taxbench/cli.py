@@ -19,22 +19,27 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import re
 import sys
+import warnings
 from pathlib import Path
 
 import hydra
+import yaml
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from taxbench import exit_codes
 from taxbench.config.schema import (
+    ClusterConfig,
     ConfigError,
     Launcher,
     ReportConfig,
     TaxbenchConfig,
     register_configs,
     to_typed,
+    unknown_key_message,
     world_size,
 )
 from taxbench.diagnostics import logger
@@ -80,9 +85,13 @@ def run_plan(raw: DictConfig) -> int:
     from taxbench.parallel.plan import make_plan, render_plan
 
     try:
-        plan = make_plan(to_typed(OmegaConf.to_container(raw, resolve=True)))  # type: ignore[arg-type]
+        cfg = to_typed(OmegaConf.to_container(raw, resolve=True))  # type: ignore[arg-type]
+        plan = make_plan(cfg)
     except ConfigError as exc:
         fail(str(exc))
+    if not _overridden("cluster.gpus") and cfg.cluster.gpus == ClusterConfig.gpus:
+        log.warning("plan=true without cluster.gpus: planning for the default %d GPUs; set cluster.gpus=N for your "
+                    "cluster", cfg.cluster.gpus)
     print(render_plan(plan))
     if not plan.valid:
         fail(f"the parallel layout of recipe {plan.recipe} does not fit cluster.gpus={plan.gpus} (see above)")
@@ -147,6 +156,13 @@ def _is_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode.name == "MULTIRUN"
 
 
+def _overridden(key: str) -> bool:
+    """Whether the command line sets `key` (as key=..., +key=... or ++key=...)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return any(o.lstrip("+~").partition("=")[0] == key for o in HydraConfig.get().overrides.task)
+
+
 def _multirun_point() -> int | None:
     """The point number of this job in a multirun (its points share experiment.name), else None."""
     from hydra.core.hydra_config import HydraConfig
@@ -199,7 +215,8 @@ def _parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="taxbench", description="Work on finished taxbench experiments.")
     sub = parser.add_subparsers(dest="command", required=True)
-    analyse_cmd = sub.add_parser("analyse", help="re-analyse an experiment directory and print its summary")
+    analyse_cmd = sub.add_parser("analyse", help="re-analyse an experiment directory, print its summary and "
+                                 "rewrite summary.json and any report/")
     analyse_cmd.add_argument("root", type=Path)
     analyse_cmd.set_defaults(handler=_analyse)
     report_cmd = sub.add_parser("report", help="write report/report.html and report.md for an experiment or sweep")
@@ -235,8 +252,18 @@ SUBCOMMANDS = ("analyse", "report", "build-shards", "diff", "localize")
 _HYDRA_INPUT_ERRORS = (HydraException, OmegaConfBaseException)
 
 
+# Hydra only warns about a search path that does not exist, then composes without it.
+_MISSING_SEARCHPATH = r"provider=hydra\.searchpath .*, path=(?P<path>.*) is not available\.?"
+_UNKNOWN_KEY = re.compile(r"Key '[^']*' not in '[^']*'\s+full_key: (?P<key>\S+)")
+
+
 def _config_error_line(exc: BaseException) -> str:
     """Hydra's multi-line message (and its OmegaConf cause) as one line, without the search-path and key noise."""
+    full_text = "\n".join(str(error) for error in (exc, exc.__cause__) if error is not None)
+    unknown = _UNKNOWN_KEY.search(full_text)
+    if unknown:  # instead of Hydra's "To append to your config use +key=value": a typo is the likelier cause
+        where = re.match(r"In '[^']+'", str(exc))
+        return (f"{where.group(0)}: " if where else "") + unknown_key_message(unknown.group("key"))
     parts: list[str] = []
     for error in (exc, exc.__cause__):
         options: list[str] | None = None
@@ -255,6 +282,23 @@ def _config_error_line(exc: BaseException) -> str:
         if options:
             parts[-1] += ": " + ", ".join(options)
     return "; ".join(dict.fromkeys(parts)) or type(exc).__name__
+
+
+def _yaml_error_line(exc: yaml.YAMLError) -> str:
+    """A YAML syntax error in a config file as one line: the file, where the construct began and what broke it."""
+    if not isinstance(exc, yaml.MarkedYAMLError) or exc.problem_mark is None:
+        return f"a config file is not valid YAML: {' '.join(str(exc).split())}"
+    problem = exc.problem_mark
+    context = (f"{exc.context} at line {exc.context_mark.line + 1}, column {exc.context_mark.column + 1}: "
+               if exc.context and exc.context_mark else "")
+    return (f"{problem.name} is not valid YAML: {context}{exc.problem} at line {problem.line + 1}, column "
+            f"{problem.column + 1}; fix the file")
+
+
+def _searchpath_error_line(warning: UserWarning) -> str:
+    path = re.match(_MISSING_SEARCHPATH, str(warning))
+    return (f"hydra.searchpath: {path.group('path') if path else warning} is neither an existing folder nor an "
+            "importable package; give a folder as file:///absolute/path or a package as pkg://module")
 
 
 def _unknown_word(argv: list[str]) -> str | None:
@@ -299,11 +343,20 @@ def main() -> None:
     # Hydra prints its own errors with exit 1; let them reach us instead, so that a config error is one line, exit 2.
     full_errors = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    warnings.filterwarnings("error", message=_MISSING_SEARCHPATH, category=UserWarning)
     try:
         hydra_entry()
     except _HYDRA_INPUT_ERRORS as exc:
         if full_errors:
             raise
         fail(_config_error_line(exc))
+    except yaml.YAMLError as exc:
+        if full_errors:
+            raise
+        fail(_yaml_error_line(exc))
+    except UserWarning as exc:  # only the missing search path is turned into an error (above)
+        if full_errors:
+            raise
+        fail(_searchpath_error_line(exc))
     except BrokenPipeError:  # `python -m taxbench --help | head`: the reader left, nothing to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -28,19 +28,20 @@ from taxbench.config.schema import (
     ModelKind,
     RecipeConfig,
     TaxbenchConfig,
+    layout_problems,
     to_typed,
     validate,
     world_size,
 )
 from taxbench.datasets.shards import ShardError
 from taxbench.datasets.source import check_shard_recipe
+from taxbench.diagnostics import logger
 from taxbench.parallel.layout import layout_for
 from taxbench.parallel.pipeline import stage_holding, stage_split
 from taxbench.parallel.recompute import apply_activation_checkpointing
-from taxbench.workloads import build_model
+from taxbench.workloads import TooLargeForHost, build_model, on_meta_or_host
 
-# A custom model whose forward has no meta kernels (data-dependent ops) is checked on CPU up to this size.
-CPU_FORWARD_CHECK_MAX_PARAMS = 50_000_000
+log = logger(__name__)
 
 
 def prepare(raw: DictConfig) -> TaxbenchConfig:
@@ -70,8 +71,11 @@ def check_before_launch(cfg: TaxbenchConfig) -> None:
 
 def check_device(cfg: TaxbenchConfig) -> None:
     cluster = cfg.cluster
-    if cluster.device != Device.cuda or cluster.launcher == Launcher.slurm:
-        return  # a Slurm job runs on the cluster's GPU nodes, not on the submitting machine
+    if cluster.launcher == Launcher.slurm:
+        return  # a Slurm job runs on the cluster's nodes, not on the submitting machine
+    if cluster.device == Device.cpu:
+        _check_cpu_can_hold_a_replica(cfg)
+        return
     available = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if available == 0:
         raise ConfigError(
@@ -81,6 +85,20 @@ def check_device(cfg: TaxbenchConfig) -> None:
     if cluster.launcher == Launcher.local and cluster.gpus > available:
         raise ConfigError(f"cluster.gpus={cluster.gpus} but this machine has {available} GPU(s); use "
                           f"cluster.gpus<={available}, or cluster=slurm for more")
+
+
+def _check_cpu_can_hold_a_replica(cfg: TaxbenchConfig) -> None:
+    """A recipe whose model replica spans more ranks (tp*pp) than this machine has cores is for a GPU cluster: there
+    the fix is a plan or a Slurm job, not another cluster.cpu_ranks."""
+    recipe, ranks = cfg.recipe, cfg.cluster.cpu_ranks
+    replica, cores = recipe.parallel.tp * recipe.parallel.pp, os.cpu_count() or 1
+    if replica <= cores or not layout_problems(recipe, ranks):
+        return
+    raise ConfigError(f"recipe {recipe.name} is a GPU-cluster recipe: one model replica spans tp*pp = {replica} "
+                      f"ranks, more than this machine's {cores} CPU cores, so it cannot run on cluster.cpu_ranks="
+                      f"{ranks}; with N GPUs (a multiple of {replica}), plan it here with `+recipe={recipe.name} "
+                      "cluster.gpus=N plan=true`, or write its Slurm job with `cluster=slurm cluster.gpus=N "
+                      "cluster.dry_run=true`")
 
 
 def check_data(recipe: RecipeConfig, world: int) -> None:
@@ -113,13 +131,11 @@ def _check_logits(recipe: RecipeConfig, model: nn.Module) -> None:
     batch, seq, vocab = recipe.micro_batch_size, recipe.model.seq_len, recipe.model.vocab_size
     target = recipe.model.factory.get("_target_")
     try:
-        with torch.no_grad():
-            logits = model(torch.zeros(batch, seq, dtype=torch.long, device="meta"))
-    except NotImplementedError:  # an op without a meta kernel (data-dependent shapes): try a real, small instance
-        if sum(p.numel() for p in model.parameters()) > CPU_FORWARD_CHECK_MAX_PARAMS:
-            return
-        with torch.no_grad():
-            logits = build_model(recipe.model, deterministic_kernels=True)(torch.zeros(batch, seq, dtype=torch.long))
+        logits = on_meta_or_host(recipe.model, lambda device: _forward(
+            model if device == "meta" else build_model(recipe.model, deterministic_kernels=True), batch, seq, device))
+    except TooLargeForHost as exc:
+        log.warning("recipe.model.factory._target_=%r: logits not checked before launch: %s", target, exc)
+        return
     except Exception as exc:
         raise ConfigError(f"recipe.model.factory._target_={target!r}: the forward pass on a [{batch}, {seq}] token "
                           f"batch failed: {_one_line(exc)}") from exc
@@ -131,6 +147,11 @@ def _check_logits(recipe: RecipeConfig, model: nn.Module) -> None:
                 if logits.dim() == 3 and tuple(logits.shape[:2]) == (batch, seq) else "")
         raise ConfigError(f"recipe.model.factory._target_={target!r} returns logits of shape {list(logits.shape)}, "
                           f"expected [batch, seq, vocab] = [{batch}, {seq}, {vocab}]{hint}")
+
+
+def _forward(model: nn.Module, batch: int, seq: int, device: str) -> object:
+    with torch.no_grad():
+        return model(torch.zeros(batch, seq, dtype=torch.long, device=device))
 
 
 def check_fault_and_trace(cfg: TaxbenchConfig, model: nn.Module) -> None:

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn, TimeRemainingColumn
+from rich.table import Column
 from rich.text import Text
 
 
@@ -41,14 +42,15 @@ def step_progress(total: int, description: str, enabled: bool = True) -> Iterato
         return
     console = Console(file=sys.stderr)
     if console.is_terminal:
+        # The description gives way first (an ellipsis), so that counts, rate and ETA fit an 80-column terminal.
         columns = (
-            TextColumn("{task.description}"),
-            BarColumn(),
+            TextColumn("{task.description}", table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis")),
+            BarColumn(bar_width=20),
             MofNCompleteColumn(),
             StepRateColumn(),
             TimeRemainingColumn(),
         )
-        with Progress(*columns, console=console, transient=True) as bar:
+        with Progress(*columns, console=console, transient=True, expand=True) as bar:
             task = bar.add_task(description, total=total)
             yield StepProgress(lambda: bar.advance(task), lambda grown: bar.update(task, total=grown),
                                lambda what: bar.update(task, description=f"{description}: {what}"))

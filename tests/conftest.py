@@ -45,7 +45,7 @@ def taxbench_cli():
     return run_taxbench
 
 
-def run_taxbench_in_terminal(*args: str, cwd: Path, timeout: float = 600) -> tuple[int, str]:
+def run_taxbench_in_terminal(*args: str, cwd: Path, timeout: float = 600, columns: int = 100) -> tuple[int, str]:
     """`python -m taxbench ...` with stdin, stdout and stderr on a pseudo-terminal, as a person runs it: rich then
     draws live progress bars (a piped run never takes that branch). Returns the exit code and everything shown."""
     import pty
@@ -53,7 +53,7 @@ def run_taxbench_in_terminal(*args: str, cwd: Path, timeout: float = 600) -> tup
     import time
 
     controller, terminal = pty.openpty()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TERM": "xterm-256color", "COLUMNS": "100"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TERM": "xterm-256color", "COLUMNS": str(columns)}
     process = subprocess.Popen([sys.executable, "-m", "taxbench", *args], cwd=cwd, stdin=terminal, stdout=terminal,
                                stderr=terminal, env=env, close_fds=True)
     os.close(terminal)

@@ -42,3 +42,12 @@ def test_installed_wheel_composes_the_config_outside_the_repo(wheel: Path, tmp_p
     job = run_taxbench("+recipe=dense_tiny", "--cfg", "job", cwd=tmp_path, env=env, timeout=120)
     assert job.returncode == 0, job.stderr
     assert "name: dense_tiny" in job.stdout and "cublas_workspace_config: :4096:8" in job.stdout
+
+
+def test_the_readme_installs_cpu_torch_before_the_quick_start_installs_taxbench() -> None:
+    """Run top to bottom on a CPU-only Linux machine, the Quick start must not pull the multi-GB CUDA build first."""
+    quick_start = (REPO / "README.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    commands = [line for line in quick_start.splitlines() if line.startswith("pip install")]
+    assert commands[0].startswith("pip install torch==") and "--index-url https://download.pytorch.org/whl/cpu" in \
+        commands[0]
+    assert commands[1].startswith('pip install -e ".[dev]"')

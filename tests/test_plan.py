@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
-from conftest import compose_typed, run_taxbench
+import os
 
-from taxbench.config.schema import ActivationCheckpointing
+import pytest
+from conftest import compose_config, compose_typed, run_taxbench
+
+from taxbench.config.schema import ActivationCheckpointing, ConfigError
 from taxbench.parallel.plan import GIB, GPU_MEMORY, make_plan, render_plan
 
 _cfg = compose_typed  # plan configs name more GPUs than local ranks, which validate() refuses by design
@@ -112,3 +114,31 @@ def test_plan_command_prints_and_exits_without_launching(tmp_path) -> None:
     assert bad.returncode == 2
     assert "layout: INVALID" in bad.stdout and "pick ep dividing 150" in bad.stdout
     assert "does not fit cluster.gpus=2400" in bad.stderr
+    assert "without cluster.gpus" not in ok.stderr + bad.stderr
+
+
+def test_a_plan_without_cluster_gpus_says_it_plans_for_the_default(tmp_path) -> None:
+    result = run_taxbench("+recipe=moe_1t", "plan=true", cwd=tmp_path, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines()[0] == ("taxbench: warning: plan=true without cluster.gpus: planning for the "
+                                             "default 8 GPUs; set cluster.gpus=N for your cluster")
+    assert "recipe moe_1t on 8 GPUs" in result.stdout
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) >= 16, reason="this machine has a core per rank of a moe_1t replica")
+def test_moe_1t_on_cpu_is_called_a_gpu_cluster_recipe_with_the_plan_and_the_dry_run(tmp_path) -> None:
+    """cluster.gpus means nothing on CPU: the error must not send the user there, but to the plan or a Slurm job."""
+    result = run_taxbench("+recipe=moe_1t", f"experiment.out_dir={tmp_path / 'runs'}", cwd=tmp_path, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert len(result.stderr.splitlines()) == 1
+    assert result.stderr.startswith("taxbench: error: recipe moe_1t is a GPU-cluster recipe: one model replica spans "
+                                    "tp*pp = 16 ranks")
+    assert "`+recipe=moe_1t cluster.gpus=N plan=true`" in result.stderr
+    assert "`cluster=slurm cluster.gpus=N cluster.dry_run=true`" in result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_layout_that_does_not_fit_cpu_ranks_names_cluster_cpu_ranks() -> None:
+    with pytest.raises(ConfigError, match=r"world size 3 is not divisible by tp\*pp = 2\*1 = 2; change "
+                                          r"cluster.cpu_ranks or"):
+        compose_config("recipe.parallel.tp=2", "recipe.model.n_heads=4", "cluster.cpu_ranks=3")

@@ -27,7 +27,12 @@ FACTORY = "++recipe.model.factory={_target_: torch.nn.Embedding, num_embeddings:
         (["recipe.model.n_heads=0"], "recipe.model.n_heads=0 must be >= 1"),
         (["recipe.model.vocab_size=0"], "recipe.model.vocab_size=0 must be >= 1"),
         (["recipe.model.d_model=0"], "recipe.model.d_model=0 must be >= 1"),
-        (["recipe.parallel.ep=2"], "expert parallelism needs an MoE model"),
+        (["recipe.parallel.ep=2"], "recipe.parallel.ep=2 needs an MoE model, but recipe.model.kind=dense; set "
+         "recipe.parallel.ep=1"),
+        (["+recipe=moe_1t_proxy", "recipe.parallel.pp=1", "recipe.model.kind=dense"],
+         "recipe.parallel.ep=2 needs an MoE model, but recipe.model.kind=dense"),
+        (["+recipe=moe_1t_proxy", "recipe.parallel.pp=1", "recipe.model.kind=custom", FACTORY % 256],
+         "recipe.parallel.ep=2 needs an MoE model, but recipe.model.kind=custom"),
         (["cluster.master_port=99999"], "cluster.master_port=99999 must be a TCP port"),
         (["experiment.name=../../x"], "experiment.name='../../x' must be a plain folder name"),
         (["experiment.name=/tmp/elsewhere"], "experiment.name='/tmp/elsewhere' must be a plain folder name"),
@@ -108,7 +113,9 @@ def test_shard_tokens_beyond_the_vocabulary_are_refused_before_launch(tmp_path: 
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["experiment.stepz=3"], "Could not override 'experiment.stepz'"),
+        (["experiment.stepz=3"], "experiment.stepz is not a config key; did you mean experiment.steps?"),
+        (["+experiment.stepz=3"], "experiment.stepz is not a config key; did you mean experiment.steps?"),
+        (["recipe.model.n_layer=3"], "did you mean recipe.model.n_layers?"),
         (["experiment.steps=abc"], "Value 'abc' of type 'str' could not be converted to Integer"),
         (["recipe.precision=fp16"], "Invalid value 'fp16', expected one of [fp32, bf16]"),
         (["+recipe=nosuch"], "available options in 'recipe': dense_tiny"),
@@ -118,6 +125,8 @@ def test_shard_tokens_beyond_the_vocabulary_are_refused_before_launch(tmp_path: 
         (["recipe.model.n_heads=0"], "recipe.model.n_heads=0 must be >= 1"),
         (["experiment.name=../escape"], "must be a plain folder name"),
         (["reprot", "runs/x"], "did you mean `taxbench report`?"),
+        (["+recipe=moe_1t_proxy", "recipe.parallel.pp=1", "recipe.model.kind=dense"],
+         "recipe.parallel.ep=2 needs an MoE model, but recipe.model.kind=dense; set recipe.parallel.ep=1"),
     ],
 )
 def test_cli_config_errors_exit_2_with_one_line_and_leave_nothing(
@@ -130,3 +139,35 @@ def test_cli_config_errors_exit_2_with_one_line_and_leave_nothing(
     assert len(lines) == 1 and lines[0].startswith("taxbench: error: "), result.stderr
     assert expected in lines[0]
     assert not out_dir.exists() and not (tmp_path.parent / "escape").exists()
+
+
+BROKEN_RECIPES = {
+    "flow": ("model: {kind: dense\n", "flow.yaml is not valid YAML: while parsing a flow mapping at line 3"),
+    "quote": ('seed: "0\n', "quote.yaml is not valid YAML: while scanning a quoted scalar at line 3"),
+    "indent": ("model:\n  kind: dense\n   vocab_size: 3\n", "indent.yaml is not valid YAML: mapping values are not "
+               "allowed here at line 5"),
+    "typo": ("modle:\n  kind: dense\n", "In 'recipe/typo': recipe.modle is not a config key; did you mean "
+             "recipe.model?"),
+}
+
+
+@pytest.mark.parametrize("name", list(BROKEN_RECIPES))
+def test_config_file_errors_exit_2_with_one_line(taxbench_cli, tmp_path: Path, name: str) -> None:
+    body, expected = BROKEN_RECIPES[name]
+    (tmp_path / "conf" / "recipe").mkdir(parents=True)
+    (tmp_path / "conf" / "recipe" / f"{name}.yaml").write_text(
+        f"defaults: [/schema/recipe@_here_]\nname: {name}\n{body}")
+    result = taxbench_cli(f"+recipe={name}", f"hydra.searchpath=[file://{tmp_path / 'conf'}]", cwd=tmp_path,
+                          timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("taxbench: error: ") and len(result.stderr.splitlines()) == 1, result.stderr
+    assert expected in result.stderr
+
+
+def test_a_search_path_that_does_not_exist_exits_2_with_one_line(taxbench_cli, tmp_path: Path) -> None:
+    """Hydra only warns and composes without it, so a recipe kept there would silently not be the one that runs."""
+    result = taxbench_cli(f"hydra.searchpath=[file://{tmp_path / 'nosuch'}]", "plan=true", cwd=tmp_path, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (f"taxbench: error: hydra.searchpath: {tmp_path / 'nosuch'} is neither an existing folder "
+                             "nor an importable package; give a folder as file:///absolute/path or a package as "
+                             "pkg://module\n")

@@ -7,6 +7,7 @@ import math
 import os
 import re
 import shutil
+import subprocess
 from pathlib import Path
 from unittest import mock
 
@@ -335,6 +336,22 @@ def test_damaged_manifest_or_unwritable_report_is_one_clear_line(tmp_path: Path,
     assert damaged.returncode == 2 and f"{manifest}: not a JSON object" in damaged.stderr
 
 
+def test_analyse_rewrites_an_existing_report_with_the_summary(tmp_path: Path, taxbench_cli) -> None:
+    root = write_experiment(tmp_path / "exp", SyntheticExperiment(ranks=2, steps=12, block_steps=3, resume_step=6))
+    assert publish(root, NO_WANDB, console=QUIET).exit_code == exit_codes.OK
+    assert "INCOMPLETE" not in (root / REPORT_DIR / MARKDOWN_FILE).read_text()
+    (root / "deterministic-1" / "steps.rank1.jsonl").unlink()
+    result = taxbench_cli("analyse", str(root), cwd=tmp_path)
+    assert result.returncode == exit_codes.INCOMPLETE, result.stderr
+    summary = json.loads((root / "summary.json").read_text())
+    assert summary["outcome"] == "incomplete"
+    for name in (MARKDOWN_FILE, HTML_FILE):
+        assert "deterministic-1 rank 1: no steps.rank1.jsonl" in (root / REPORT_DIR / name).read_text()
+    shutil.rmtree(root / REPORT_DIR)  # a run with report.html=false: analyse writes no report of its own
+    assert taxbench_cli("analyse", str(root), cwd=tmp_path).returncode == exit_codes.INCOMPLETE
+    assert not (root / REPORT_DIR).exists()
+
+
 @pytest.mark.slow
 def test_report_subcommand_exit_codes(tmp_path: Path, failing_experiment: Path, taxbench_cli) -> None:
     bad = taxbench_cli("report", str(failing_experiment), cwd=tmp_path)
@@ -424,3 +441,20 @@ def test_real_gate_failure_cannot_be_turned_into_a_pass_by_removing_records(tmp_
     assert cut.returncode == exit_codes.INCOMPLETE, cut.stdout + cut.stderr
     assert "deterministic-1 ranks 0-1: step 12 missing" in json.loads(
         (truncated / "summary.json").read_text())["incomplete"]
+
+
+def test_the_screenshot_script_says_what_it_needs_without_chromium(tmp_path: Path) -> None:
+    root = write_experiment(tmp_path / "exp", SyntheticExperiment(ranks=2, steps=12, block_steps=3, resume_step=6))
+    publish(root, NO_WANDB, console=QUIET)
+    bare = tmp_path / "bin"  # a PATH with what the script needs besides a browser
+    bare.mkdir()
+    for tool in ("bash", "realpath", "tail"):
+        (bare / tool).symlink_to(shutil.which(tool))
+    script = Path(__file__).resolve().parents[1] / "scripts" / "report_screenshot.sh"
+    result = subprocess.run([str(bare / "bash"), str(script), str(root)], capture_output=True, text=True,
+                            env={"PATH": str(bare)}, cwd=tmp_path, timeout=60)
+    assert result.returncode == 2
+    assert "needs chromium on PATH" in result.stderr
+    missing = subprocess.run([str(bare / "bash"), str(script), str(tmp_path / "nothing")], capture_output=True,
+                             text=True, env={"PATH": str(bare)}, cwd=tmp_path, timeout=60)
+    assert missing.returncode == 2 and "no report at" in missing.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -18,3 +19,20 @@ def test_experiment_runs_in_a_terminal_with_a_live_progress_bar(tmp_path: Path) 
     assert code == 0, shown[-3000:]
     assert "steps/s" in shown  # the live bar was drawn (its rate column included)
     assert (tmp_path / "tty" / "summary.json").exists()
+
+
+@pytest.mark.slow
+def test_the_progress_bar_keeps_counts_rate_and_eta_at_80_columns_with_the_default_name(tmp_path: Path) -> None:
+    """The default experiment name (<recipe>-<date>-<time>-<random>) is long: it gives way, not the numbers."""
+    code, shown = run_taxbench_in_terminal(
+        "cluster=inprocess", "experiment.steps=40", "experiment.block_steps=10", "experiment.warmup_steps=2",
+        "experiment.resume_step=10", "report.wandb=false", "report.html=false", f"experiment.out_dir={tmp_path}",
+        cwd=tmp_path, timeout=300, columns=80)
+    assert code == 0, shown[-3000:]
+    frames = [re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", frame) for frame in re.split(r"[\r\n]", shown)]
+    bars = [frame for frame in frames if frame.startswith("dense_tiny-") and "━" in frame]
+    assert bars, shown[-3000:]
+    assert all(len(frame) <= 80 for frame in bars)
+    numbers = re.compile(r" \d+/\d+ +(\d+\.\d|---) steps/s (\d+:\d\d:\d\d|-:--:--)$")
+    assert all(numbers.search(frame.rstrip()) for frame in bars), "\n".join(bars)
+    assert any(re.search(r" 1\d+/200 +\d+\.\d steps/s \d+:\d\d:\d\d$", frame.rstrip()) for frame in bars)

@@ -8,8 +8,11 @@ key, the offending value and what would be accepted.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import difflib
 import functools
 import secrets
+import typing
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
@@ -17,7 +20,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 
 class ConfigError(ValueError):
@@ -322,6 +325,35 @@ def register_configs() -> None:
     cs.store(group="schema", name="cluster", node=ClusterConfig)
 
 
+def _schema_keys(schema: type, prefix: str = "") -> list[str]:
+    """Every dotted key under a schema dataclass, nodes included ("recipe.model" and "recipe.model.kind")."""
+    keys = []
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        key = f"{prefix}{f.name}"
+        keys.append(key)
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            keys += _schema_keys(hint, f"{key}.")
+        elif key == "arms":  # dict[str, PolicyConfig] keyed by arm
+            for arm in ARM_NAMES:
+                keys += [f"arms.{arm}", *_schema_keys(PolicyConfig, f"arms.{arm}.")]
+    return keys
+
+
+@functools.cache
+def config_keys() -> tuple[str, ...]:
+    return tuple(_schema_keys(TaxbenchConfig))
+
+
+def unknown_key_message(key: str) -> str:
+    """One line for a key the schema does not have, with the closest valid key when there is one."""
+    close = difflib.get_close_matches(key, config_keys(), n=1, cutoff=0.8)
+    hint = f"did you mean {close[0]}? " if close else ""
+    return (f"{key} is not a config key; {hint}`python -m taxbench --cfg job` prints every valid key with its "
+            "value")
+
+
 def to_typed(cfg: DictConfig | dict[str, Any]) -> TaxbenchConfig:
     """Merge a plain or Hydra config onto the schema and return typed dataclasses.
 
@@ -332,6 +364,8 @@ def to_typed(cfg: DictConfig | dict[str, Any]) -> TaxbenchConfig:
         typed = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None)
+        if isinstance(exc, ConfigKeyError | ConfigAttributeError) and key and str(exc).startswith("Key '"):
+            raise ConfigError(unknown_key_message(key)) from exc
         first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         hint = "; `python -m taxbench --cfg job` prints every valid key with its value"
         raise ConfigError(f"{key + ': ' if key else ''}{first_line}{hint}") from exc
@@ -357,13 +391,18 @@ def world_size(cluster: ClusterConfig) -> int:
     return cluster.gpus if cluster.device is Device.cuda else cluster.cpu_ranks
 
 
+def world_size_key(cluster: ClusterConfig) -> str:
+    """The key that sets world_size(cluster)."""
+    return "cluster.gpus" if cluster.device is Device.cuda else "cluster.cpu_ranks"
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
 
 
-def layout_problems(recipe: RecipeConfig, world: int) -> list[str]:
-    """Every reason the recipe's parallel layout cannot run on `world` ranks (empty when it can).
+def layout_problems(recipe: RecipeConfig, world: int, world_key: str = "cluster.gpus") -> list[str]:
+    """Every reason the recipe's parallel layout cannot run on `world` ranks, set by `world_key` (empty when it can).
 
     world = tp * pp * dp, and the expert-parallel group is carved out of data parallel (ep divides dp), as in Megatron.
     """
@@ -376,15 +415,18 @@ def layout_problems(recipe: RecipeConfig, world: int) -> list[str]:
     dp = world // model_parallel
     if world % model_parallel:
         problems.append(
-            f"world size {world} is not divisible by tp*pp = {par.tp}*{par.pp} = {model_parallel}; change cluster.gpus "
-            "(or cluster.cpu_ranks) or the recipe's parallel layout"
+            f"world size {world} is not divisible by tp*pp = {par.tp}*{par.pp} = {model_parallel}; change {world_key} "
+            "or the recipe's parallel layout"
         )
     elif dp % par.ep:
         problems.append(
             f"data-parallel size dp = world/(tp*pp) = {world}/{model_parallel} = {dp} is not divisible by "
             f"recipe.parallel.ep={par.ep} (expert parallelism is carved out of data parallelism); pick ep dividing {dp}"
         )
-    if par.ep > 1 and (model.n_experts == 0 or model.n_experts % par.ep):
+    if par.ep > 1 and model.kind != ModelKind.moe:
+        problems.append(f"recipe.parallel.ep={par.ep} needs an MoE model, but recipe.model.kind={model.kind}; set "
+                        "recipe.parallel.ep=1 (or recipe.model.kind=moe)")
+    elif par.ep > 1 and (model.n_experts == 0 or model.n_experts % par.ep):
         problems.append(
             f"recipe.model.n_experts={model.n_experts} is not divisible by recipe.parallel.ep={par.ep}"
             + ("; expert parallelism needs an MoE model (recipe.model.kind=moe)" if model.n_experts == 0 else "")
@@ -541,7 +583,7 @@ def validate(cfg: TaxbenchConfig) -> None:
     _require(exp.checkpoint_every_steps >= 0,
              f"experiment.checkpoint_every_steps={exp.checkpoint_every_steps} must be >= 0 (0: no checkpoints)")
     ws = world_size(cluster)
-    problems = layout_problems(recipe, ws)
+    problems = layout_problems(recipe, ws, world_size_key(cluster))
     _require(not problems, "; ".join(problems))
     _require(recipe.data.num_workers >= 0, f"recipe.data.num_workers={recipe.data.num_workers} must be >= 0")
     fault = exp.fault

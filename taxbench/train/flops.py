@@ -1,8 +1,9 @@
 """Model FLOPs per step, counted once per recipe with torch's FlopCounterMode, and the peak FLOP/s they are held to.
 
 FLOPs are the model's (forward and backward of one micro-batch, times the micro-batches of a global batch): activation
-recompute is not counted, as in MFU's usual definition. The model is built on the meta device; a model with ops that
-have no meta kernel (MoE token counts) is counted on a real host copy when it is small, and left uncounted otherwise.
+recompute is not counted, as in MFU's usual definition. The model is built on the meta device; a model that cannot run
+there (MoE token counts, data-dependent values) is counted on a real host copy when it is small, and left uncounted
+otherwise.
 """
 
 from __future__ import annotations
@@ -14,9 +15,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from taxbench.config.schema import ClusterConfig, Precision, RecipeConfig
-from taxbench.workloads import build_model
-
-HOST_COUNT_MAX_PARAMS = 50_000_000  # a model without meta kernels is counted on the host up to this size
+from taxbench.workloads import TooLargeForHost, build_model, on_meta_or_host
 
 # Dense peak TFLOP/s per GPU (no sparsity) by precision: the vendors' datasheets (SXM parts). fp32 steps are held to
 # the TF32 tensor-core peak, which is what fp32 matmuls reach with TF32 on (the baseline's setting).
@@ -42,14 +41,11 @@ def flops_per_step(recipe: RecipeConfig) -> tuple[float | None, str]:
     """Model FLOPs of one training step of the whole job, and how they were counted (or why not)."""
     micro_batches = recipe.global_batch_size // recipe.micro_batch_size
     try:
-        return float(_count(recipe, "meta") * micro_batches), "FlopCounterMode on the meta device"
-    except NotImplementedError as exc:
-        with torch.device("meta"):
-            params = sum(p.numel() for p in build_model(recipe.model, deterministic_kernels=True).parameters())
-        if params > HOST_COUNT_MAX_PARAMS:
-            op = str(exc).split(":")[0]
-            return None, f"not counted: {op} has no meta kernel and the model is too big to count on the host"
-        return float(_count(recipe, "cpu") * micro_batches), "FlopCounterMode on a host copy"
+        flops, device = on_meta_or_host(recipe.model, lambda device: (_count(recipe, device), device))
+    except TooLargeForHost as exc:
+        return None, f"not counted: {exc}"
+    where = "the meta device" if device == "meta" else "a host copy"
+    return float(flops * micro_batches), f"FlopCounterMode on {where}"
 
 
 def peak_flops(cluster: ClusterConfig, precision: Precision, device_name: str | None) -> tuple[float | None, str]:

@@ -13,6 +13,7 @@ calls the factory with the other keys as keyword arguments and it must return su
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from hydra.errors import InstantiationException
@@ -25,6 +26,10 @@ from taxbench.workloads.init import initialize
 from taxbench.workloads.moe import build_moe
 
 Builder = Callable[[ModelConfig, bool], nn.Module]
+T = TypeVar("T")
+
+# A model whose forward cannot run on the meta device is run on a real host copy up to this size.
+HOST_COPY_MAX_PARAMS = 50_000_000
 
 BUILDERS: dict[ModelKind, Builder] = {ModelKind.dense: build_dense, ModelKind.moe: build_moe}
 
@@ -74,3 +79,26 @@ def build_model(cfg: ModelConfig, deterministic_kernels: bool, seed: int | None 
     with torch.device("meta"):
         model = BUILDERS[kind](cfg, deterministic_kernels)
     return model if seed is None else initialize(model, seed)
+
+
+class TooLargeForHost(Exception):
+    """The model's forward failed on the meta device, and the model is too large for a real host copy."""
+
+    def __init__(self, meta_error: Exception, params: int) -> None:
+        super().__init__(f"{type(meta_error).__name__}: {' '.join(str(meta_error).split())[:200]} on the meta device, "
+                         f"and at {params} parameters the model is too large to run on the host")
+        self.meta_error, self.params = meta_error, params
+
+
+def on_meta_or_host(cfg: ModelConfig, attempt: Callable[[str], T]) -> T:
+    """`attempt("meta")`, or `attempt("cpu")` on a host copy when the meta device cannot run the model: any error
+    there counts (an op without a meta kernel raises NotImplementedError, a data-dependent value such as the
+    `.item()` in transformers' masks a RuntimeError). A model above HOST_COPY_MAX_PARAMS raises TooLargeForHost."""
+    try:
+        return attempt("meta")
+    except Exception as meta_error:
+        with torch.device("meta"):
+            params = sum(p.numel() for p in build_model(cfg, deterministic_kernels=True).parameters())
+        if params > HOST_COPY_MAX_PARAMS:
+            raise TooLargeForHost(meta_error, params) from meta_error
+    return attempt("cpu")
