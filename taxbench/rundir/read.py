@@ -297,10 +297,33 @@ def stream_ranks(run_dir: Path) -> tuple[list[int], list[str]]:
 
 
 def load_checked_run(run_dir: Path, manifest: dict, steps: int) -> tuple[pd.DataFrame, list[str]]:
-    """One run's records and what keeps them from covering `steps` x its manifest's ranks."""
+    """One run's records and what keeps them from covering `steps` x its manifest's ranks, or from being this run's
+    own (a manifest or records of another run copied into its folder)."""
     world = int(manifest_value(manifest, run_dir, "layout.world_size"))
     frame = load_run(run_dir, empty_ok=True)
-    return frame, check_run(run_dir.name, run_dir, frame, steps, world)
+    return frame, identity_problems(run_dir, manifest, frame) + check_run(run_dir.name, run_dir, frame, steps, world)
+
+
+def identity_problems(run_dir: Path, manifest: dict, frame: pd.DataFrame) -> list[str]:
+    """Whether the manifest and every record name the run whose folder they sit in, one line per finding."""
+    run = run_dir.name
+    named = {key: str(manifest.get(key)) for key in ("run", "arm", "replica")}
+    if named["run"] != run or f"{named['arm']}-{named['replica']}" != run:
+        return [f"{run_dir / 'manifest.json'}: describes run {named['run']} (arm {named['arm']}, replica "
+                f"{named['replica']}), not {run}; was it copied from another run?"]
+    if frame.empty:
+        return []
+    if "arm" not in frame or "replica" not in frame:
+        return [f"{run_dir}: step records that name no arm and replica; was it written by taxbench?"]
+    foreign = ((frame["arm"].astype(str) != named["arm"]) | (frame["replica"].astype(str) != named["replica"]))
+    foreign = foreign.to_numpy()
+    if not foreign.any():
+        return []
+    first = int(np.flatnonzero(foreign)[0])
+    rank, step = frame["rank"].iloc[first], frame["step"].iloc[first]
+    other = f"{frame['arm'].iloc[first]}-{frame['replica'].iloc[first]}"
+    return [f"{run_dir / f'steps.rank{_number(rank)}.jsonl'}: {_records(int(foreign.sum()))} of run {other}, not "
+            f"{run} (first: step {_number(step)}, rank {_number(rank)}); copied from another run?"]
 
 
 def check_run(run: str, run_dir: Path, frame: pd.DataFrame, steps: int, world: int) -> list[str]:

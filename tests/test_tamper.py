@@ -1,0 +1,85 @@
+"""Evidence must belong to its run: records or a manifest copied from another run into a run's folder are incomplete
+evidence (exit 4, naming the file), never a pass. One real experiment whose deterministic-1 had a bit flipped at step
+8 (the repeatability gate fails on it), then one test per way of forging it into a pass."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import compose_config
+
+from analysis.summary import analyse
+from taxbench import exit_codes
+from taxbench.launchers.worker import rank_process
+from taxbench.parallel.distributed import free_port
+from taxbench.schedule.experiment import Experiment
+
+
+@pytest.fixture(scope="module")
+def faulted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cfg = compose_config("cluster=inprocess", "recipe.global_batch_size=4", "recipe.model.d_model=32",
+                         "recipe.model.n_heads=2", "recipe.model.seq_len=16", "recipe.model.d_ff=64",
+                         "experiment.name=tamper", "experiment.steps=12", "experiment.block_steps=3",
+                         "experiment.warmup_steps=2", "experiment.resume_step=6", "experiment.fault.enabled=true",
+                         "experiment.fault.step=8", "experiment.fault.rank=0")
+    root = tmp_path_factory.mktemp("tamper") / "experiment"
+    root.mkdir()
+    saved = dict(os.environ)
+    try:
+        with rank_process([cfg], 0, 1, 0, "127.0.0.1", free_port()) as ctx:
+            Experiment(cfg, ctx, root).run()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return root
+
+
+def copy_of(faulted: Path, tmp_path: Path) -> Path:
+    root = tmp_path / faulted.name
+    shutil.copytree(faulted, root)
+    return root
+
+
+def copy_streams(root: Path, source: str, target: str, mirrors: bool) -> None:
+    for path in (root / target).glob("steps.rank*"):
+        path.unlink()
+    for path in (root / source).glob("steps.rank*.jsonl" if not mirrors else "steps.rank*"):
+        shutil.copy(path, root / target / path.name)
+
+
+def test_the_untouched_experiment_fails_its_repeatability_gate(faulted: Path) -> None:
+    summary = analyse(faulted)
+    assert summary.exit_code == exit_codes.NOT_DETERMINISTIC and not summary.problems, summary.problems
+
+
+@pytest.mark.parametrize("mirrors", [False, True], ids=["jsonl", "with_mirrors"])
+def test_a1_the_reference_runs_streams_copied_over_the_candidates_are_not_its_evidence(
+        faulted: Path, tmp_path: Path, mirrors: bool) -> None:
+    root = copy_of(faulted, tmp_path)
+    copy_streams(root, "deterministic-0", "deterministic-1", mirrors)
+    summary = analyse(root)
+    assert summary.exit_code == exit_codes.INCOMPLETE and not summary.deterministic_ok
+    assert any(line.startswith(f"{root / 'deterministic-1' / 'steps.rank0.jsonl'}: 12 records of run "
+                               "deterministic-0, not deterministic-1") for line in summary.problems), summary.problems
+
+
+def test_a3_the_baselines_streams_copied_into_a_deterministic_run_are_not_its_evidence(
+        faulted: Path, tmp_path: Path) -> None:
+    root = copy_of(faulted, tmp_path)
+    copy_streams(root, "baseline-0", "deterministic-1", mirrors=True)
+    summary = analyse(root)
+    assert summary.exit_code == exit_codes.INCOMPLETE
+    assert any("records of run baseline-0, not deterministic-1" in line for line in summary.problems)
+
+
+def test_a_manifest_copied_from_another_run_is_named(faulted: Path, tmp_path: Path) -> None:
+    root = copy_of(faulted, tmp_path)
+    shutil.rmtree(root / "deterministic-1")
+    shutil.copytree(root / "deterministic-0", root / "deterministic-1")  # the whole folder, manifest and all
+    summary = analyse(root)
+    assert summary.exit_code == exit_codes.INCOMPLETE
+    assert f"{root / 'deterministic-1' / 'manifest.json'}: describes run deterministic-0" in "\n".join(
+        summary.problems)
