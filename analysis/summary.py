@@ -29,6 +29,7 @@ from taxbench.analysis.verdicts import DIFFERS, INCOMPLETE, Verdict, compare_run
 from taxbench.design import EQUIVALENCE_RUNS, GATED_RUNS, GATES, INTERLEAVED, MEASURED, TIMED, WITH, RunRef, knob_arm
 from taxbench.oserrors import describe_os_error
 from taxbench.rundir.read import (
+    FaultEvent,
     RecordError,
     ResultWriteError,
     load_checked_run,
@@ -268,16 +269,46 @@ def rank_medians(timed: dict[str, list[pd.DataFrame]], warmup: int) -> list[floa
     return pd.concat(frames).groupby("rank")["time_s"].median().sort_index().tolist()
 
 
-def fault_outcome(root: Path, experiment: dict[str, Any]) -> tuple[list[str], bool | None]:
-    """Lines saying where the configured fault fired (or that it never did), and whether it fired."""
+def _fault_target(experiment: dict[str, Any]) -> str | None:
+    """The run the configured fault corrupts (None without an enabled fault)."""
     fault = experiment.get("fault") or {}
     if not isinstance(fault, dict) or not fault.get("enabled"):
+        return None
+    return f"{fault.get('arm')}-{fault.get('replica')}"
+
+
+def _fault_events(root: Path, target: str) -> list[FaultEvent]:
+    return load_fault_events(root / target) if (root / target).is_dir() else []
+
+
+def unrecorded_faults(root: Path, experiment: dict[str, Any], steps: int) -> list[str]:
+    """A fault that fired at a step past those the records hold: records cut back to before it are not the evidence
+    of the run that was corrupted (incomplete, never a pass)."""
+    target = _fault_target(experiment)
+    if target is None:
+        return []
+    return [f"{root / target}: {event.describe()}, but the records hold steps 1-{steps} only: records cut back "
+            "before the fault are not this run's evidence" for event in _fault_events(root, target)
+            if event.step > steps]
+
+
+def fault_outcome(root: Path, experiment: dict[str, Any], verdicts: list[Verdict]) -> tuple[list[str], bool | None]:
+    """Lines saying where the configured fault fired (or that it never did), and whether the self-test tested
+    anything: a fault that fired in a run that a gate still finds identical to its reference tested nothing either
+    (False, an incomplete outcome), as a fault that never fired."""
+    target = _fault_target(experiment)
+    if target is None:
         return [], None
-    target = f"{fault.get('arm')}-{fault.get('replica')}"
-    events = load_fault_events(root / target) if (root / target).is_dir() else []
+    fault = experiment["fault"]
+    events = _fault_events(root, target)
     if not events:
         return [f"{target}: fault {fault.get('kind')} configured but never fired: the self-test tested nothing"], False
-    return [f"{target}: {event.describe()}" for event in events], True
+    lines = [f"{target}: {event.describe()}" for event in events]
+    passing = [v.gate for v in verdicts if v.agree and target in (v.reference, v.candidate)]
+    if passing:
+        lines.append(f"{target}: the fault fired, yet {', '.join(passing)} found the runs identical: the "
+                     "corruption never reached a fingerprint, or these records are not the corrupted run's")
+    return lines, not passing
 
 
 def _tax(timed: dict[str, list[pd.DataFrame]], experiment: dict[str, Any], incomplete: bool) -> TaxEstimate:
@@ -323,13 +354,16 @@ def analyse_experiment(root: Path) -> ExperimentAnalysis:
     timed = timed_runs(runs, experiment)
     timed_incomplete = any(problems[ref.name] for ref in interleaved_runs(experiment)) or bool(stop_problems)
     tax = _tax(timed, experiment, timed_incomplete)
+    target = _fault_target(experiment)
+    if target in problems:
+        problems[target] += unrecorded_faults(root, experiment, steps)
     verdicts = []
     for gate in GATES:
         reference, candidate = gate.reference.name, gate.candidate.name
         from_step = experiment["resume_step"] if gate.after_resume else 0
         verdicts.append(compare_runs(gate.name, reference, runs[reference], candidate, runs[candidate], from_step,
                                      tuple(problems[reference] + problems[candidate])))
-    faults, fired = fault_outcome(root, experiment)
+    faults, fired = fault_outcome(root, experiment, verdicts)
     config = manifest_value(manifest, root / first, "config")
     device = manifest_value(manifest, root / first, "policy_applied.device")
     knobs = analyse_ablation(root, config, device, timed["baseline"], steps)

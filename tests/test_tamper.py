@@ -4,6 +4,7 @@ evidence (exit 4, naming the file), never a pass. One real experiment whose dete
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -83,3 +84,34 @@ def test_a_manifest_copied_from_another_run_is_named(faulted: Path, tmp_path: Pa
     assert summary.exit_code == exit_codes.INCOMPLETE
     assert f"{root / 'deterministic-1' / 'manifest.json'}: describes run deterministic-0" in "\n".join(
         summary.problems)
+
+
+def test_d4_records_cut_back_before_the_fault_with_the_stop_record_edited_are_incomplete(
+        faulted: Path, tmp_path: Path) -> None:
+    root = copy_of(faulted, tmp_path)
+    for stream in root.glob("*/steps.rank*.jsonl"):  # every run cut back to steps <= 7 (the fault fired at 8)
+        kept = [line for line in stream.read_text().splitlines() if json.loads(line)["step"] <= 7]
+        stream.write_text("".join(f"{line}\n" for line in kept))
+    stop = json.loads((root / "stop.json").read_text())
+    (root / "stop.json").write_text(json.dumps({**stop, "steps": 7}))
+    for path in root.glob("*/manifest.json"):  # and every manifest's experiment.steps
+        manifest = json.loads(path.read_text())
+        manifest["config"]["experiment"]["steps"] = 7
+        path.write_text(json.dumps(manifest))
+    summary = analyse(root)
+    assert summary.exit_code == exit_codes.INCOMPLETE and not summary.deterministic_ok
+    assert any(line.startswith(f"{root / 'deterministic-1'}: ") and "records hold steps 1-7 only" in line
+               for line in summary.problems), summary.problems
+
+
+def test_a_fault_under_a_gate_that_still_agrees_is_called_out_and_not_a_pass(faulted: Path, tmp_path: Path) -> None:
+    """The forgery the identity check cannot see (another run's records rewritten to name this run): the fault's
+    own record still says it fired, so a gate finding the runs identical is a self-test that tested nothing."""
+    root = copy_of(faulted, tmp_path)
+    copy_streams(root, "deterministic-0", "deterministic-1", mirrors=False)
+    for stream in (root / "deterministic-1").glob("steps.rank*.jsonl"):
+        records = [{**json.loads(line), "replica": "1"} for line in stream.read_text().splitlines()]
+        stream.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
+    summary = analyse(root)
+    assert summary.fault_fired is False and summary.exit_code == exit_codes.INCOMPLETE
+    assert any("the fault fired, yet repeatability found the runs identical" in line for line in summary.faults)
