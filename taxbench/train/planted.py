@@ -70,7 +70,7 @@ class PlantedDelay:
     def __init__(self, fraction: float, device: torch.device) -> None:
         self.fraction = fraction
         self.device = device
-        self.unplanted: deque[float] = deque(maxlen=WINDOW)
+        self.unplanted: deque[float] = deque(maxlen=WINDOW)  # GPU: the last steps' unplanted times (observe)
         self.spinner = SpinKernel(device) if device.type == "cuda" else None
         self.agreed: float | None = None  # this block's median unplanted step time, the same on every rank
         self.overrun = 0.0  # CPU: seconds waited beyond what was planted so far (taken off the next waits)
@@ -97,9 +97,7 @@ class PlantedDelay:
         an event on GPU)."""
         if self.spinner is None:
             began = time.perf_counter()
-            unplanted = began - started
-            self.unplanted.append(unplanted)
-            planted = self.fraction * unplanted  # exact on CPU: the step's own time, known here
+            planted = self.fraction * (began - started)  # exact on CPU: the step's own time, known here
             wait_for(max(planted - self.overrun, 0.0))
             waited = time.perf_counter() - began
             self.overrun += waited - planted
