@@ -1,17 +1,45 @@
 #!/usr/bin/env bash
-# GPU check for a machine with CUDA (e.g. a lent H200): install, run the CUDA tests, then a timed default pair.
-# Meant to fit in a few minutes; writes logs under ${OUT:-/tmp/taxbench-gpu}.
-set -euo pipefail
+# GPU check for a machine with CUDA (e.g. a lent H200): install, run the CUDA tests, then short GPU experiments.
+# Each step has its own time limit and the script goes on past a failed step, so one run reports every step; it
+# exits 1 if any step failed. Logs go under ${OUT:-/tmp/taxbench-gpu}; step results in $OUT/steps.txt.
+# Offline machines: put wheels of the dependencies the machine lacks in .wheels/ (scripts/gpu_wheels.sh makes them).
+set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/taxbench-gpu}
 mkdir -p "$OUT"
-python -c "import torch; assert torch.cuda.is_available(), 'no CUDA'; print(torch.__version__, torch.cuda.get_device_name())"
-python -m pip install -q -e ".[dev]" 2>&1 | tail -2
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+failed=0
+
+step() {  # step NAME LIMIT_S COMMAND...: run one step, log it, record rc and seconds
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    printf '%-22s rc=%-3s %4ss\n' "$name" "$rc" "$((SECONDS - start))" | tee -a "$OUT/steps.txt"
+    [ "$rc" -eq 0 ] || { failed=1; tail -n 25 "$OUT/$name.log"; }
+}
+
+$PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA'; print(torch.__version__, torch.cuda.get_device_name())" \
+    || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
-python -m pytest -m gpu -v -s tests/test_gpu.py tests/test_attribution.py 2>&1 | tee "$OUT/pytest_gpu.log"
-python -m taxbench cluster=inprocess cluster.device=cuda cluster.gpus=1 +recipe=moe_tiny recipe.precision=bf16 \
-    experiment.out_dir="$OUT/runs" experiment.name=moe_tiny_gpu report.wandb=false 2>&1 | tee "$OUT/moe_tiny_gpu.log"
+if [ -d .wheels ]; then
+    step install 120 bash -c "$PY -m pip install -q --no-index --find-links .wheels .wheels/*.whl && \
+        $PY -m pip install -q --no-deps --no-build-isolation -e ."
+else
+    step install 120 $PY -m pip install -q -e ".[dev]"
+fi
+
+EXP=(cluster=inprocess cluster.device=cuda cluster.gpus=1 experiment.out_dir="$OUT/runs" report.wandb=false)
+step pytest_gpu 200 $PY -m pytest -m gpu -v -p no:cacheprovider tests/test_gpu.py tests/test_attribution.py
+step moe_tiny_bf16 90 $PY -m taxbench "${EXP[@]}" +recipe=moe_tiny recipe.precision=bf16 experiment.name=moe_tiny_gpu
+# The tax timed on one model, lanes switching policy per block (moe_1t's default mode).
+step interleave_policy 90 $PY -m taxbench "${EXP[@]}" +recipe=moe_tiny experiment.interleave=policy \
+    experiment.name=interleave_policy_gpu
 # The calibrated instrument on GPU: a planted 5% tax on an A/A pair (spin kernel, CUDA event times).
-python -m taxbench cluster=inprocess cluster.device=cuda cluster.gpus=1 experiment.calibration=true \
-    experiment.planted_tax=0.05 experiment.steps=240 experiment.out_dir="$OUT/runs" experiment.name=planted_gpu \
-    report.wandb=false 2>&1 | tee "$OUT/planted_gpu.log"
+step planted_5pct 150 $PY -m taxbench "${EXP[@]}" experiment.calibration=true experiment.planted_tax=0.05 \
+    experiment.steps=240 experiment.name=planted_gpu
+grep -h -E "tax|deterministic:|planted" "$OUT"/moe_tiny_bf16.log "$OUT"/interleave_policy.log "$OUT"/planted_5pct.log \
+    2>/dev/null | head -40
+exit $failed

@@ -76,7 +76,7 @@ def test_workspace_config_set_after_cuda_init_is_refused(tmp_path: Path) -> None
         "import os, torch\n"
         "os.environ.pop('CUBLAS_WORKSPACE_CONFIG', None)\n"
         "torch.ones(1, device='cuda') @ torch.ones(1, 1, device='cuda')\n"
-        "from taxbench import policy\n"
+        "from taxbench.config import policy\n"
         "from taxbench.config.schema import Device, PolicyConfig\n"
         "p = PolicyConfig(name='d', deterministic=True, cudnn_benchmark=False, allow_tf32=False,\n"
         "                 cublas_workspace_config=':4096:8', nccl_algo='Ring',\n"

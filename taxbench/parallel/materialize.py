@@ -10,10 +10,12 @@ parallelism, from the expert slice the layer keeps (`global_rows`).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Shard, _StridedShard, _StridedShardOffsetMode
+from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
 from taxbench.workloads.init import GlobalView, fill_model
 
@@ -32,8 +34,7 @@ def global_view(param: torch.Tensor, global_rows: tuple[int, int] | None = None)
                 continue  # Replicate / Partial: every rank holds the whole dimension
             dim, chunks = placement.dim, param.device_mesh.size(mesh_dim)
             if isinstance(placement, _StridedShard):
-                size, offsets = placement._local_shard_size_and_offset(
-                    len(indices[dim]), chunks, coordinate[mesh_dim], _StridedShardOffsetMode.ALL)
+                size, offsets = _strided_offsets(placement, len(indices[dim]), chunks, coordinate[mesh_dim])
                 local = torch.tensor(offsets if size else [], dtype=torch.long)
             else:
                 size, start = placement._local_shard_size_and_offset(len(indices[dim]), chunks, coordinate[mesh_dim])
@@ -44,6 +45,17 @@ def global_view(param: torch.Tensor, global_rows: tuple[int, int] | None = None)
         indices[0] = indices[0] + offset
         shape = (total, *shape[1:])
     return GlobalView(shape, tuple(indices))
+
+
+def _strided_offsets(placement: _StridedShard, length: int, chunks: int, coordinate: int) -> tuple[int, list[int]]:
+    """All offsets of a strided shard. DTensor's private method asks for them with `offset_mode=ALL` from torch 2.12
+    and with `return_first_offset=False` before (2.11: the CUDA image of the lent GPU machine)."""
+    parameters = inspect.signature(placement._local_shard_size_and_offset).parameters
+    if "offset_mode" in parameters:
+        from torch.distributed.tensor.placement_types import _StridedShardOffsetMode
+
+        return placement._local_shard_size_and_offset(length, chunks, coordinate, _StridedShardOffsetMode.ALL)
+    return placement._local_shard_size_and_offset(length, chunks, coordinate, return_first_offset=False)
 
 
 def _global_rows(model: nn.Module) -> dict[str, tuple[int, int]]:

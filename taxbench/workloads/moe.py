@@ -7,10 +7,11 @@ Every hot spot whose fast implementation is nondeterministic has a fixed-order t
   breaks ties by the lower expert index;
 - dispatch: `x[index]` (its backward is index_put_(accumulate=True): atomic adds) vs `index_select` (backward
   index_add_, serial on CPU and sort-based on CUDA under deterministic algorithms);
-- combine: `index_put_(accumulate=True)` of the weighted expert outputs onto the shared-expert output, as fast MoE
-  kernels do (on CPU with 2+ threads and >= 32768 elements it uses atomic float adds across threads, on CUDA atomicAdd:
-  the summation order changes run to run) vs un-permuting the slots with a gather and summing each token's top-k
-  contributions in a fixed order;
+- combine: atomic adds of the weighted expert outputs onto the shared-expert output, as fast MoE kernels do, whose
+  summation order changes run to run: `index_put_(accumulate=True)` on CPU (atomic float adds across threads with 2+
+  threads and >= 32768 elements; CPU's index_add_ is serial) and `index_add_` (atomicAdd) on CUDA, where
+  index_put_(accumulate=True) sorts its indices and is bitwise stable (seen on an H200, torch 2.11) - vs un-permuting
+  the slots with a gather and summing each token's top-k contributions in a fixed order;
 - aux loss: tokens per expert via `torch.histc` (Megatron's fast path; no deterministic CUDA kernel) vs an integer
   one-hot count, which is exact whatever the order.
 
@@ -51,6 +52,13 @@ def _grouped_mm_usable(tokens: torch.Tensor) -> bool:
         and torch.get_autocast_dtype("cuda") is torch.bfloat16
         and torch.cuda.get_device_capability(tokens.device) >= (9, 0)
     )
+
+
+def atomic_combine(base: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """base + rows scattered onto `index` with each device's atomic adds (see the module docstring)."""
+    if base.device.type == "cuda":
+        return base.index_add(0, index, rows)
+    return base.clone().index_put_((index,), rows, accumulate=True)
 
 
 class _AuxLossGradient(torch.autograd.Function):
@@ -167,7 +175,7 @@ class MoEFeedForward(nn.Module):
             per_slot = weighted.index_select(0, inverse).view(n_tokens, k, -1)
             out = base + per_slot.sum(dim=1)
         else:
-            out = base.clone().index_put_((dispatch_index,), weighted, accumulate=True)
+            out = atomic_combine(base, dispatch_index, weighted)
         aux_loss = self._aux_loss(probs, slot_expert)
         if not recomputing():  # activation recompute replays this forward in the backward: record the aux loss once
             self.last_aux_loss = aux_loss
