@@ -57,10 +57,10 @@ def plans_from_config(config: dict[str, Any], device: str) -> list[KnobPlan]:
     return plan_ablation(arms, Device(device))
 
 
-def _load(root: Path, name: str, steps: int) -> tuple[pd.DataFrame | None, list[str]]:
+def _load(root: Path, name: str, steps: int, config: dict[str, Any]) -> tuple[pd.DataFrame | None, list[str]]:
     run_dir = root / name
     try:
-        return load_checked_run(run_dir, load_manifest(run_dir), steps)
+        return load_checked_run(run_dir, load_manifest(run_dir), steps, config)
     except RecordError as exc:
         return None, [str(exc)]
 
@@ -82,12 +82,12 @@ def analyse_ablation(root: Path, config: dict[str, Any], device: str, baselines:
     for plan in plans_from_config(config, device):
         result = KnobResult(plan.knob.name, plan.knob.description, plan.with_status, plan.without_status)
         if plan.with_run is not None:
-            frame, problems = _load(root, plan.with_run.name, steps)
+            frame, problems = _load(root, plan.with_run.name, steps, config)
             result.problems += problems
             if frame is not None and not problems:
                 result.tax = _knob_tax(baselines, frame, experiment)
         if plan.without_runs:
-            (first, first_problems), (second, second_problems) = (_load(root, ref.name, steps)
+            (first, first_problems), (second, second_problems) = (_load(root, ref.name, steps, config)
                                                                   for ref in plan.without_runs)
             result.problems += first_problems + second_problems
             if first is not None and second is not None:

@@ -37,7 +37,7 @@ from taxbench.rundir.read import (
     load_manifest,
     manifest_value,
 )
-from taxbench.rundir.records import TARGET, RunWriteError, read_stop, write_atomically
+from taxbench.rundir.records import STEPS, STOP_FILE, TARGET, RunWriteError, read_stop, write_atomically
 from taxbench.stats.tax import PRECISE_HALF_WIDTH, TaxEstimate, estimate_tax, no_estimate, steps_for_half_width
 
 SUMMARY_FILE = "summary.json"
@@ -210,18 +210,21 @@ def duration(seconds: float) -> str:
 
 
 def expected_steps(root: Path, experiment: dict[str, Any]) -> tuple[int, str, list[str]]:
-    """Every run's steps, what stopped the rounds, and why that is in doubt (a precision target decides the steps
-    at run time and records them in stop.json)."""
+    """Every run's steps, what stopped the rounds, and why that is in doubt. stop.json records the steps every run
+    took (a precision target decides them at run time); without a target they must be experiment.steps."""
     steps = int(experiment["steps"])
-    if float(experiment.get("target_half_width", 0)) <= 0:
-        return steps, "steps", []
     stop = read_stop(root)
     if stop is None:
-        return steps, "unknown", [f"{root / 'stop.json'}: missing or damaged: the interleaved rounds never finished, "
+        return steps, "unknown", [f"{root / STOP_FILE}: missing or damaged: the interleaved rounds never finished, "
                                   "so the runs' length is unknown; continue the experiment "
                                   "(experiment.continue_existing=true)"]
+    if float(experiment.get("target_half_width", 0)) <= 0:
+        if stop.steps != steps or stop.stopped_by != STEPS:
+            return steps, "unknown", [f"{root / STOP_FILE}: steps={stop.steps} stopped by {stop.stopped_by}, but "
+                                      f"the manifests' experiment.steps={steps} has no precision target"]
+        return steps, STEPS, []
     if stop.steps < steps or stop.steps % int(experiment["block_steps"]):
-        return steps, "unknown", [f"{root / 'stop.json'}: steps={stop.steps} is not a whole number of blocks at "
+        return steps, "unknown", [f"{root / STOP_FILE}: steps={stop.steps} is not a whole number of blocks at "
                                   f"or above experiment.steps={steps}"]
     return stop.steps, stop.stopped_by, []
 
@@ -343,12 +346,13 @@ def _median_fingerprint_s(frames: Iterable[pd.DataFrame]) -> float:
 def analyse_experiment(root: Path) -> ExperimentAnalysis:
     first = TIMED["deterministic"].name  # every run's manifest holds the experiment's config; read it from one
     manifest = load_manifest(root / first)
+    config = manifest_value(manifest, root / first, "config")
     experiment = manifest_value(manifest, root / first, "config.experiment")
     # The gated runs, then timed runs of their own (experiment.interleave=policy: the shared model's <arm>-timed).
     names = GATED_RUNS + tuple(ref.name for ref in interleaved_runs(experiment) if ref.name not in GATED_RUNS)
     manifests = {name: manifest if name == first else load_manifest(root / name) for name in names}
     steps, stopped_by, stop_problems = expected_steps(root, experiment)
-    loaded = {name: load_checked_run(root / name, manifests[name], steps) for name in names}
+    loaded = {name: load_checked_run(root / name, manifests[name], steps, config) for name in names}
     runs = {name: frame for name, (frame, _) in loaded.items()}
     problems = {name: found for name, (_, found) in loaded.items()}
     timed = timed_runs(runs, experiment)

@@ -8,14 +8,18 @@ columnar mirror, exactly as the trainer's StepWriter lays them out.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from taxbench.design import ALL_RUNS
-from taxbench.rundir.records import METRICS, SCHEMA_VERSION, steps_file, write_manifest
+from taxbench.rundir.provenance import config_hash
+from taxbench.rundir.records import MANIFEST, METRICS, SCHEMA_VERSION, STEPS, Stop, steps_file, write_manifest
 from taxbench.rundir.step_stream import refresh_mirror
 
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -97,16 +101,17 @@ def _manifest(spec: SyntheticExperiment, name: str, arm: str, replica: str) -> d
     policy = {"name": arm, "deterministic": deterministic, "cudnn_benchmark": not deterministic,
               "allow_tf32": not deterministic, "cublas_workspace_config": ":4096:8" if deterministic else None,
               "nccl_algo": "Ring" if deterministic else None}
+    config = {
+        "recipe": {"name": spec.recipe, "micro_batch_size": 1, "global_batch_size": spec.ranks, "precision": "bf16"},
+        "cluster": {"name": "synthetic", "device": "cuda", "gpus": spec.ranks},
+        "experiment": {"name": name, "steps": spec.steps, "block_steps": spec.block_steps,
+                       "warmup_steps": spec.warmup_steps, "resume_step": spec.resume_step, "confidence": 0.95},
+        "arm_overrides": {},
+    }
     return {
         "experiment": name, "run": f"{arm}-{replica}", "arm": arm, "replica": replica,
-        "config": {
-            "recipe": {"name": spec.recipe, "micro_batch_size": 1, "global_batch_size": spec.ranks,
-                       "precision": "bf16"},
-            "cluster": {"name": "synthetic", "device": "cuda", "gpus": spec.ranks},
-            "experiment": {"name": name, "steps": spec.steps, "block_steps": spec.block_steps,
-                           "warmup_steps": spec.warmup_steps, "resume_step": spec.resume_step, "confidence": 0.95},
-            "arm_overrides": {},
-        },
+        "config": config,
+        "provenance": {"config_sha256": config_hash(config)},
         "policy": policy,
         "policy_applied": {"device": "cuda", "use_deterministic_algorithms": deterministic,
                            "env": {"NCCL_ALGO": "Ring"} if deterministic else {}},
@@ -126,4 +131,15 @@ def write_experiment(root: Path, spec: SyntheticExperiment, injection: Injection
             stream = steps_file(run_dir, int(rank))
             part.to_json(stream, orient="records", lines=True)
             refresh_mirror(stream)  # what a rank's StepWriter leaves behind when it closes
+    Stop(spec.steps, STEPS, None).write(root)
     return root
+
+
+def change_config(root: Path, change: Callable[[dict[str, Any]], None]) -> None:
+    """Apply `change` to the config in every run's manifest and hash it again: the experiment as if it had run with
+    that config (a fault, a calibration pair), for tests and demos."""
+    for path in root.glob(f"*/{MANIFEST}"):
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        change(manifest["config"])
+        manifest.setdefault("provenance", {})["config_sha256"] = config_hash(manifest["config"])
+        path.write_text(json.dumps(manifest, indent=2), encoding="utf-8")

@@ -24,7 +24,7 @@ from taxbench.analysis.equivalence import (
 )
 from taxbench.analysis.report import EQUIVALENCE_PNG, HTML_FILE, MARKDOWN_FILE, write_experiment_report
 from taxbench.analysis.summary import analyse_experiment
-from taxbench.analysis.synthetic import SyntheticExperiment, write_experiment
+from taxbench.analysis.synthetic import SyntheticExperiment, change_config, write_experiment
 
 STEPS = 200
 
@@ -140,10 +140,7 @@ def test_summary_json_holds_equivalence_apart_from_the_bitwise_outcome(tmp_path:
 def test_incomplete_runs_are_not_evaluated_and_a_calibration_pair_still_is(tmp_path: Path) -> None:
     root = write_experiment(tmp_path / "exp", SyntheticExperiment(ranks=2, steps=30, block_steps=3, seed=4,
                                                                   loss_noise=0.01))
-    manifest_path = root / "deterministic-0" / "manifest.json"
-    manifest = json.loads(manifest_path.read_text())
-    manifest["config"]["experiment"]["calibration"] = True
-    manifest_path.write_text(json.dumps(manifest))
+    change_config(root, lambda config: config["experiment"].update(calibration=True))
     calibration = analyse_experiment(root).summary
     assert calibration.outcome == "calibration" and calibration.equivalence.verdict == EQUIVALENT
 

@@ -19,7 +19,7 @@ from taxbench.analysis.publish import publish
 from taxbench.analysis.report import HTML_FILE, MARKDOWN_FILE, REPORT_DIR, STEP_TIME_PNG, SWEEP_PNG
 from taxbench.analysis.summary import analyse_experiment, render
 from taxbench.analysis.sweep import SWEEP_FILE, analyse_sweep, find_experiments
-from taxbench.analysis.synthetic import Injection, SyntheticExperiment, write_experiment
+from taxbench.analysis.synthetic import Injection, SyntheticExperiment, change_config, write_experiment
 from taxbench.config.schema import ReportConfig
 from taxbench.redaction import REDACTED, redact, redact_text
 from taxbench.rundir.read import RecordError, load_run
@@ -236,11 +236,9 @@ def test_a_proven_mismatch_outranks_missing_records(last_step_failure: Path) -> 
 
 
 def _enable_fault(root: Path, **fault: object) -> None:
-    for manifest_path in root.glob("*/manifest.json"):
-        manifest = json.loads(manifest_path.read_text())
-        manifest["config"]["experiment"]["fault"] = {"enabled": True, "arm": "deterministic", "replica": 1,
-                                                     "step": 60, "rank": 1, "kind": "flip_param_bit", **fault}
-        manifest_path.write_text(json.dumps(manifest))
+    change_config(root, lambda config: config["experiment"].update(fault={
+        "enabled": True, "arm": "deterministic", "replica": 1, "step": 60, "rank": 1, "kind": "flip_param_bit",
+        **fault}))
 
 
 def test_a_fault_that_never_fired_is_a_self_test_that_tested_nothing(tmp_path: Path) -> None:

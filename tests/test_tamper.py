@@ -16,6 +16,7 @@ from analysis.summary import analyse
 from taxbench import exit_codes
 from taxbench.launchers.worker import rank_process
 from taxbench.parallel.distributed import free_port
+from taxbench.rundir.provenance import config_hash
 from taxbench.schedule.experiment import Experiment
 
 
@@ -86,8 +87,17 @@ def test_a_manifest_copied_from_another_run_is_named(faulted: Path, tmp_path: Pa
         summary.problems)
 
 
+def rewrite_manifest(path: Path, change, rehash: bool) -> None:
+    manifest = json.loads(path.read_text())
+    change(manifest["config"])
+    if rehash:  # a forger who knows the hash is a plain sha256 of the redacted config
+        manifest["provenance"]["config_sha256"] = config_hash(manifest["config"])
+    path.write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("rehash", [False, True], ids=["config_edited", "config_rehashed"])
 def test_d4_records_cut_back_before_the_fault_with_the_stop_record_edited_are_incomplete(
-        faulted: Path, tmp_path: Path) -> None:
+        faulted: Path, tmp_path: Path, rehash: bool) -> None:
     root = copy_of(faulted, tmp_path)
     for stream in root.glob("*/steps.rank*.jsonl"):  # every run cut back to steps <= 7 (the fault fired at 8)
         kept = [line for line in stream.read_text().splitlines() if json.loads(line)["step"] <= 7]
@@ -95,13 +105,37 @@ def test_d4_records_cut_back_before_the_fault_with_the_stop_record_edited_are_in
     stop = json.loads((root / "stop.json").read_text())
     (root / "stop.json").write_text(json.dumps({**stop, "steps": 7}))
     for path in root.glob("*/manifest.json"):  # and every manifest's experiment.steps
-        manifest = json.loads(path.read_text())
-        manifest["config"]["experiment"]["steps"] = 7
-        path.write_text(json.dumps(manifest))
+        rewrite_manifest(path, lambda config: config["experiment"].update(steps=7), rehash)
     summary = analyse(root)
     assert summary.exit_code == exit_codes.INCOMPLETE and not summary.deterministic_ok
+    edited = f"{root / 'deterministic-1' / 'manifest.json'}: config_sha256 "
+    assert any(line.startswith(edited) for line in summary.problems) is not rehash, summary.problems
     assert any(line.startswith(f"{root / 'deterministic-1'}: ") and "records hold steps 1-7 only" in line
                for line in summary.problems), summary.problems
+
+
+def test_a_run_of_another_config_is_not_the_experiments_evidence(faulted: Path, tmp_path: Path) -> None:
+    root = copy_of(faulted, tmp_path)
+    rewrite_manifest(root / "baseline-1" / "manifest.json",
+                     lambda config: config["recipe"].update(seed=config["recipe"]["seed"] + 1), rehash=True)
+    summary = analyse(root)
+    assert summary.exit_code == exit_codes.NOT_DETERMINISTIC  # the repeatability gate still shows the fault
+    assert any(line.startswith(f"{root / 'baseline-1' / 'manifest.json'}: config differs from the experiment's: "
+                               "recipe.seed") for line in summary.problems), summary.problems
+
+
+@pytest.mark.parametrize("stop", ["missing", "other_steps"])
+def test_a_stop_record_missing_or_disagreeing_with_the_config_is_incomplete(
+        faulted: Path, tmp_path: Path, stop: str) -> None:
+    root = copy_of(faulted, tmp_path)
+    stop_file = root / "stop.json"
+    if stop == "missing":
+        stop_file.unlink()
+    else:
+        stop_file.write_text(json.dumps({**json.loads(stop_file.read_text()), "steps": 9}))
+    summary = analyse(root)
+    assert summary.exit_code in (exit_codes.INCOMPLETE, exit_codes.NOT_DETERMINISTIC)
+    assert any(line.startswith(f"{stop_file}: ") for line in summary.problems), summary.problems
 
 
 def test_a_fault_under_a_gate_that_still_agrees_is_called_out_and_not_a_pass(faulted: Path, tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from taxbench.analysis.publish import publish
 from taxbench.analysis.report import HTML_FILE, REPORT_DIR, write_experiment_report
 from taxbench.analysis.summary import analyse_experiment
 from taxbench.analysis.sweep import analyse_sweep
-from taxbench.analysis.synthetic import Injection, SyntheticExperiment, write_experiment
+from taxbench.analysis.synthetic import Injection, SyntheticExperiment, change_config, write_experiment
 from taxbench.analysis.wandb_log import WandbUnavailable, import_wandb, log_experiment, log_sweep
 from taxbench.config.schema import ReportConfig
 from taxbench.rundir.read import step_times
@@ -132,8 +132,8 @@ def write_multirun_sweep(sweep_root: Path) -> list[Path]:
         root = write_experiment(sweep_root / f"point{number}", SyntheticExperiment(ranks=ranks, seed=ranks))
         for manifest_path in root.glob("*/manifest.json"):
             manifest = json.loads(manifest_path.read_text())
-            manifest["provenance"] = {"overrides": ["experiment.steps=60", f"cluster.cpu_ranks={ranks}",
-                                                    "+recipe=dense_tiny"]}
+            manifest["provenance"]["overrides"] = ["experiment.steps=60", f"cluster.cpu_ranks={ranks}",
+                                                   "+recipe=dense_tiny"]
             manifest_path.write_text(json.dumps(manifest))
         points.append(root)
     return points
@@ -162,11 +162,8 @@ def test_incomplete_experiment_and_fault_reach_the_wandb_summary(tmp_path: Path,
     root = write_experiment(tmp_path / "exp", SyntheticExperiment(ranks=2, steps=12, block_steps=3, resume_step=6))
     stream = root / "deterministic-1" / "steps.rank1.jsonl"
     stream.write_text("".join(stream.read_text().splitlines(keepends=True)[:8]))
-    for manifest_path in root.glob("*/manifest.json"):
-        manifest = json.loads(manifest_path.read_text())
-        manifest["config"]["experiment"]["fault"] = {"enabled": True, "arm": "deterministic", "replica": 1,
-                                                     "kind": "flip_param_bit", "step": 12, "rank": 1}
-        manifest_path.write_text(json.dumps(manifest))
+    change_config(root, lambda config: config["experiment"].update(fault={
+        "enabled": True, "arm": "deterministic", "replica": 1, "kind": "flip_param_bit", "step": 12, "rank": 1}))
     run_dir = log_experiment(analyse_experiment(root), SETTINGS)
     summary = inspect(run_dir, "--summary")[0]["summary"]
     assert summary["outcome"] == "incomplete" and summary["exit_code"] == 4 and summary["deterministic_ok"] is False

@@ -14,6 +14,8 @@ from omegaconf.errors import OmegaConfBaseException
 from taxbench.config.schema import ARM_NAMES, ClusterConfig, ConfigError, RecipeConfig, TaxbenchConfig
 
 COMPARED_SECTIONS = ("recipe", "cluster")
+# Settings that may change when an interrupted experiment is continued: they do not affect what the runs compute.
+CONTINUE_MAY_CHANGE = ("experiment.continue_existing", "report.")
 
 
 def arm_run_config(cfg: TaxbenchConfig, arm: str) -> dict[str, Any]:
@@ -44,6 +46,12 @@ def differences(a: Any, b: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
             out += differences(a.get(key), b.get(key), f"{prefix}.{key}" if prefix else str(key))
         return out
     return [] if a == b else [(prefix, a, b)]
+
+
+def experiment_differences(stored: Any, current: Any) -> list[tuple[str, Any, Any]]:
+    """differences() between two configs of one experiment (a run's and the experiment's, or a continue's), less
+    the settings a continue may change."""
+    return [d for d in differences(stored, current) if not d[0].startswith(CONTINUE_MAY_CHANGE)]
 
 
 def pair_differences(cfg: TaxbenchConfig) -> list[tuple[str, Any, Any]]:

@@ -23,7 +23,7 @@ from typing import TextIO
 
 from omegaconf import OmegaConf
 
-from taxbench.config.pairing import differences
+from taxbench.config.pairing import experiment_differences
 from taxbench.config.schema import ConfigError, TaxbenchConfig
 from taxbench.design import ALL_RUNS, TIMED
 from taxbench.oserrors import describe_os_error
@@ -31,8 +31,6 @@ from taxbench.redaction import redact, redact_text
 from taxbench.rundir.read import RecordError, load_manifest
 
 LOCK_FILE = ".taxbench.lock"
-# Settings that may change when an interrupted experiment is continued: they do not affect what the runs compute.
-CONTINUE_MAY_CHANGE = ("experiment.continue_existing", "report.")
 
 
 def experiment_root(cfg: TaxbenchConfig, point: int | None = None) -> Path:
@@ -117,7 +115,7 @@ def _require_same_config(root: Path, cfg: TaxbenchConfig) -> None:
 
     # The stored config went through redaction; compare like with like.
     current = redact(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True))
-    changed = [d for d in differences(stored, current) if not d[0].startswith(CONTINUE_MAY_CHANGE)]
+    changed = experiment_differences(stored, current)
     if changed:
         lines = "\n".join(f"  {key}: was {a!r}, now {b!r}" for key, a, b in changed)
         raise ConfigError(

@@ -8,7 +8,11 @@ reads columnar data: an edited stream, a stale or foreign mirror, or a flipped b
 parsing the JSONL, never a different frame. mtimes play no part: a copy (cp, rsync without -t) keeps its mirrors.
 
 `check_run` checks a loaded run against its manifest: every rank of the world, every step 1..steps, nothing twice,
-nothing outside that grid. Its findings make an experiment "incomplete" (taxbench.analysis.summary).
+nothing outside that grid. `identity_problems` and `config_problems` check that the evidence is its run's: the
+manifest and every record name the folder they lie in, the manifest's config is the one its config_sha256 was taken
+of and the experiment's, its policy the config's for its arm. All findings make an experiment "incomplete"
+(taxbench.analysis.summary). They catch evidence moved or mixed up between runs and edits that forget a field, not a
+careful forgery of every field (the config hash is a plain sha256 anyone can recompute).
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from taxbench.config.pairing import differences, experiment_differences
+from taxbench.redaction import redact
+from taxbench.rundir.provenance import config_hash
 from taxbench.rundir.records import MANIFEST, METRICS, SCHEMA_VERSION
 from taxbench.rundir.step_stream import STEP_SCHEMA, read_stream, records_of, write_mirror
 
@@ -296,12 +303,43 @@ def stream_ranks(run_dir: Path) -> tuple[list[int], list[str]]:
     return sorted(ranks), odd
 
 
-def load_checked_run(run_dir: Path, manifest: dict, steps: int) -> tuple[pd.DataFrame, list[str]]:
+def load_checked_run(run_dir: Path, manifest: dict, steps: int, config: dict[str, Any],
+                     ) -> tuple[pd.DataFrame, list[str]]:
     """One run's records and what keeps them from covering `steps` x its manifest's ranks, or from being this run's
-    own (a manifest or records of another run copied into its folder)."""
+    own: a manifest or records of another run copied into its folder, a config edited or not the experiment's
+    (`config`)."""
     world = int(manifest_value(manifest, run_dir, "layout.world_size"))
     frame = load_run(run_dir, empty_ok=True)
-    return frame, identity_problems(run_dir, manifest, frame) + check_run(run_dir.name, run_dir, frame, steps, world)
+    return frame, (identity_problems(run_dir, manifest, frame) + config_problems(run_dir, manifest, config)
+                   + check_run(run_dir.name, run_dir, frame, steps, world))
+
+
+def config_problems(run_dir: Path, manifest: dict, config: dict[str, Any]) -> list[str]:
+    """What says the manifest's config is not this experiment's: a config that is not the one its config_sha256 was
+    taken of (edited after the run), one that differs from the experiment's `config` in anything a continue may not
+    change, a policy that is not the config's for the run's arm."""
+    where = run_dir / MANIFEST
+    own, stored = manifest.get("config"), (manifest.get("provenance") or {}).get("config_sha256")
+    if not isinstance(own, dict) or not isinstance(stored, str):
+        return [f"{where}: lacks its config or provenance.config_sha256; the manifest is damaged or edited"]
+    problems = []
+    if config_hash(own) != stored:
+        problems.append(f"{where}: config_sha256 {stored[:12]}... is not the hash of its config "
+                        f"({config_hash(own)[:12]}...): the config was edited after the run")
+    changed = experiment_differences(own, config)
+    if changed:
+        problems.append(f"{where}: config differs from the experiment's: {_changed_text(changed)}")
+    policy = (config.get("arms") or {}).get(manifest.get("arm"))
+    if policy is not None and differences(manifest.get("policy"), policy):
+        problems.append(f"{where}: policy is not the config's arms.{manifest.get('arm')}: "
+                        f"{_changed_text(differences(manifest.get('policy'), policy))}")
+    return problems
+
+
+def _changed_text(changed: list[tuple[str, Any, Any]], limit: int = 3) -> str:
+    """The differing settings, values redacted (a manifest of an older taxbench may hold secrets)."""
+    shown = "; ".join(f"{key} {redact(a)!r} here, {redact(b)!r} in the experiment" for key, a, b in changed[:limit])
+    return shown + (f"; ... ({len(changed)} settings)" if len(changed) > limit else "")
 
 
 def identity_problems(run_dir: Path, manifest: dict, frame: pd.DataFrame) -> list[str]:
