@@ -5,8 +5,9 @@ Every hot spot whose fast implementation is nondeterministic has a fixed-order t
 
 - router top-k: `torch.topk` (the index returned among tied scores is unspecified) vs a stable descending sort that
   breaks ties by the lower expert index;
-- dispatch: `x[index]` (its backward is index_put_(accumulate=True): atomic adds) vs `index_select` (backward
-  index_add_, serial on CPU and sort-based on CUDA under deterministic algorithms);
+- dispatch: a gather whose backward scatters with atomic adds - `x[index]` on CPU (backward index_put_(accumulate=
+  True)), `index_select` on CUDA (backward index_add_: atomicAdd) - vs `index_select` (backward index_add_, serial on
+  CPU and sort-based on CUDA under deterministic algorithms);
 - combine: atomic adds of the weighted expert outputs onto the shared-expert output, as fast MoE kernels do, whose
   summation order changes run to run: `index_put_(accumulate=True)` on CPU (atomic float adds across threads with 2+
   threads and >= 32768 elements; CPU's index_add_ is serial) and `index_add_` (atomicAdd) on CUDA, where
@@ -157,7 +158,7 @@ class MoEFeedForward(nn.Module):
             order = torch.argsort(slot_expert)
         slot_token = torch.arange(n_tokens, device=x.device).repeat_interleave(k)
         dispatch_index = slot_token[order]
-        if self.deterministic_kernels:
+        if self.deterministic_kernels or tokens.device.type == "cuda":
             dispatched = tokens.index_select(0, dispatch_index)
         else:
             dispatched = tokens[dispatch_index]
