@@ -1,7 +1,8 @@
 """After an experiment or for `taxbench report`: analyse, write the HTML/markdown report, log to wandb, print a summary.
 
-A folder holding deterministic-0/ is one experiment; any other folder is treated as a sweep of the experiments
-below it (see taxbench.analysis.sweep).
+A folder holding deterministic-0/ is one experiment, a folder holding layouts.json the output of `taxbench layouts`
+(taxbench.analysis.layouts); any other folder is treated as a sweep of the experiments below it (see
+taxbench.analysis.sweep).
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from pathlib import Path
 
 from rich.console import Console
 
-from taxbench.analysis.report import REPORT_DIR, write_experiment_report, write_sweep_report
+from taxbench.analysis.layouts import analyse_layouts, is_layouts_folder, render_layouts
+from taxbench.analysis.report import REPORT_DIR, write_experiment_report, write_layouts_report, write_sweep_report
 from taxbench.analysis.summary import ExperimentAnalysis, analyse_experiment, render
 from taxbench.analysis.sweep import PointName, analyse_sweep, is_experiment, render_sweep
-from taxbench.analysis.wandb_log import WandbUnavailable, import_wandb, log_experiment, log_sweep
+from taxbench.analysis.wandb_log import WandbUnavailable, import_wandb, log_experiment, log_layouts, log_sweep
 from taxbench.config.schema import ReportConfig
 from taxbench.diagnostics import logger
 
@@ -64,8 +66,23 @@ def publish(root: Path, settings: ReportConfig, group: str | None = None, strict
                 raise
             log.warning("wandb logging skipped: %s", exc)
             settings = replace(settings, wandb=False)
+    if is_layouts_folder(root):
+        return _publish_layouts(root, settings, group, strict_wandb, console)
     return (_publish_experiment if is_experiment(root) else _publish_sweep)(root, settings, group, strict_wandb,
                                                                             console)
+
+
+def _publish_layouts(root: Path, settings: ReportConfig, group: str | None, strict_wandb: bool,
+                     console: Console | None) -> Published:
+    analysis = analyse_layouts(root)
+    html = write_layouts_report(analysis) if settings.html else None
+    runs = []
+    if settings.wandb and (run := _wandb(strict_wandb, log_layouts, analysis, settings, group)):
+        runs.append(run)
+    render_layouts(analysis.summary, console, html)
+    _say_wandb(runs, console)
+    summary = analysis.summary
+    return Published(not summary.not_repeatable and not summary.problems, html, tuple(runs), summary.exit_code)
 
 
 def _publish_experiment(root: Path, settings: ReportConfig, group: str | None, strict_wandb: bool,

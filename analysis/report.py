@@ -30,6 +30,13 @@ from taxbench.analysis.equivalence import (
     RELATIVE_FLOOR,
     Equivalence,
 )
+from taxbench.analysis.layouts import (
+    LayoutsAnalysis,
+    first_difference_text,
+    initial_weights_line,
+    repeatable_text,
+    weights_text,
+)
 from taxbench.analysis.plots import (
     equivalence_plot,
     step_time_plot,
@@ -560,3 +567,60 @@ def _sweep_verdict(sweep: SweepAnalysis, nothing_analysed: bool) -> Paragraph:
 
 def write_sweep_report(sweep: SweepAnalysis, point_reports: dict[str, Path] | None = None) -> Path:
     return write_report(sweep_report(sweep, point_reports), sweep.root / REPORT_DIR)
+
+
+# --------------------------------------------------------------------------------------------------------- layouts
+LAYOUTS_INTRO = (
+    "One recipe under several parallel layouts, two runs of one policy per layout. **Repeatable** compares a "
+    "layout's two runs bit for bit (every rank's fingerprints). Across layouts, where each rank fingerprints a "
+    "different shard, the comparison uses what no layout changes: the weights at step 0 and at the last step by "
+    "their layout-invariant digest, and per step the job's loss (mean of the ranks' losses, rounded to float32) and "
+    "gradient norm, with their distance in float32 ulps. This is validation, not a gate: differences between "
+    "layouts are findings (reduction order changes with the layout), and only a layout that is not repeatable on "
+    "its own (exit 3) or missing evidence (exit 4) fails the command."
+)
+
+
+def layouts_report(analysis: LayoutsAnalysis) -> Report:
+    summary = analysis.summary
+    plan = summary.plan
+    tone, line = summary.verdict()
+    weights_tone, weights_line = initial_weights_line(summary)
+    blocks: list[Block] = [
+        Paragraph(f"recipe **{plan.recipe}** · {plan.world_size} ranks · policy {plan.arm} · {plan.steps} steps x 2 "
+                  f"runs per layout · results {summary.root} · generated {datetime.now(UTC):%Y-%m-%d %H:%M UTC}"),
+        Paragraph(line, tone=tone),
+        Paragraph(weights_line, tone=weights_tone),
+        Heading("Cross-layout validation"),
+        Paragraph(LAYOUTS_INTRO),
+        Heading("Layouts", level=3),
+        TableBlock(["layout", "factors", "repeatable", "median step", "wall time"],
+                   [[layout.name, layout.factors, repeatable_text(layout.repeatable), ms(layout.median_step_s, 3),
+                     "n/a" if layout.seconds is None else f"{layout.seconds:.1f} s"] for layout in summary.layouts],
+                   [not layout.repeatable.agree for layout in summary.layouts], highlight_class="bad"),
+        Heading("Layout pairs", level=3),
+        TableBlock(["pair", "step-0 weights", "first difference", "max loss ulp", "max grad-norm ulp",
+                    "final weights"],
+                   [[f"{pair.reference} vs {pair.candidate}", weights_text(pair.initial_weights_identical),
+                     first_difference_text(pair), _value(pair.max_ulp("loss")), _value(pair.max_ulp("grad_norm")),
+                     weights_text(pair.final_weights_identical)] for pair in summary.pairs],
+                   [not pair.identical for pair in summary.pairs]),
+    ]
+    if summary.pairs:
+        header = ["step"] + [f"{pair.reference} vs {pair.candidate}" for pair in summary.pairs]
+        rows = [[str(step)] + [f"{_value(pair.loss_ulp[i])} / {_value(pair.grad_norm_ulp[i])}"
+                               for pair in summary.pairs] for i, step in enumerate(summary.pairs[0].steps)]
+        blocks += [Paragraph("Ulp distance per step, loss / grad norm (0: bitwise equal; -: a NaN or a missing "
+                             "step)."), TableBlock(header, rows, collapsed=f"all {len(rows)} steps")]
+    notes = [note for layout in summary.layouts for note in layout.notes]
+    if notes:
+        blocks += [Paragraph(note, tone="warn") for note in notes]
+    if summary.problems:
+        blocks += [Heading("Incomplete evidence", level=3),
+                   TableBlock(["what is missing"], [[p] for p in summary.problems], [True] * len(summary.problems),
+                              highlight_class="bad")]
+    return Report(f"taxbench layouts: {Path(summary.root).name}", blocks)
+
+
+def write_layouts_report(analysis: LayoutsAnalysis, out_dir: Path | None = None) -> Path:
+    return write_report(layouts_report(analysis), out_dir or Path(analysis.summary.root) / REPORT_DIR)

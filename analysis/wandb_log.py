@@ -30,6 +30,7 @@ from typing import Any
 import pandas as pd
 
 from taxbench.analysis.equivalence import Equivalence
+from taxbench.analysis.layouts import LayoutsAnalysis, first_difference_text, repeatable_text, weights_text
 from taxbench.analysis.report import EQUIVALENCE_PNG, STEP_TIME_PNG, SWEEP_PNG
 from taxbench.analysis.summary import ExperimentAnalysis, ExperimentSummary, finite_or_none, verdict_line
 from taxbench.analysis.sweep import PointName, SweepAnalysis
@@ -292,6 +293,47 @@ def log_sweep(sweep: SweepAnalysis, settings: ReportConfig, report_dir: Path | N
         run.summary.update({"deterministic_ok": sweep.deterministic_ok, "exit_code": sweep.exit_code,
                             "points": len(points), "errors": len(sweep.errors),
                             "incomplete": int((points["outcome"] == "incomplete").sum())})
+        run_dir = Path(run.dir).parent
+    finally:
+        run.finish()
+    return run_dir
+
+
+LAYOUT_COLUMNS = ["layout", "pp", "tp", "dp", "ep", "data_parallel", "repeatable", "outcome", "median_step_s",
+                  "wall_s"]
+LAYOUT_PAIR_COLUMNS = ["reference", "candidate", "step0_weights", "first_difference_step", "first_difference_metric",
+                       "first_difference", "max_loss_ulp", "max_grad_norm_ulp", "final_weights"]
+LAYOUT_ULP_COLUMNS = ["step", "reference", "candidate", "loss_ulp", "grad_norm_ulp"]
+
+
+def log_layouts(analysis: LayoutsAnalysis, settings: ReportConfig, group: str | None = None) -> Path:
+    """One wandb run for a `taxbench layouts` folder: a table of layouts, one of layout pairs, one of per-step ulps,
+    and the verdict in the summary. Returns the run folder."""
+    wandb = import_wandb()
+    summary = analysis.summary
+    plan = summary.plan
+    root = Path(summary.root)
+    run = _init(wandb, settings, root, "layouts", root.name, group,
+                {"recipe": plan.recipe, "arm": plan.arm, "steps": plan.steps, "world_size": plan.world_size,
+                 "layouts": plan.layouts}, ("layouts",))
+    try:
+        layouts = [[layout.name, *(layout.layout.get(key) for key in ("pp", "tp", "dp", "ep", "data_parallel")),
+                    repeatable_text(layout.repeatable), layout.repeatable.outcome,
+                    finite_or_none(layout.median_step_s), layout.seconds] for layout in summary.layouts]
+        pairs = [[pair.reference, pair.candidate, weights_text(pair.initial_weights_identical),
+                  None if pair.first_difference is None else pair.first_difference[0],
+                  None if pair.first_difference is None else pair.first_difference[1],
+                  first_difference_text(pair), pair.max_ulp("loss"), pair.max_ulp("grad_norm"),
+                  weights_text(pair.final_weights_identical)] for pair in summary.pairs]
+        ulps = [[step, pair.reference, pair.candidate, loss, norm] for pair in summary.pairs
+                for step, loss, norm in zip(pair.steps, pair.loss_ulp, pair.grad_norm_ulp, strict=True)]
+        run.log({"layouts": wandb.Table(columns=LAYOUT_COLUMNS, data=layouts),
+                 "layout_pairs": wandb.Table(columns=LAYOUT_PAIR_COLUMNS, data=pairs),
+                 "layout_ulps": wandb.Table(columns=LAYOUT_ULP_COLUMNS, data=ulps)})
+        run.summary.update({"verdict": summary.verdict()[1], "exit_code": summary.exit_code,
+                            "initial_weights_identical": summary.initial_weights_identical,
+                            "not_repeatable": ", ".join(summary.not_repeatable),
+                            "incomplete": "\n".join(summary.problems)})
         run_dir = Path(run.dir).parent
     finally:
         run.finish()

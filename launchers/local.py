@@ -14,7 +14,7 @@ import shlex
 import shutil
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch.multiprocessing as mp
@@ -51,14 +51,20 @@ def die_with_parent(parent_pid: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+# What a spawned rank runs: (rank, world size, local rank, config, experiment folder, master address, port).
+RankMain = Callable[[int, int, int, TaxbenchConfig, str, str, int], None]
+
+
 def _spawned(local_rank: int, launcher_pid: int, log_level: int, world: int, cfg: TaxbenchConfig, root: str,
-             addr: str, port: int) -> None:
+             addr: str, port: int, rank_main: RankMain) -> None:
     die_with_parent(launcher_pid)
     logging.getLogger(NAMESPACE).setLevel(log_level)  # the launcher's, e.g. DEBUG under hydra.verbose=taxbench
-    run_rank(local_rank, world, local_rank, cfg, root, addr, port)
+    rank_main(local_rank, world, local_rank, cfg, root, addr, port)
 
 
-def launch_local(cfg: TaxbenchConfig, root: Path) -> None:
+def start_ranks(cfg: TaxbenchConfig, root: Path, rank_main: RankMain = run_rank) -> None:
+    """Run `rank_main` in a process per rank of the world and wait for them; RankFailed (what happened, one line)
+    when one dies or raises."""
     world = world_size(cfg.cluster)
     addr = cfg.cluster.master_addr
     port = cfg.cluster.master_port or free_port(addr)
@@ -67,10 +73,17 @@ def launch_local(cfg: TaxbenchConfig, root: Path) -> None:
     log.debug("starting %d rank processes (gloo/NCCL rendezvous at %s:%d)", world, addr, port)
     try:
         mp.start_processes(_spawned, args=(os.getpid(), logging.getLogger(NAMESPACE).getEffectiveLevel(), world,
-                                           cfg, str(root), addr, port),
+                                           cfg, str(root), addr, port, rank_main),
                            nprocs=world, join=True, start_method="spawn")
     except (mp.ProcessExitedException, mp.ProcessRaisedException) as exc:
-        raise rank_failed(rank_failure(exc), cfg.experiment.name) from None
+        raise RankFailed(rank_failure(exc)) from None
+
+
+def launch_local(cfg: TaxbenchConfig, root: Path) -> None:
+    try:
+        start_ranks(cfg, root)
+    except RankFailed as exc:
+        raise rank_failed(str(exc), cfg.experiment.name) from None
 
 
 def rank_failed(what: str, name: str) -> RankFailed:

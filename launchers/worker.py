@@ -15,6 +15,7 @@ from taxbench.parallel import distributed
 from taxbench.parallel.distributed import DistContext
 from taxbench.progress import step_progress
 from taxbench.schedule.experiment import Experiment, total_steps
+from taxbench.schedule.repeats import REPLICAS, RepeatedRuns
 
 
 @contextmanager
@@ -43,3 +44,11 @@ def run_schedule(cfg: TaxbenchConfig, ctx: DistContext, root: Path) -> None:
     """This rank's share of the experiment schedule (rank 0 shows the progress)."""
     with step_progress(total_steps(cfg), f"{cfg.experiment.name}", enabled=ctx.rank == 0) as progress:
         Experiment(cfg, ctx, root, progress).run()
+
+
+def run_repeats_rank(rank: int, world_size: int, local_rank: int, cfg: TaxbenchConfig, root: str,
+                     master_addr: str, master_port: int, arm: str) -> None:
+    """This rank's share of two whole runs of `arm` (taxbench layouts: one layout's folder)."""
+    with rank_process([cfg], rank, world_size, local_rank, master_addr, master_port) as ctx, \
+            step_progress(len(REPLICAS) * cfg.experiment.steps, Path(root).name, enabled=rank == 0) as progress:
+        RepeatedRuns(cfg, ctx, Path(root), arm, progress).run()

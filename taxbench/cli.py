@@ -7,6 +7,7 @@
     python -m taxbench report runs/<experiment or sweep> [--wandb]
     python -m taxbench diff RUN_A RUN_B             # tracing ladder: first origin per rank
     python -m taxbench localize RUN_A RUN_B         # replay deeper rungs until an op is named
+    python -m taxbench layouts +recipe=moe_1t_proxy 'layouts=[pp1.dp4, pp2.dp2]'   # cross-layout validation
     python -m taxbench build-shards corpus.txt shards/
 
 The command line is the top of the import graph. It imports what a command needs where the command starts, so that
@@ -247,6 +248,82 @@ def subcommand(argv: list[str]) -> int:
 
 
 SUBCOMMANDS = ("analyse", "report", "build-shards", "diff", "localize")
+# Subcommands that take Hydra overrides like an experiment, plus keys of their own.
+LAYOUTS = "layouts"
+HYDRA_SUBCOMMANDS = (LAYOUTS,)
+LAYOUTS_USAGE = """usage: taxbench layouts [hydra overrides] 'layouts=[L1, L2, ...]' [policy=deterministic|baseline]
+
+Runs the recipe under each layout, two runs of one arm's policy per layout (default: the deterministic arm), and
+compares them: whether each layout is repeatable on its own, the step-0 and final weights by a layout-invariant digest,
+and per step the loss and gradient norm with their distance in float32 ulps. A layout is dot-joined factors:
+pp<N>, tp<N>, dp<N>, ep<N>, v<N> (virtual stages), ddp or fsdp; a factor left out is 1, dp follows from the world size
+(cluster.cpu_ranks). experiment.steps sets the steps per run (default 8). Exit 0 when every layout is repeatable,
+3 when one is not, 4 when evidence is missing, 2 for bad input.
+
+  python -m taxbench layouts +recipe=moe_1t_proxy 'layouts=[pp1.dp4, pp2.dp2, pp2.dp2.ep2, tp2.dp2]'
+"""
+
+
+def _override_key(override: str) -> str:
+    return override.lstrip("+~").partition("=")[0]
+
+
+def _compose(overrides: list[str]) -> DictConfig:
+    """The config an experiment with these overrides would get (Hydra's compose API: no run folder, no logging)."""
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(config_module="taxbench.conf", version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def run_layouts_command(argv: list[str]) -> int:
+    """`taxbench layouts`: one recipe under several parallel layouts (taxbench.launchers.layouts)."""
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(LAYOUTS_USAGE)
+        return exit_codes.OK
+    from taxbench.analysis.publish import report
+    from taxbench.config.layout_names import parse_layout_list
+    from taxbench.launchers.layouts import check_arm, layout_configs, repeat_settings, run_layouts
+    from taxbench.rundir.read import RecordError
+
+    own = {"layouts": None, "policy": "deterministic"}
+    overrides = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and key in own:
+            own[key] = value
+        else:
+            overrides.append(arg)
+    if own["layouts"] is None:
+        fail("taxbench layouts needs the layouts to compare, e.g. 'layouts=[pp1.dp4, pp2.dp2]' (see taxbench "
+             "layouts --help)")
+    policy = str(own["policy"])
+    given = {_override_key(o) for o in overrides}
+    warnings.filterwarnings("error", message=_MISSING_SEARCHPATH, category=UserWarning)
+    try:
+        layouts = parse_layout_list(str(own["layouts"]))
+        cfg = to_typed(OmegaConf.to_container(_compose(overrides), resolve=True))  # type: ignore[arg-type]
+        if cfg.cluster.launcher is not Launcher.local:
+            raise ConfigError(f"taxbench layouts launches the layouts on this machine; cluster={cfg.cluster.name} "
+                              "is not supported yet, use cluster=local")
+        check_arm(cfg, policy)
+        cfg = repeat_settings(cfg, cfg.experiment.steps if "experiment.steps" in given else None)
+        if "experiment.name" not in given:
+            cfg.experiment.name = f"layouts-{cfg.experiment.name}"
+        configs = layout_configs(cfg, layouts)
+        with claimed(cfg, experiment_root(cfg)) as root:
+            capture_launch()
+            run_layouts(configs, policy, root)
+            return report(root, cfg.report)
+    except (ConfigError, RecordError) as exc:
+        fail(str(exc))
+    except _HYDRA_INPUT_ERRORS as exc:
+        fail(_config_error_line(exc))
+    except yaml.YAMLError as exc:
+        fail(_yaml_error_line(exc))
+    except UserWarning as exc:
+        fail(_searchpath_error_line(exc))
+    return exit_codes.CONFIG_ERROR
 
 # Hydra and OmegaConf raise these for a bad override, an unknown config group option or a wrong type.
 _HYDRA_INPUT_ERRORS = (HydraException, OmegaConfBaseException)
@@ -322,7 +399,7 @@ def _complete_subcommands(comp_line: str) -> bool:
     if comp_line[-1:].isspace():
         words.append("")
     if len(words) == 1:
-        for name in SUBCOMMANDS:
+        for name in SUBCOMMANDS + HYDRA_SUBCOMMANDS:
             if name.startswith(words[0]):
                 print(name)
     return len(words) > 1 and words[0] in SUBCOMMANDS
@@ -334,11 +411,14 @@ def main() -> None:
         return
     if argv and argv[0] in SUBCOMMANDS:
         raise SystemExit(subcommand(argv))
+    if argv and argv[0] == LAYOUTS:
+        raise SystemExit(run_layouts_command(argv[1:]))
     word = _unknown_word(argv)
     if word is not None:
-        close = difflib.get_close_matches(word, SUBCOMMANDS, n=1)
+        close = difflib.get_close_matches(word, SUBCOMMANDS + HYDRA_SUBCOMMANDS, n=1)
         hint = f"did you mean `taxbench {close[0]}`? " if close else ""
-        fail(f"unknown subcommand or override {word!r}; {hint}subcommands: {', '.join(SUBCOMMANDS)}; overrides look "
+        fail(f"unknown subcommand or override {word!r}; {hint}subcommands: "
+             f"{', '.join(SUBCOMMANDS + HYDRA_SUBCOMMANDS)}; overrides look "
              "like key=value (`python -m taxbench --help`)")
     # Hydra prints its own errors with exit 1; let them reach us instead, so that a config error is one line, exit 2.
     full_errors = os.environ.get("HYDRA_FULL_ERROR") == "1"

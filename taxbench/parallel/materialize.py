@@ -11,6 +11,7 @@ parallelism, from the expert slice the layer keeps (`global_rows`).
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -69,12 +70,23 @@ def _global_rows(model: nn.Module) -> dict[str, tuple[int, int]]:
     return found
 
 
+def local_and_view(param: torch.Tensor, global_rows: tuple[int, int] | None = None,
+                   ) -> tuple[torch.Tensor, GlobalView]:
+    """This rank's tensor of a (possibly DTensor) parameter and where it lies in the unsplit parameter."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    return local, global_view(param, global_rows)
+
+
+def parameter_views(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, GlobalView]]:
+    """Every parameter of this rank's share (a model part) by its name in the unsplit model: its local tensor and
+    where that lies in the unsplit parameter."""
+    rows = _global_rows(model)
+    for name, param in model.named_parameters():
+        local, view = local_and_view(param, rows.get(name))
+        yield name, local, view
+
+
 def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     """Allocate this rank's share of a meta-device model on `device` and fill every parameter by its rule."""
     rows = _global_rows(model)
-
-    def view_of(name: str, param: torch.Tensor) -> tuple[torch.Tensor, GlobalView]:
-        local = param.to_local() if isinstance(param, DTensor) else param
-        return local, global_view(param, rows.get(name))
-
-    fill_model(model, device, seed, view_of)
+    fill_model(model, device, seed, lambda name, param: local_and_view(param, rows.get(name)))

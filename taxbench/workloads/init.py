@@ -13,7 +13,7 @@ transcendental function whose last bit could depend on vectorisation or on how m
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -110,20 +110,25 @@ def fill_local(local: torch.Tensor, view: GlobalView, rule: InitRule, key: int) 
         return
     if local.numel() == 0:
         return
+    flat = local.view(len(view.indices[0]) if view.shape else 1, -1)
+    for rows, index in global_index_chunks(view, local.device):
+        flat[rows].copy_(normal_values(index, key, rule.std, local.dtype))
+
+
+def global_index_chunks(view: GlobalView, device: torch.device) -> Iterator[tuple[slice, torch.Tensor]]:
+    """The global linear index of every local element, in chunks of local rows (dimension 0) of about
+    CHUNK_ELEMENTS: (the local rows, their indices as a [rows, elements per row] int64 tensor on `device`)."""
     strides = [1] * len(view.shape)
     for dim in range(len(view.shape) - 2, -1, -1):
         strides[dim] = strides[dim + 1] * view.shape[dim + 1]
-    device = local.device
     rows = view.indices[0].to(device) * strides[0] if view.shape else torch.zeros(1, dtype=torch.long, device=device)
     rest = torch.zeros((), dtype=torch.long, device=device)
     for dim in range(1, len(view.shape)):
         rest = rest.unsqueeze(-1) + view.indices[dim].to(device) * strides[dim]
     rest = rest.reshape(-1)
-    flat = local.view(len(rows), -1)
     step = max(1, CHUNK_ELEMENTS // max(1, rest.numel()))
     for start in range(0, len(rows), step):
-        index = rows[start:start + step, None] + rest[None, :]
-        flat[start:start + step].copy_(normal_values(index, key, rule.std, local.dtype))
+        yield slice(start, start + step), rows[start:start + step, None] + rest[None, :]
 
 
 ViewOf = Callable[[str, torch.Tensor], tuple[torch.Tensor, GlobalView]]

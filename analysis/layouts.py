@@ -1,0 +1,435 @@
+"""`taxbench layouts`: one recipe run under several parallel layouts, compared layout against layout.
+
+Validation, not a gate. Per layout: whether its two runs agree bit for bit (repeatable on its own: every rank's
+fingerprints, as the repeatability gate compares them). Across layouts, where per-rank fingerprints cannot compare
+(each rank fingerprints its own shard), the layout-invariant quantities:
+- the weights at step 0 and at the last step, by their layout-invariant digest (taxbench.parallel.logical_digest):
+  layout-invariant initial values make step 0 identical by construction, and this is the evidence that it is;
+- per step, the loss and the gradient norm of the whole job as float32 bit patterns, and their distance in ulps
+  (units in the last place: how many float32 values lie between them).
+The loss of a step is the mean of the ranks' recorded losses (data-parallel ranks each record their own batch's;
+ranks of one replica record the same bits), taken in float64 and rounded to float32: exact for these few values, so
+the number does not depend on the order it is summed in. The gradient norm is already the whole model's on every rank.
+
+Outcome: exit 0 when every layout is repeatable, whatever differs between layouts (that is the finding); exit 3 when
+a layout is not repeatable on its own (then its differences to others mean nothing); exit 4 when evidence is missing,
+truncated or unreadable (a run cut short, a missing digest), never a pass.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from taxbench import exit_codes
+from taxbench.analysis.summary import duration, ms, write_result
+from taxbench.analysis.verdicts import DIFFERS, Verdict, compare_runs
+from taxbench.design import run_name
+from taxbench.parallel.logical_digest import weights_file
+from taxbench.rundir.read import RecordError, load_checked_run, load_manifest, read_json_object
+
+PLAN_FILE = "layouts.json"  # <root>/layouts.json: what was asked for and how each layout's launch went
+SUMMARY_FILE = "summary.json"
+REPLICAS = ("0", "1")
+INITIAL = "0"  # the weights' step before any training
+LOSS, GRAD_NORM, WEIGHTS = "loss", "grad_norm", "weights"
+
+
+# ------------------------------------------------------------------------------------------------ the plan record
+@dataclass
+class LaunchRecord:
+    seconds: float | None = None  # wall-clock time of the layout's two runs (process start to exit)
+    failure: str | None = None  # a rank that died or raised, one line
+
+
+@dataclass
+class LayoutsPlan:
+    recipe: str
+    arm: str
+    steps: int
+    world_size: int
+    layouts: list[str]
+    launches: dict[str, LaunchRecord] = field(default_factory=dict)
+
+    def write(self, root: Path) -> None:
+        write_result(root / PLAN_FILE, json.dumps(asdict(self), indent=2))
+
+
+def read_plan(root: Path) -> LayoutsPlan:
+    stored = read_json_object(root / PLAN_FILE, "layouts record")
+    try:
+        launches = {name: LaunchRecord(**value) for name, value in stored.get("launches", {}).items()}
+        return LayoutsPlan(str(stored["recipe"]), str(stored["arm"]), int(stored["steps"]),
+                           int(stored["world_size"]), [str(n) for n in stored["layouts"]], launches)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RecordError(f"{root / PLAN_FILE}: not a layouts record ({exc}); the file is damaged") from exc
+
+
+def is_layouts_folder(root: Path) -> bool:
+    return (root / PLAN_FILE).is_file()
+
+
+# ------------------------------------------------------------------------------------------------------------ ulps
+def _ordered(bits: int, width: int) -> int:
+    """A float's bit pattern as an integer that orders like the float (-0 and +0 both 0)."""
+    magnitude = bits & ((1 << (width - 1)) - 1)
+    return -magnitude if bits >> (width - 1) & 1 else magnitude
+
+
+def _is_nan(bits: int, width: int) -> bool:
+    mantissa_bits = {16: 10, 32: 23, 64: 52}[width]
+    exponent = (bits >> mantissa_bits) & ((1 << (width - 1 - mantissa_bits)) - 1)
+    return exponent == (1 << (width - 1 - mantissa_bits)) - 1 and bits & ((1 << mantissa_bits) - 1) != 0
+
+
+def ulp_distance(a_bits: int, b_bits: int, width: int = 32) -> int | None:
+    """How many representable floats of `width` bits (16, 32 or 64) lie between two bit patterns: 0 for the same
+    value (and for -0 against +0), 1 for neighbours; None when either is a NaN."""
+    if _is_nan(a_bits, width) or _is_nan(b_bits, width):
+        return None
+    return abs(_ordered(a_bits, width) - _ordered(b_bits, width))
+
+
+def float32_bits(value: float) -> int:
+    return int(np.array([value], dtype=np.float32).view(np.uint32)[0])
+
+
+# ------------------------------------------------------------------------------------------------------- per layout
+@dataclass
+class LayoutResult:
+    name: str
+    layout: dict[str, Any]  # the manifest's: world size, dp, tp, pp, ep, ...
+    repeatable: Verdict
+    series: pd.DataFrame  # replica 0 per step: loss_bits, grad_norm_bits (float32 bit patterns as ints)
+    digests: dict[str, dict[str, str | None]]  # replica -> step -> model digest (None: missing or not whole)
+    weights_elements: int
+    problems: list[str]
+    notes: list[str]
+    seconds: float | None
+    median_step_s: float
+
+    @property
+    def factors(self) -> str:
+        return " ".join(f"{key}={self.layout.get(key)}" for key in ("pp", "tp", "dp", "ep")) + \
+            f" {self.layout.get('data_parallel')}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "layout": self.layout, "repeatable": self.repeatable.to_dict(),
+                "digests": self.digests, "weights_elements": self.weights_elements, "problems": self.problems,
+                "notes": self.notes, "seconds": self.seconds, "median_step_s": _finite(self.median_step_s)}
+
+
+def _whole_job_series(frame: pd.DataFrame, run: str) -> tuple[pd.DataFrame, list[str]]:
+    """Per step: the job's loss (mean of the ranks' float32 losses in float64, rounded to float32) and grad norm, as
+    float32 bit patterns; notes where the ranks' grad norms disagree (they are the whole model's on every rank)."""
+    notes = []
+    grouped = frame.groupby("step", sort=True)
+    loss = grouped["loss"].mean().astype(np.float64).to_numpy().astype(np.float32)
+    grad_norm = grouped["grad_norm"].mean().astype(np.float64).to_numpy().astype(np.float32)
+    disagree = grouped["grad_norm_bits"].nunique()
+    if (disagree > 1).any():
+        notes.append(f"{run}: the ranks' grad norms differ at {int((disagree > 1).sum())} step(s) (first: step "
+                     f"{int(disagree[disagree > 1].index[0])}); compared as their mean")
+    series = pd.DataFrame({"step": grouped["loss"].mean().index.to_numpy(dtype=np.int64),
+                           "loss_bits": loss.view(np.uint32).astype(np.int64),
+                           "grad_norm_bits": grad_norm.view(np.uint32).astype(np.int64)})
+    return series, notes
+
+
+def _digests(run_dir: Path, steps: int) -> tuple[dict[str, str | None], int, list[str]]:
+    """The run's model digests at step 0 and its last step, the model's element count, and what is missing."""
+    path = weights_file(run_dir)
+    wanted = (INITIAL, str(steps))
+    if not path.exists():
+        return dict.fromkeys(wanted), 0, [f"{path}: missing; the run's weights were never digested (the run did not "
+                                          "start, or ran under an older taxbench)"]
+    try:
+        stored = read_json_object(path, "weights digest")
+    except RecordError as exc:
+        return dict.fromkeys(wanted), 0, [str(exc)]
+    found = stored.get("steps") if isinstance(stored.get("steps"), dict) else {}
+    digests: dict[str, str | None] = {}
+    problems = []
+    elements = 0
+    for step in wanted:
+        entry = found.get(step)
+        if not isinstance(entry, dict) or not isinstance(entry.get("model"), str):
+            why = "; ".join(entry.get("problems", [])[:2]) if isinstance(entry, dict) else "no digest recorded"
+            problems.append(f"{path}: no whole-model digest at step {step} ({why or 'damaged'})")
+            digests[step] = None
+            continue
+        digests[step] = entry["model"]
+        elements = int(entry.get("elements", 0))
+    return digests, elements, problems
+
+
+def analyse_layout(root: Path, name: str, arm: str, steps: int, launch: LaunchRecord | None) -> LayoutResult:
+    folder = root / name
+    runs = [run_name(arm, replica) for replica in REPLICAS]
+    problems: list[str] = []
+    if launch is not None and launch.failure:
+        problems.append(f"layout {name}: {launch.failure}")
+    frames: dict[str, pd.DataFrame] = {}
+    layout: dict[str, Any] = {}
+    digests: dict[str, dict[str, str | None]] = {}
+    elements = 0
+    for replica, run in zip(REPLICAS, runs, strict=True):
+        try:
+            manifest = load_manifest(folder / run)
+            frame, found = load_checked_run(folder / run, manifest, steps)
+        except RecordError as exc:
+            frame, found, manifest = pd.DataFrame(columns=["step", "rank", "loss", "grad_norm"]), [str(exc)], {}
+        frames[run] = frame
+        problems += found
+        layout = layout or dict(manifest.get("layout") or {})
+        digests[replica], count, missing = _digests(folder / run, steps)
+        elements = elements or count
+        problems += missing
+    repeatable = (compare_runs("repeatability", runs[0], frames[runs[0]], runs[1], frames[runs[1]], 0,
+                               tuple(problems)) if all("loss_bits" in f for f in frames.values()) else
+                  Verdict("repeatability", runs[0], runs[1], False, 0, None, 0, tuple(problems)))
+    reference = frames[runs[0]]
+    series, notes = (_whole_job_series(reference, f"{name}/{runs[0]}") if not reference.empty else
+                     (pd.DataFrame(columns=["step", "loss_bits", "grad_norm_bits"]), []))
+    median = float(reference.groupby("step")["time_s"].max().median()) if "time_s" in reference and \
+        not reference.empty else math.nan
+    return LayoutResult(name, layout, repeatable, series, digests, elements, problems, notes,
+                        launch.seconds if launch else None, median)
+
+
+# ------------------------------------------------------------------------------------------------------- per pair
+@dataclass
+class PairResult:
+    reference: str
+    candidate: str
+    initial_weights_identical: bool | None  # None: a digest is missing
+    final_weights_identical: bool | None
+    first_difference: tuple[int, str] | None  # (step, metric); step 0 is the initial weights
+    steps: list[int]
+    loss_ulp: list[int | None]  # per step (None: a NaN, or a step one layout lacks)
+    grad_norm_ulp: list[int | None]
+
+    @property
+    def identical(self) -> bool:
+        return self.first_difference is None and self.final_weights_identical is True
+
+    def max_ulp(self, metric: str) -> int | None:
+        values = [v for v in (self.loss_ulp if metric == LOSS else self.grad_norm_ulp) if v is not None]
+        return max(values) if values else None
+
+    def to_dict(self) -> dict[str, Any]:
+        first = self.first_difference
+        return {"reference": self.reference, "candidate": self.candidate,
+                "initial_weights_identical": self.initial_weights_identical,
+                "final_weights_identical": self.final_weights_identical,
+                "first_difference": None if first is None else {"step": first[0], "metric": first[1]},
+                "max_loss_ulp": self.max_ulp(LOSS), "max_grad_norm_ulp": self.max_ulp(GRAD_NORM),
+                "per_step": [{"step": s, "loss_ulp": lu, "grad_norm_ulp": gu}
+                             for s, lu, gu in zip(self.steps, self.loss_ulp, self.grad_norm_ulp, strict=True)]}
+
+
+def _same(a: str | None, b: str | None) -> bool | None:
+    return None if a is None or b is None else a == b
+
+
+def compare_layouts(a: LayoutResult, b: LayoutResult, steps: int) -> PairResult:
+    """Replica 0 of two layouts: weights at step 0 and at the last step, loss and grad norm per step."""
+    initial = _same(a.digests.get("0", {}).get(INITIAL), b.digests.get("0", {}).get(INITIAL))
+    final = _same(a.digests.get("0", {}).get(str(steps)), b.digests.get("0", {}).get(str(steps)))
+    left, right = a.series.set_index("step"), b.series.set_index("step")
+    wanted = list(range(1, steps + 1))
+    loss_ulp: list[int | None] = []
+    norm_ulp: list[int | None] = []
+    first: tuple[int, str] | None = (0, WEIGHTS) if initial is False else None
+    for step in wanted:
+        if step not in left.index or step not in right.index:
+            loss_ulp.append(None)
+            norm_ulp.append(None)
+            continue
+        ulps = {metric: ulp_distance(int(left.at[step, f"{metric}_bits"]), int(right.at[step, f"{metric}_bits"]))
+                for metric in (LOSS, GRAD_NORM)}
+        loss_ulp.append(ulps[LOSS])
+        norm_ulp.append(ulps[GRAD_NORM])
+        if first is None:
+            differing = [m for m in (LOSS, GRAD_NORM)
+                         if left.at[step, f"{m}_bits"] != right.at[step, f"{m}_bits"]]
+            if differing:
+                first = (step, differing[0])
+    if first is None and final is False:
+        first = (steps, WEIGHTS)
+    return PairResult(a.name, b.name, initial, final, first, wanted, loss_ulp, norm_ulp)
+
+
+# ------------------------------------------------------------------------------------------------------ the summary
+@dataclass
+class LayoutsSummary:
+    root: str
+    plan: LayoutsPlan
+    layouts: list[LayoutResult]
+    pairs: list[PairResult]
+
+    @property
+    def problems(self) -> list[str]:
+        return [p for layout in self.layouts for p in layout.problems]
+
+    @property
+    def not_repeatable(self) -> list[str]:
+        return [layout.name for layout in self.layouts if layout.repeatable.outcome == DIFFERS]
+
+    @property
+    def initial_digests(self) -> dict[str, str | None]:
+        """'<layout>/<replica>' -> its step-0 model digest."""
+        return {f"{layout.name}/{replica}": layout.digests.get(replica, {}).get(INITIAL)
+                for layout in self.layouts for replica in REPLICAS}
+
+    @property
+    def initial_weights_identical(self) -> bool | None:
+        """True on positive evidence only: every run of every layout digested its step-0 weights, all alike."""
+        values = list(self.initial_digests.values())
+        if any(v is None for v in values):
+            return None
+        return len(set(values)) == 1
+
+    @property
+    def exit_code(self) -> int:
+        codes = [exit_codes.NOT_DETERMINISTIC if self.not_repeatable else exit_codes.OK]
+        if self.problems:
+            codes.append(exit_codes.INCOMPLETE)
+        return exit_codes.combined(codes)
+
+    def verdict(self) -> tuple[str, str]:
+        """The outcome as one line and its tone ("good", "bad", "warn")."""
+        if self.not_repeatable:
+            return "bad", (f"not repeatable on its own: {', '.join(self.not_repeatable)} (its two runs differ; "
+                           "differences to other layouts mean nothing until it is)")
+        if self.problems:
+            more = f" (and {len(self.problems) - 1} more)" if len(self.problems) > 1 else ""
+            return "bad", f"incomplete evidence: {self.problems[0]}{more}"
+        differing = [p for p in self.pairs if not p.identical]
+        if not differing:
+            return "good", f"every layout repeatable, and all {len(self.layouts)} layouts agree bit for bit"
+        return "warn", (f"every layout repeatable; {len(differing)} of {len(self.pairs)} layout pairs differ "
+                        "(see the table: first step, metric, ulps)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"root": self.root, "recipe": self.plan.recipe, "arm": self.plan.arm, "steps": self.plan.steps,
+                "world_size": self.plan.world_size, "verdict": self.verdict()[1],
+                "initial_weights_identical": self.initial_weights_identical,
+                "initial_digests": self.initial_digests, "not_repeatable": self.not_repeatable,
+                "layouts": [layout.to_dict() for layout in self.layouts],
+                "pairs": [pair.to_dict() for pair in self.pairs], "incomplete": self.problems,
+                "exit_code": self.exit_code}
+
+
+@dataclass
+class LayoutsAnalysis:
+    summary: LayoutsSummary
+
+    @property
+    def series(self) -> dict[str, pd.DataFrame]:
+        return {layout.name: layout.series for layout in self.summary.layouts}
+
+
+def analyse_layouts(root: Path) -> LayoutsAnalysis:
+    """Compare the layouts under `root` (a `taxbench layouts` folder) and write its summary.json."""
+    plan = read_plan(root)
+    layouts = [analyse_layout(root, name, plan.arm, plan.steps, plan.launches.get(name)) for name in plan.layouts]
+    pairs = [compare_layouts(a, b, plan.steps) for i, a in enumerate(layouts) for b in layouts[i + 1:]]
+    summary = LayoutsSummary(str(root), plan, layouts, pairs)
+    write_result(root / SUMMARY_FILE, json.dumps(summary.to_dict(), indent=2))
+    return LayoutsAnalysis(summary)
+
+
+# ---------------------------------------------------------------------------------------------------------- words
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def repeatable_text(verdict: Verdict) -> str:
+    if verdict.agree:
+        return f"yes ({verdict.compared_steps} steps bitwise)"
+    m = verdict.first_mismatch
+    if verdict.outcome == DIFFERS and m is not None:
+        return f"NO (step {m.step}, rank {m.rank}, {m.metric})"
+    return "unknown (incomplete)"
+
+
+def weights_text(identical: bool | None) -> str:
+    return {True: "identical", False: "differ", None: "missing"}[identical]
+
+
+def first_difference_text(pair: PairResult) -> str:
+    if pair.first_difference is None:
+        return "none" if pair.final_weights_identical is not None else "none found (digest missing)"
+    step, metric = pair.first_difference
+    return "step 0 weights" if step == 0 else f"step {step} {metric}"
+
+
+def ulp_text(values: list[int | None], shown: int = 6) -> str:
+    """Per-step ulps, the first `shown` steps and the largest: "0 0 3 12 ... max 40"."""
+    words = ["-" if v is None else str(v) for v in values[:shown]]
+    present = [v for v in values if v is not None]
+    more = f" ... max {max(present)}" if len(values) > shown and present else ""
+    return " ".join(words) + more
+
+
+def initial_weights_line(summary: LayoutsSummary) -> tuple[str, str]:
+    identical = summary.initial_weights_identical
+    digests = summary.initial_digests
+    elements = next((layout.weights_elements for layout in summary.layouts if layout.weights_elements), 0)
+    if identical:
+        digest = next(iter(digests.values()))
+        return "good", (f"identical step-0 weights: yes, every run of all {len(summary.layouts)} layouts starts from "
+                        f"model digest {digest} ({elements:,} elements, layout-invariant digest)")
+    if identical is None:
+        missing = [key for key, value in digests.items() if value is None]
+        return "bad", f"identical step-0 weights: unknown, no step-0 digest for {', '.join(missing)}"
+    reference = next(iter(digests.values()))
+    differing = [key for key, value in digests.items() if value != reference]
+    return "bad", (f"identical step-0 weights: NO, {', '.join(differing)} differ from {next(iter(digests))}'s "
+                   f"{reference}")
+
+
+def render_layouts(summary: LayoutsSummary, console: Console | None = None, report: Path | None = None) -> None:
+    console = console or Console()
+    plan = summary.plan
+    tone, line = summary.verdict()
+    colour = {"good": "green", "bad": "red", "warn": "yellow"}
+    console.print(f"[bold]{escape(Path(summary.root).name)}[/bold]  {escape(plan.recipe)} | {plan.world_size} ranks "
+                  f"| {plan.arm} policy | {plan.steps} steps x 2 runs per layout")
+    console.print(f"[bold {colour[tone]}]{escape(line)}[/bold {colour[tone]}]")
+    weights_tone, weights_line = initial_weights_line(summary)
+    console.print(f"[{colour[weights_tone]}]{escape(weights_line)}[/{colour[weights_tone]}]")
+    layouts = Table(title="layouts", title_justify="left", box=None, padding=(0, 1))
+    for column in ("layout", "factors", "repeatable", "median step", "wall"):
+        layouts.add_column(column)
+    for layout in summary.layouts:
+        wall = duration(layout.seconds) if layout.seconds is not None else "n/a"
+        layouts.add_row(layout.name, escape(layout.factors), escape(repeatable_text(layout.repeatable)),
+                        ms(layout.median_step_s), wall)
+    console.print(layouts)
+    pairs = Table(title="layout pairs (replica 0 of each; ulps per step 1, 2, ...)", title_justify="left", box=None,
+                  padding=(0, 1))
+    for column in ("pair", "step-0 weights", "first difference", "loss ulps", "grad-norm ulps", "final weights"):
+        pairs.add_column(column, overflow="fold")
+    for pair in summary.pairs:
+        pairs.add_row(f"{pair.reference} vs {pair.candidate}", weights_text(pair.initial_weights_identical),
+                      first_difference_text(pair), ulp_text(pair.loss_ulp), ulp_text(pair.grad_norm_ulp),
+                      weights_text(pair.final_weights_identical))
+    console.print(pairs)
+    for note in [n for layout in summary.layouts for n in layout.notes]:
+        console.print(f"[yellow]note[/yellow] {escape(note)}")
+    for problem in summary.problems[:5]:
+        console.print(f"[red]incomplete[/red] {escape(problem)}", soft_wrap=True)
+    console.print(f"[bold]results[/bold]  {escape(summary.root)}", soft_wrap=True)
+    if report is not None:
+        console.print(f"[bold]report[/bold]   {escape(str(report))}", soft_wrap=True)
