@@ -119,7 +119,7 @@ class LayoutResult:
 
     @property
     def factors(self) -> str:
-        return " ".join(f"{key}={self.layout.get(key)}" for key in ("pp", "tp", "dp", "ep")) + \
+        return ".".join(f"{key}{self.layout.get(key)}" for key in ("pp", "tp", "dp", "ep")) + \
             f" {self.layout.get('data_parallel')}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -364,22 +364,23 @@ def repeatable_text(verdict: Verdict) -> str:
 
 
 def weights_text(identical: bool | None) -> str:
-    return {True: "identical", False: "differ", None: "missing"}[identical]
+    return {True: "same", False: "differ", None: "missing"}[identical]
 
 
 def first_difference_text(pair: PairResult) -> str:
     if pair.first_difference is None:
         return "none" if pair.final_weights_identical is not None else "none found (digest missing)"
     step, metric = pair.first_difference
-    return "step 0 weights" if step == 0 else f"step {step} {metric}"
+    return "step 0 weights" if step == 0 else f"{metric} @{step}"
 
 
-def ulp_text(values: list[int | None], shown: int = 6) -> str:
-    """Per-step ulps, the first `shown` steps and the largest: "0 0 3 12 ... max 40"."""
-    words = ["-" if v is None else str(v) for v in values[:shown]]
-    present = [v for v in values if v is not None]
-    more = f" ... max {max(present)}" if len(values) > shown and present else ""
-    return " ".join(words) + more
+def ulp_text(values: list[int | None], steps: list[int]) -> str:
+    """The largest per-step ulp distance and its step: "max 40 @3", "0" when every step is equal, "n/a" if none."""
+    present = [(v, s) for v, s in zip(values, steps, strict=True) if v is not None]
+    if not present:
+        return "n/a"
+    value, step = max(present, key=lambda item: (item[0], -item[1]))
+    return "0" if value == 0 else f"max {value} @{step}"
 
 
 def initial_weights_line(summary: LayoutsSummary) -> tuple[str, str]:
@@ -417,14 +418,14 @@ def render_layouts(summary: LayoutsSummary, console: Console | None = None, repo
         layouts.add_row(layout.name, escape(layout.factors), escape(repeatable_text(layout.repeatable)),
                         ms(layout.median_step_s), wall)
     console.print(layouts)
-    pairs = Table(title="layout pairs (replica 0 of each; ulps per step 1, 2, ...)", title_justify="left", box=None,
-                  padding=(0, 1))
-    for column in ("pair", "step-0 weights", "first difference", "loss ulps", "grad-norm ulps", "final weights"):
+    pairs = Table(title="layout pairs (replica 0 of each; float32 ulps, largest @ its step; every step in "
+                        f"{SUMMARY_FILE} and the report)", title_justify="left", box=None, padding=(0, 1))
+    for column in ("pair", "step 0", "first diff", "loss", "grad norm", "final"):
         pairs.add_column(column, overflow="fold")
     for pair in summary.pairs:
-        pairs.add_row(f"{pair.reference} vs {pair.candidate}", weights_text(pair.initial_weights_identical),
-                      first_difference_text(pair), ulp_text(pair.loss_ulp), ulp_text(pair.grad_norm_ulp),
-                      weights_text(pair.final_weights_identical))
+        pairs.add_row(f"{pair.reference} / {pair.candidate}", weights_text(pair.initial_weights_identical),
+                      first_difference_text(pair), ulp_text(pair.loss_ulp, pair.steps),
+                      ulp_text(pair.grad_norm_ulp, pair.steps), weights_text(pair.final_weights_identical))
     console.print(pairs)
     for note in [n for layout in summary.layouts for n in layout.notes]:
         console.print(f"[yellow]note[/yellow] {escape(note)}")
