@@ -33,6 +33,8 @@ from rich.table import Table
 from taxbench import exit_codes
 from taxbench.analysis.summary import duration, ms, write_result
 from taxbench.analysis.verdicts import DIFFERS, Verdict, compare_runs
+from taxbench.config.layout_names import parse_layout_name
+from taxbench.config.schema import ConfigError
 from taxbench.design import run_name
 from taxbench.parallel.logical_digest import weights_file
 from taxbench.rundir.read import RecordError, load_checked_run, load_manifest, read_json_object
@@ -172,6 +174,26 @@ def _digests(run_dir: Path, steps: int) -> tuple[dict[str, str | None], int, lis
     return digests, elements, problems
 
 
+def layout_identity_problems(run_dir: Path, name: str, manifest: dict[str, Any]) -> list[str]:
+    """Whether the run's manifest describes the layout its folder is named for (a run copied from another layout's
+    folder would compare a layout with itself)."""
+    if not manifest:
+        return []
+    try:
+        expected = parse_layout_name(name)
+    except ConfigError as exc:
+        return [f"{run_dir.parent}: not a layout folder name ({exc})"]
+    recorded = manifest.get("layout") or {}
+    wanted = {"pp": expected.pp, "tp": expected.tp, "ep": expected.ep}
+    if expected.dp is not None:
+        wanted["dp"] = expected.dp
+    differing = [f"{key}={recorded.get(key)}" for key, value in wanted.items() if recorded.get(key) != value]
+    if differing:
+        return [f"{run_dir / 'manifest.json'}: describes a layout with {', '.join(differing)}, not {name}; was it "
+                "copied from another layout's folder?"]
+    return []
+
+
 def analyse_layout(root: Path, name: str, arm: str, steps: int, launch: LaunchRecord | None) -> LayoutResult:
     folder = root / name
     runs = [run_name(arm, replica) for replica in REPLICAS]
@@ -191,6 +213,7 @@ def analyse_layout(root: Path, name: str, arm: str, steps: int, launch: LaunchRe
         frames[run] = frame
         problems += found
         layout = layout or dict(manifest.get("layout") or {})
+        problems += layout_identity_problems(folder / run, name, manifest)
         digests[replica], count, missing = _digests(folder / run, steps)
         elements = elements or count
         problems += missing
@@ -334,9 +357,17 @@ class LayoutsSummary:
 class LayoutsAnalysis:
     summary: LayoutsSummary
 
-    @property
-    def series(self) -> dict[str, pd.DataFrame]:
-        return {layout.name: layout.series for layout in self.summary.layouts}
+    def step_values(self) -> pd.DataFrame:
+        """Per step (index) the loss and grad norm each layout's first run compared with, as floats:
+        columns loss/<layout> and grad_norm/<layout>."""
+        columns = {}
+        for layout in self.summary.layouts:
+            series = layout.series.set_index("step")
+            for metric in (LOSS, GRAD_NORM):
+                bits = series[f"{metric}_bits"].to_numpy(dtype=np.int64).astype(np.uint32)
+                columns[f"{metric}/{layout.name}"] = pd.Series(bits.view(np.float32).astype(np.float64),
+                                                               index=series.index)
+        return pd.DataFrame(columns).sort_index()
 
 
 def analyse_layouts(root: Path) -> LayoutsAnalysis:

@@ -327,6 +327,11 @@ def log_layouts(analysis: LayoutsAnalysis, settings: ReportConfig, group: str | 
                   weights_text(pair.final_weights_identical)] for pair in summary.pairs]
         ulps = [[step, pair.reference, pair.candidate, loss, norm] for pair in summary.pairs
                 for step, loss, norm in zip(pair.steps, pair.loss_ulp, pair.grad_norm_ulp, strict=True)]
+        run.define_metric("step", summary="none")
+        for metric in ("loss/*", "grad_norm/*"):
+            run.define_metric(metric, step_metric="step", summary="none")
+        for step, values in analysis.step_values().iterrows():
+            run.log({"step": int(step), **{key: float(v) for key, v in values.items() if math.isfinite(v)}})
         run.log({"layouts": wandb.Table(columns=LAYOUT_COLUMNS, data=layouts),
                  "layout_pairs": wandb.Table(columns=LAYOUT_PAIR_COLUMNS, data=pairs),
                  "layout_ulps": wandb.Table(columns=LAYOUT_ULP_COLUMNS, data=ulps)})

@@ -288,9 +288,13 @@ def run_layouts_command(argv: list[str]) -> int:
 
     own = {"layouts": None, "policy": "deterministic"}
     overrides = []
-    for arg in argv:
+    args = iter(argv)
+    for arg in args:
         key, sep, value = arg.partition("=")
         if sep and key in own:
+            # `layouts=[a, b]` unquoted reaches us as "layouts=[a," and "b]": join the list's words again
+            while key == "layouts" and value.startswith("[") and "]" not in value:
+                value += " " + next(args, "]")
             own[key] = value
         else:
             overrides.append(arg)

@@ -16,8 +16,9 @@ import torch
 
 from taxbench import exit_codes
 from taxbench.analysis.layouts import analyse_layouts, float32_bits, ulp_distance
+from taxbench.analysis.wandb_log import log_layouts
 from taxbench.config.layout_names import check_layout, parse_layout_list, parse_layout_name
-from taxbench.config.schema import ConfigError, DataParallel, ModelConfig, RecipeConfig
+from taxbench.config.schema import ConfigError, DataParallel, ModelConfig, RecipeConfig, ReportConfig
 from taxbench.parallel.logical_digest import combine, shard_sum
 from taxbench.workloads import build_model
 from taxbench.workloads.init import GlobalView, initialize
@@ -164,6 +165,39 @@ def test_records_cut_short_are_incomplete_evidence(clean_run: tuple[Path, subpro
 
 
 @pytest.mark.slow
+def test_a_run_copied_from_another_layout_is_named(clean_run: tuple[Path, subprocess.CompletedProcess[str]],
+                                                   tmp_path: Path) -> None:
+    root, _ = clean_run
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)
+    shutil.rmtree(copy / "pp2" / "deterministic-0")
+    shutil.copytree(copy / "dp2" / "deterministic-0", copy / "pp2" / "deterministic-0")
+    summary = analyse_layouts(copy).summary
+    # the foreign run also differs from pp2's own second run: a proven difference outranks the missing evidence
+    assert summary.exit_code == exit_codes.NOT_DETERMINISTIC
+    assert any("describes a layout with pp=1, not pp2" in p for p in summary.problems), summary.problems
+
+
+@pytest.mark.slow
+def test_the_wandb_run_holds_the_layout_tables(clean_run: tuple[Path, subprocess.CompletedProcess[str]],
+                                               tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    root, _ = clean_run
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)
+    run_dir = log_layouts(analyse_layouts(copy), ReportConfig(wandb=True, wandb_project="taxbench-test"))
+    assert run_dir.parent == copy / "wandb" and run_dir.name.startswith("offline-run-")
+    tables = run_dir / "files" / "media" / "table"
+    pairs = json.loads(next(tables.glob("layout_pairs_*.table.json")).read_text())
+    assert pairs["columns"][:2] == ["reference", "candidate"] and [row[:2] for row in pairs["data"]] == [["dp2", "pp2"]]
+    ulps = json.loads(next(tables.glob("layout_ulps_*.table.json")).read_text())
+    assert [row[0] for row in ulps["data"]] == [1, 2, 3]
+    layouts = json.loads(next(tables.glob("layouts_*.table.json")).read_text())
+    assert [row[0] for row in layouts["data"]] == ["dp2", "pp2"]
+
+
+@pytest.mark.slow
 def test_a_planted_fault_makes_each_layout_non_repeatable(tmp_path: Path) -> None:
     result = _layouts(tmp_path, "faulted", "experiment.fault.enabled=true", "experiment.fault.step=2",
                       "experiment.fault.rank=1")
@@ -176,13 +210,14 @@ def test_a_planted_fault_makes_each_layout_non_repeatable(tmp_path: Path) -> Non
     assert "not repeatable on its own: dp2, pp2" in result.stdout
 
 
-@pytest.mark.parametrize(("layouts", "words"), [
-    ("[dp2, pp2.qq2]", "layout 'pp2.qq2': 'qq2' is not a factor"),
-    ("[dp2, dp4]", "layout dp4 needs pp*tp*dp = 1*1*4 = 4 ranks, but the world size is 2"),
-    ("[dp2, dp2.ep2]", "layout dp2.ep2: recipe.parallel.ep=2 needs an MoE model"),
+@pytest.mark.parametrize(("args", "words"), [
+    (["layouts=[dp2, pp2.qq2]"], "layout 'pp2.qq2': 'qq2' is not a factor"),
+    (["layouts=[dp2,", "dp4]"], "layout dp4 needs pp*tp*dp = 1*1*4 = 4 ranks, but the world size is 2"),  # unquoted
+    (["layouts=[dp2, dp2.ep2]"], "layout dp2.ep2: recipe.parallel.ep=2 needs an MoE model"),
+    (["layouts=[dp2, pp2]", "policy=fast"], "policy='fast' is not an arm; choose one of ['baseline', 'deterministic']"),
 ])
-def test_a_bad_layout_is_one_line_exit_2(layouts: str, words: str, tmp_path: Path) -> None:
-    result = _taxbench("layouts", f"layouts={layouts}", f"experiment.out_dir={tmp_path}", timeout=120)
+def test_a_bad_layout_is_one_line_exit_2(args: list[str], words: str, tmp_path: Path) -> None:
+    result = _taxbench("layouts", *args, f"experiment.out_dir={tmp_path}", timeout=120)
     assert result.returncode == exit_codes.CONFIG_ERROR
     assert words in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not any(tmp_path.iterdir())  # refused before any folder is made

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -154,10 +154,3 @@ def gather_digest(parts: Iterable[nn.Module], rank: int, world_size: int) -> Wei
     gathered: list[list[ShardSum]] | None = [[] for _ in range(world_size)] if rank == 0 else None
     dist.gather_object(sums, gathered, dst=0)
     return combine(gathered) if gathered is not None else None
-
-
-def iter_digests(record: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(step, digest) of a logical_weights.json record, in step order."""
-    steps = record.get("steps") or {}
-    for step in sorted(steps, key=int):
-        yield step, steps[step]
