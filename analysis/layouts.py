@@ -37,7 +37,7 @@ from taxbench.config.layout_names import parse_layout_name
 from taxbench.config.schema import ConfigError
 from taxbench.design import run_name
 from taxbench.parallel.logical_digest import weights_file
-from taxbench.rundir.read import RecordError, load_checked_run, load_manifest, read_json_object
+from taxbench.rundir.read import RecordError, load_checked_run, load_manifest, manifest_value, read_json_object
 
 PLAN_FILE = "layouts.json"  # <root>/layouts.json: what was asked for and how each layout's launch went
 SUMMARY_FILE = "summary.json"
@@ -121,6 +121,8 @@ class LayoutResult:
 
     @property
     def factors(self) -> str:
+        if not self.layout:
+            return "n/a (no manifest)"
         return ".".join(f"{key}{self.layout.get(key)}" for key in ("pp", "tp", "dp", "ep")) + \
             f" {self.layout.get('data_parallel')}"
 
@@ -204,10 +206,12 @@ def analyse_layout(root: Path, name: str, arm: str, steps: int, launch: LaunchRe
     layout: dict[str, Any] = {}
     digests: dict[str, dict[str, str | None]] = {}
     elements = 0
+    config: dict[str, Any] | None = None  # the layout's, as its first run's manifest holds it: both runs must hold it
     for replica, run in zip(REPLICAS, runs, strict=True):
         try:
             manifest = load_manifest(folder / run)
-            frame, found = load_checked_run(folder / run, manifest, steps)
+            config = config if config is not None else manifest_value(manifest, folder / run, "config")
+            frame, found = load_checked_run(folder / run, manifest, steps, config)
         except RecordError as exc:
             frame, found, manifest = pd.DataFrame(columns=["step", "rank", "loss", "grad_norm"]), [str(exc)], {}
         frames[run] = frame
