@@ -40,6 +40,17 @@ step interleave_policy 90 $PY -m taxbench "${EXP[@]}" +recipe=moe_tiny experimen
 # The calibrated instrument on GPU: a planted 5% tax on an A/A pair (spin kernel, CUDA event times).
 step planted_5pct 150 $PY -m taxbench "${EXP[@]}" experiment.calibration=true experiment.planted_tax=0.05 \
     experiment.steps=240 experiment.name=planted_gpu
+# Foreign stacks (issue 21). torchtitan with its FlexAttention, when installed (offline: add taxbench[titan]'s wheels,
+# torchtitan 0.3.0 and what its import needs, to .wheels/); Megatron-Core: its GPTModel stack is not implemented yet,
+# so with CUDA the recipe is expected to exit 2 naming the missing extra or the missing implementation.
+if $PY -c "import torchtitan.trainer" 2>/dev/null; then
+    step titan_llama3_flex 300 $PY -m taxbench "${EXP[@]}" +recipe=titan_llama3_debug \
+        recipe.model.stack.attn_backend=flex experiment.name=titan_gpu
+else
+    echo "torchtitan not installed: titan_llama3_debug not run" | tee -a "$OUT/steps.txt"
+fi
+$PY -m taxbench "${EXP[@]}" +recipe=megatron_gpt_debug experiment.name=megatron_gpu >"$OUT/megatron_gpu.log" 2>&1
+echo "megatron_gpt_debug rc=$? (2 expected: refused in one line)" | tee -a "$OUT/steps.txt"
 grep -h -E "tax|deterministic:|planted" "$OUT"/moe_tiny_bf16.log "$OUT"/interleave_policy.log "$OUT"/planted_5pct.log \
     2>/dev/null | head -40
 exit $failed

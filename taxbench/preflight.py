@@ -39,6 +39,7 @@ from taxbench.diagnostics import logger
 from taxbench.parallel.layout import layout_for
 from taxbench.parallel.pipeline import stage_holding, stage_split
 from taxbench.parallel.recompute import apply_activation_checkpointing
+from taxbench.train.stack import stack_for
 from taxbench.workloads import TooLargeForHost, build_model, on_meta_or_host
 
 log = logger(__name__)
@@ -65,6 +66,8 @@ def check_before_launch(cfg: TaxbenchConfig) -> None:
         validate_policy(arm_policy, cfg.cluster.device)
     check_data(cfg.recipe, world_size(cfg.cluster))
     model = check_model(cfg.recipe)
+    for arm_policy in cfg.arms.values():  # the stack's own determinism switch must agree with each arm's policy
+        stack_for(cfg.recipe.model).switch(cfg.recipe, arm_policy)
     check_fault_and_trace(cfg, model)
     check_out_dir(Path(cfg.experiment.out_dir))
 
@@ -115,14 +118,15 @@ def check_data(recipe: RecipeConfig, world: int) -> None:
 def check_model(recipe: RecipeConfig) -> nn.Module:
     """Build the model on the meta device (no memory); a custom model must also map tokens to [batch, seq, vocab]."""
     try:
-        with torch.device("meta"):
-            model = build_model(recipe.model, deterministic_kernels=True)
+        model = stack_for(recipe.model).meta_model(recipe)
     except ConfigError:
         raise
     except Exception as exc:  # a factory or a shape problem inside the model's constructor
         raise ConfigError(f"recipe.model: building the model failed: {_one_line(exc)}") from exc
     if recipe.model.kind == ModelKind.custom:
         _check_logits(recipe, model)
+    if recipe.model.kind in (ModelKind.titan, ModelKind.megatron):
+        return model  # the stack applies its own activation checkpointing
     apply_activation_checkpointing(model, recipe.activation_checkpointing)  # a model without blocks is refused
     return model
 

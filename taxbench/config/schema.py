@@ -59,6 +59,8 @@ class ModelKind(StrEnum):
     dense = "dense"
     moe = "moe"
     custom = "custom"  # recipe.model.factory = {_target_: my_pkg.build, ...}
+    titan = "titan"  # torchtitan's model, parallelize function and loss (taxbench[titan]); recipe.model.stack
+    megatron = "megatron"  # Megatron-Core's GPTModel (taxbench[megatron], CUDA only); recipe.model.stack
 
 
 class DataKind(StrEnum):
@@ -94,6 +96,8 @@ class ModelConfig:
     moe_d_ff: int = 0
     aux_loss_coef: float = 0.01
     n_shared_experts: int = 0  # MoE: always-active experts of width moe_d_ff each (DeepSeek/Nemotron style)
+    # kind=titan|megatron: the foreign stack's own model selection and switches (taxbench.train.stack)
+    stack: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -50,6 +50,7 @@ from taxbench.rundir.records import MANIFEST, Stop, op_table_file, read_stop, wr
 from taxbench.schedule.stopping import StoppingRule
 from taxbench.train.flops import throughput_manifest
 from taxbench.train.op_profile import profile_steps
+from taxbench.train.stack import stack_for
 from taxbench.train.trainer import RunSpec, Trainer
 
 
@@ -127,6 +128,8 @@ class Experiment:
                 "config": config,
                 "policy": OmegaConf.to_container(OmegaConf.structured(arm_policy)),
                 "policy_applied": applied,
+                # The training stack's own determinism switch for this arm (torchtitan's debug.deterministic, ...).
+                "stack_switch": stack_for(self.cfg.recipe.model).switch(self.cfg.recipe, arm_policy),
                 # Rank 0's view (world, dp/tp/ep sizes, mesh); fingerprints stay per rank in steps.rank<R>.jsonl.
                 "layout": {
                     **trainer.parallel.layout.manifest(),

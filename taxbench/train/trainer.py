@@ -34,10 +34,10 @@ from taxbench.parallel.layout import layout_for
 from taxbench.rundir.records import FaultLog, steps_file
 from taxbench.tracing.capture import tracer_for_run
 from taxbench.tracing.faults import STEP_FAULT_KINDS, flip_lowest_bit, step_fault
-from taxbench.train.build import build_optimizer, build_pipeline
 from taxbench.train.data import build_source
 from taxbench.train.planted import PlantedDelay
 from taxbench.train.recorder import StepRecorder
+from taxbench.train.stack import stack_for
 from taxbench.train.timer import StepTimer, collected_between_blocks, peak_memory, synchronize
 from taxbench.workloads import use_deterministic_kernels
 
@@ -139,12 +139,13 @@ class Trainer:
         self.tokens_per_step = self.grad_accum * recipe.micro_batch_size * recipe.model.seq_len
 
         rng = RngSnapshot.seeded(recipe.seed)  # a custom model draws its initial values from torch's RNG
-        built = build_pipeline(recipe, arm_policy, ctx, self.grad_accum)
+        stack = stack_for(recipe.model)
+        built = stack.build(recipe, arm_policy, ctx, self.grad_accum)
         self.parallel, self.split, self.boundaries = built.parallel, built.split, built.boundaries
         self.pipeline, self.executor = built.pipeline, built.executor
         self.raw_model = self.parallel.parts
         self.model: torch.nn.Module = self.parallel.module
-        self.optimizer = build_optimizer(recipe, self.raw_model.parameters())
+        self.optimizer = stack.optimizer(recipe, built)
         self.data = build_source(
             recipe.data, recipe.model.vocab_size, recipe.model.seq_len, recipe.micro_batch_size, dp_rank, dp_size
         )

@@ -1,0 +1,112 @@
+"""The workload protocol: what one experiment needs from a training stack, and which stack a recipe names.
+
+A stack (taxbench's own GPT/MoE trainer, torchtitan, Megatron-Core) gives the harness five things; everything else
+(the step loop and its timer marks, fingerprints, records, checkpoints, gates, tracing, faults) stays the harness's:
+- `build`: this rank's share of the model on the stack's DeviceMesh for one arm's policy, as a RankModel: its parts
+  (what is fingerprinted and checkpointed: parameters, their gradients), and the executor whose `run` is the forward
+  and backward that the trainer times between its marks, with gradient finishing, clipping and the optimizer step;
+- `optimizer`: the optimizer over those parts (its state is fingerprinted and checkpointed);
+- `switch`: the stack's own determinism switch, applied for the arm and returned as the manifest records it; a
+  switch that disagrees with taxbench's policy is refused (ConfigError, one line) rather than silently winning;
+- `meta_model`: the model on the meta device, so the preflight checks fault and trace module paths before launch;
+- the checkpoint is the harness's DCP state of the parts and optimizer, with the data-loader position and the RNG
+  streams beside it (taxbench.checkpoint.state): a stack only has to give DCP-readable parts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from taxbench.config import policy
+from taxbench.config.schema import ConfigError, ModelConfig, ModelKind, PolicyConfig, RecipeConfig
+from taxbench.parallel.distributed import DistContext
+from taxbench.train.build import RankModel, build_optimizer, build_pipeline
+from taxbench.workloads import build_model
+
+
+class TrainingStack(Protocol):
+    name: str
+
+    def switch(self, recipe: RecipeConfig, arm_policy: PolicyConfig) -> dict[str, Any]:
+        """Apply the stack's own determinism switch for this arm; what it set, for the manifest."""
+        ...
+
+    def build(self, recipe: RecipeConfig, arm_policy: PolicyConfig, ctx: DistContext, micro_batches: int) -> RankModel:
+        """This rank's model parts and step executor on the stack's mesh for this arm."""
+        ...
+
+    def optimizer(self, recipe: RecipeConfig, model: RankModel) -> torch.optim.Optimizer:
+        ...
+
+    def meta_model(self, recipe: RecipeConfig) -> nn.Module:
+        """The whole model on the meta device, with the module paths the trained model has."""
+        ...
+
+
+class HarnessStack:
+    """taxbench's own GPT/MoE workloads (and custom `_target_` models) on its own layout, step and optimizer."""
+
+    name = "taxbench"
+
+    def switch(self, recipe: RecipeConfig, arm_policy: PolicyConfig) -> dict[str, Any]:
+        del recipe  # taxbench's policy is the whole switch (taxbench.config.policy)
+        return {"deterministic_kernels": arm_policy.deterministic_kernels}
+
+    def build(self, recipe: RecipeConfig, arm_policy: PolicyConfig, ctx: DistContext, micro_batches: int) -> RankModel:
+        return build_pipeline(recipe, arm_policy, ctx, micro_batches)
+
+    def optimizer(self, recipe: RecipeConfig, model: RankModel) -> torch.optim.Optimizer:
+        return build_optimizer(recipe, model.parts.parameters())
+
+    def meta_model(self, recipe: RecipeConfig) -> nn.Module:
+        with torch.device("meta"):
+            return build_model(recipe.model, deterministic_kernels=True)
+
+
+def stack_for(model: ModelConfig) -> TrainingStack:
+    """The stack that trains `recipe.model` (a foreign stack's module is imported only when a recipe names it)."""
+    kind = str(model.kind)
+    if kind == ModelKind.titan.value:
+        from taxbench.train.titan import TitanStack
+
+        return TitanStack()
+    if kind == ModelKind.megatron.value:
+        from taxbench.train.megatron import MegatronStack
+
+        return MegatronStack()
+    if model.stack:
+        raise ConfigError(f"recipe.model.stack is read for recipe.model.kind=titan or megatron only, but "
+                          f"recipe.model.kind={kind}; remove recipe.model.stack")
+    return HarnessStack()
+
+
+def refuse_conflicts(stack: str, arm_policy: PolicyConfig, stack_env: dict[str, str | None]) -> None:
+    """Refuse a stack switch that leaves torch's flags or the environment other than taxbench's policy has them.
+
+    Called right after the stack's switch ran inside `policy.active(arm_policy)`: the flags it changed are read back
+    and compared with the policy's; `stack_env` is what the switch puts in the environment."""
+    wanted = {
+        "use_deterministic_algorithms": arm_policy.deterministic,
+        "deterministic_warn_only": False if arm_policy.deterministic else None,
+        "cudnn.deterministic": arm_policy.deterministic,
+        "fill_uninitialized_memory": arm_policy.fill_uninitialized_memory if arm_policy.deterministic else None,
+    }
+    found = {
+        "use_deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "cudnn.deterministic": torch.backends.cudnn.deterministic,
+        "fill_uninitialized_memory": bool(torch.utils.deterministic.fill_uninitialized_memory),  # type: ignore[attr-defined]
+    }
+    for key, value in wanted.items():
+        if value is not None and found[key] != value:
+            raise ConfigError(
+                f"{stack}'s determinism switch sets {key}={found[key]} but the {arm_policy.name} arm's taxbench "
+                f"policy has {value}; make the two agree (recipe.model.stack or arms.{arm_policy.name})")
+    for name, value in stack_env.items():
+        ours = policy.policy_env(arm_policy).get(name)
+        if value is not None and ours is not None and value != ours:
+            raise ConfigError(f"{stack}'s determinism switch sets {name}={value} but the {arm_policy.name} arm's "
+                              f"taxbench policy has {ours}; make the two agree")

@@ -1,0 +1,282 @@
+"""torchtitan as a training stack: its model registry, parallelize function, weight init, loss and determinism switch.
+
+The recipe names torchtitan's model in `recipe.model.stack`: `family` (llama3, qwen3, deepseek_v3), `flavor`
+(debugmodel, debugmodel_moe, ...), `attn_backend` (torchtitan's flex | varlen, or sdpa: see below), and optionally
+`deterministic_warn_only` and `spmd_backend`. The model is built on the meta device from torchtitan's config,
+sharded by torchtitan's `parallelize_fn` on torchtitan's ParallelDims mesh (FSDP2 over every rank, tp and ep as the
+recipe's layout says), materialised with torchtitan's `init_weights`, and each micro-batch runs torchtitan's forward
+and loss as its Trainer's `forward_backward_step` does (loss = token sum / global tokens, gradients summed).
+What stays the harness's: the data (taxbench's token source, so both stacks read the same tokens), the step loop and
+its timer marks, AdamW from recipe.optimizer, gradient clipping, fingerprints and DCP checkpoints. torchtitan's
+Trainer class itself is not constructed: its __init__ also builds its Hugging Face tokenizer and data loader, metrics
+and checkpointer, which the harness replaces.
+
+The deterministic arm runs torchtitan's own switch (`debug.deterministic`: torchtitan.distributed.utils
+.set_determinism, which also seeds) inside taxbench's policy; flags it leaves differing from the policy are refused.
+
+On CPU (torchtitan 0.3.0 targets accelerators), four things are adapted, each needed to get past a concrete failure:
+- torchtitan binds `device_type = "cuda"` at import when no accelerator is present (torchtitan/tools/utils.py:55);
+  the modules that read it are pointed at the CPU;
+- FlexAttention has no CPU backward and varlen attention calls flash attention (CUDA): `attn_backend: sdpa` swaps
+  the inner attention for torchtitan's own ScaledDotProductAttention (causal; one document per row);
+- FSDP2 reduce-scatters with ReduceOp.PREMUL_SUM, which gloo rejects: its modules sum instead
+  (set_force_sum_reduction_for_comms; the divide factor torchtitan set is then applied after the reduction);
+- torchtitan's default spmd_backend=spmd_types refuses FSDP2 at 2 ranks ("all parameters must be DTensors on the
+  full SPMD mesh ... 'weight'"): recipes use spmd_backend=partial_dtensor.
+"""
+
+from __future__ import annotations
+
+import importlib
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from taxbench.config import policy
+from taxbench.config.schema import ConfigError, DataParallel, ModelConfig, PolicyConfig, RecipeConfig
+from taxbench.parallel.distributed import DistContext
+from taxbench.parallel.layout import ParallelModel, layout_for
+from taxbench.train.build import RankModel, build_optimizer
+from taxbench.train.stack import refuse_conflicts
+from taxbench.train.step import Batch
+
+TESTED_VERSION = "0.3.0"
+INSTALL_HINT = "pip install 'taxbench[titan]'"
+FAMILIES = ("llama3", "qwen3", "deepseek_v3")
+ATTN_BACKENDS = ("flex", "varlen", "sdpa")
+# torchtitan's switch puts this in the environment (torchtitan/distributed/utils.py, set_determinism).
+SWITCH_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+@dataclass(frozen=True)
+class TitanOptions:
+    family: str
+    flavor: str
+    attn_backend: str = "sdpa"
+    deterministic_warn_only: bool = False
+    spmd_backend: str = "partial_dtensor"
+
+    @classmethod
+    def of(cls, model: ModelConfig) -> TitanOptions:
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(model.stack) - known)
+        if unknown:
+            raise ConfigError(f"recipe.model.stack.{unknown[0]} is not a torchtitan option; known: {sorted(known)}")
+        if "family" not in model.stack or "flavor" not in model.stack:
+            raise ConfigError("recipe.model.kind=titan needs recipe.model.stack.family (one of "
+                              f"{list(FAMILIES)}) and recipe.model.stack.flavor (e.g. debugmodel)")
+        options = cls(**model.stack)
+        if options.family not in FAMILIES:
+            raise ConfigError(f"recipe.model.stack.family={options.family!r}: choose one of {list(FAMILIES)}")
+        if options.attn_backend not in ATTN_BACKENDS:
+            raise ConfigError(f"recipe.model.stack.attn_backend={options.attn_backend!r}: choose one of "
+                              f"{list(ATTN_BACKENDS)}")
+        return options
+
+
+def require_torchtitan() -> None:
+    """Refuse a titan recipe in one line when torchtitan (or what its import needs, e.g. triton) is missing."""
+    try:
+        import torchtitan.trainer  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(f"recipe.model.kind=titan needs torchtitan=={TESTED_VERSION}: {INSTALL_HINT} "
+                          f"({exc})") from None
+
+
+def _point_torchtitan_at_cpu() -> None:
+    """torchtitan resolved its device at import; the modules that use it on our path read the CPU instead."""
+    from torchtitan.distributed import parallel_dims, utils
+    from torchtitan.models.common import token_dispatcher
+    from torchtitan.tools import utils as tools_utils
+
+    for module in (tools_utils, parallel_dims, utils, token_dispatcher):
+        if hasattr(module, "device_type"):
+            module.device_type = "cpu"  # type: ignore[attr-defined]
+        if hasattr(module, "device_module"):
+            module.device_module = torch.cpu  # type: ignore[attr-defined]
+
+
+def _model_config(options: TitanOptions) -> Any:
+    """torchtitan's model config from its registry (attention swapped for SDPA when asked)."""
+    family = importlib.import_module(f"torchtitan.models.{options.family}")
+    backend = "flex" if options.attn_backend == "sdpa" else options.attn_backend
+    try:
+        spec = family.model_registry(options.flavor, attn_backend=backend)
+    except KeyError:
+        raise ConfigError(f"recipe.model.stack.flavor={options.flavor!r} is not a torchtitan {options.family} "
+                          "flavor") from None
+    if options.attn_backend == "sdpa":
+        from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+
+        for _, _, parent, attr in list(spec.model.traverse(FlexAttention.Config)):
+            setattr(parent, attr, ScaledDotProductAttention.Config())
+    return spec
+
+
+def _trainer_config(recipe: RecipeConfig, options: TitanOptions, spec: Any, deterministic: bool, world: int) -> Any:
+    from torchtitan.config.configs import DebugConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.trainer import Trainer
+
+    par = recipe.parallel
+    dp = world // (par.tp * par.pp)
+    ddp = par.data_parallel is DataParallel.ddp or str(par.data_parallel) == DataParallel.ddp.value
+    parallelism = ParallelismConfig(
+        data_parallel_replicate_degree=dp if ddp else 1, data_parallel_shard_degree=1 if ddp else -1,
+        tensor_parallel_degree=par.tp, expert_parallel_degree=par.ep, spmd_backend=options.spmd_backend)
+    training = TrainingConfig(local_batch_size=recipe.micro_batch_size, seq_len=recipe.model.seq_len,
+                              disable_cuda_graphs=True)
+    debug = DebugConfig(seed=recipe.seed, deterministic=deterministic,
+                        deterministic_warn_only=options.deterministic_warn_only)
+    return Trainer.Config(model_spec=spec, training=training, parallelism=parallelism, debug=debug,
+                          activation_checkpoint=None)
+
+
+class TitanStep:
+    """torchtitan's forward_backward_step over the harness's micro-batches: loss = token sum / global tokens."""
+
+    def __init__(self, model: nn.Module, loss_fn: Any, dp: int, device: torch.device, needs_masks: bool) -> None:
+        self.model, self.loss_fn, self.dp, self.device, self.needs_masks = model, loss_fn, dp, device, needs_masks
+
+    def _extra(self, inputs: torch.Tensor) -> dict[str, Any]:
+        if not self.needs_masks:  # SDPA: causal, no positions
+            return {}
+        positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs).contiguous()
+        return {"positions": positions, "attention_masks": self.model.get_attention_masks(positions=positions)}
+
+    def run(self, batches: list[Batch]) -> torch.Tensor:
+        # Every harness token is a valid label: the global count needs no all-reduce.
+        global_tokens = torch.tensor(sum(t.numel() for _, t in batches) * self.dp, device=self.device)
+        total = torch.zeros((), device=self.device)
+        for inputs, targets in batches:
+            pred = self.model(inputs, **self._extra(inputs))
+            loss, _ = self.loss_fn(pred, targets, global_tokens)
+            del pred
+            loss.backward()
+            total += loss.detach()
+        return total
+
+
+class TitanStack:
+    name = "torchtitan"
+
+    def switch(self, recipe: RecipeConfig, arm_policy: PolicyConfig) -> dict[str, Any]:
+        options = TitanOptions.of(recipe.model)
+        on = arm_policy.deterministic
+        if on:
+            _refuse_static_conflicts(options, arm_policy)
+        return {"stack": self.name, "version": _version(), "debug.deterministic": on,
+                "debug.deterministic_warn_only": options.deterministic_warn_only, "debug.seed": recipe.seed,
+                "env": SWITCH_ENV if on else {}, "attn_backend": options.attn_backend,
+                "spmd_backend": options.spmd_backend}
+
+    def meta_model(self, recipe: RecipeConfig) -> nn.Module:
+        require_torchtitan()
+        options = TitanOptions.of(recipe.model)
+        if recipe.parallel.pp > 1:
+            raise ConfigError("recipe.model.kind=titan runs with recipe.parallel.pp=1 here (torchtitan's pipeline_llm "
+                              "is not driven yet)")
+        spec = _model_config(options)
+        config = _trainer_config(recipe, options, spec, False, recipe.parallel.tp * recipe.parallel.ep)
+        spec.model.update_from_config(config=config)
+        with torch.device("meta"):
+            model = spec.model.build()
+        vocab = model.tok_embeddings.num_embeddings if hasattr(model, "tok_embeddings") else None
+        if vocab is not None and vocab != recipe.model.vocab_size:
+            raise ConfigError(f"torchtitan {options.family} {options.flavor} has a vocabulary of {vocab} tokens; set "
+                              f"recipe.model.vocab_size={vocab}")
+        return model
+
+    def build(self, recipe: RecipeConfig, arm_policy: PolicyConfig, ctx: DistContext, micro_batches: int) -> RankModel:
+        del micro_batches  # the harness hands the step its micro-batches
+        require_torchtitan()
+        from torch.distributed.fsdp import FSDPModule
+        from torchtitan.distributed import ParallelDims
+        from torchtitan.distributed.utils import set_determinism
+        from torchtitan.models.common.attention import FlexAttention, VarlenAttention
+
+        if ctx.device.type == "cpu":
+            _point_torchtitan_at_cpu()
+        options = TitanOptions.of(recipe.model)
+        spec = _model_config(options)
+        config = _trainer_config(recipe, options, spec, arm_policy.deterministic, ctx.world_size)
+        dims = ParallelDims.from_config(config.parallelism, ctx.world_size)
+        with policy.active(arm_policy):
+            set_determinism(dims, ctx.device, config.debug, distinct_seed_mesh_dims=["pp"])
+            refuse_conflicts(self.name, arm_policy, SWITCH_ENV if arm_policy.deterministic else {})
+            spec.model.update_from_config(config=config)
+            with torch.device("meta"):
+                model = spec.model.build()
+            with tempfile.TemporaryDirectory() as dump_folder:
+                model = spec.parallelize_fn(model, parallel_dims=dims, training=config.training,
+                                            parallelism=config.parallelism, compile_config=config.compile,
+                                            ac_config=None, dump_folder=dump_folder)
+            if ctx.backend == "gloo":
+                for module in model.modules():
+                    if isinstance(module, FSDPModule):
+                        module.set_force_sum_reduction_for_comms(True)
+            _keep_fused_qkv_in_checkpoints(model)
+            model.to_empty(device=ctx.device)
+            with torch.no_grad():
+                model.init_weights(buffer_device=None)
+            model.train()
+        layout = layout_for(recipe.parallel, ctx.world_size, ctx.rank)
+        parallel = ParallelModel([model], [model], layout, None, None, [])
+        needs_masks = any(True for _ in spec.model.traverse(FlexAttention.Config)) or any(
+            True for _ in spec.model.traverse(VarlenAttention.Config))
+        loss_fn = _loss(spec, config)
+        step = TitanStep(model, loss_fn, layout.dp, ctx.device, needs_masks)
+        self._spec, self._dims = spec, dims
+        return RankModel(parallel, None, [], step, None)
+
+    def optimizer(self, recipe: RecipeConfig, model: RankModel) -> torch.optim.Optimizer:
+        optimizer = build_optimizer(recipe, model.parts.parameters())
+        if self._spec.post_optimizer_build_fn is not None:  # MoE: torchtitan's expert-bias load balancing hook
+            self._spec.post_optimizer_build_fn(optimizer, model.parts.parts, self._dims)
+        return optimizer
+
+
+def _refuse_static_conflicts(options: TitanOptions, arm_policy: PolicyConfig) -> None:
+    """What torchtitan's switch is known to set, against the deterministic arm's policy (before launch)."""
+    clash = None
+    if options.deterministic_warn_only:
+        clash = ("deterministic_warn_only", "true", "use_deterministic_algorithms without warn_only")
+    elif arm_policy.fill_uninitialized_memory:
+        clash = ("fill_uninitialized_memory", "false", "true")
+    elif arm_policy.cublas_workspace_config not in (None, SWITCH_ENV["CUBLAS_WORKSPACE_CONFIG"]):
+        clash = ("CUBLAS_WORKSPACE_CONFIG", SWITCH_ENV["CUBLAS_WORKSPACE_CONFIG"], arm_policy.cublas_workspace_config)
+    if clash is not None:
+        name, theirs, ours = clash
+        raise ConfigError(f"torchtitan's debug.deterministic sets {name}={theirs} but the {arm_policy.name} arm's "
+                          f"taxbench policy has {ours}; make the two agree (recipe.model.stack or "
+                          f"arms.{arm_policy.name})")
+
+
+def _keep_fused_qkv_in_checkpoints(model: nn.Module) -> None:
+    """torchtitan's FusedQKVLinear renames `wqkv` to wq/wk/wv in its state dict (for Hugging Face checkpoints);
+    torch's get_state_dict, which the harness's DCP checkpoint reads through, cannot map renamed keys back to
+    parameters. The harness's checkpoints keep `wqkv` as it trains."""
+    from torchtitan.models.common.attention import FusedQKVLinear
+
+    for module in model.modules():
+        if isinstance(module, FusedQKVLinear):
+            module._state_dict_hooks.clear()
+            module._load_state_dict_pre_hooks.clear()
+
+
+def _loss(spec: Any, config: Any) -> Any:
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.models.common.config_utils import decoder_vocab_size
+
+    return CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec)).build(compile_config=config.compile)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torchtitan")
+    except PackageNotFoundError:
+        return "not installed"

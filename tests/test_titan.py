@@ -1,0 +1,106 @@
+"""Foreign training stacks: torchtitan end to end on CPU (gloo), its determinism switch against taxbench's policy, and
+the clean refusals (torchtitan not installed, Megatron-Core without CUDA)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import compose_raw
+
+from taxbench.config.schema import ConfigError
+from taxbench.preflight import prepare
+
+
+def _has_torchtitan() -> bool:
+    try:
+        import torchtitan.trainer  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_titan = pytest.mark.skipif(not _has_torchtitan(), reason="needs taxbench[titan]")
+
+
+def _one_line_refusal(result) -> str:
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def test_a_titan_recipe_without_torchtitan_is_refused_in_one_line_naming_the_extra(tmp_path: Path,
+                                                                                    taxbench_cli) -> None:
+    shadow = tmp_path / "shadow" / "torchtitan"  # an import of torchtitan that fails as a missing package does
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError(\"No module named 'torchtitan'\")\n")
+    result = taxbench_cli("+recipe=titan_llama3_debug", f"experiment.out_dir={tmp_path}", cwd=tmp_path, timeout=120,
+                          env={"PYTHONPATH": str(tmp_path / "shadow")})
+    line = _one_line_refusal(result)
+    assert "taxbench[titan]" in line and "torchtitan==0.3.0" in line
+
+
+def test_a_megatron_recipe_without_cuda_is_refused_in_one_line(tmp_path: Path, taxbench_cli) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    result = taxbench_cli("+recipe=megatron_gpt_debug", f"experiment.out_dir={tmp_path}", cwd=tmp_path, timeout=120)
+    line = _one_line_refusal(result)
+    assert "needs a CUDA GPU" in line and "taxbench[megatron]" in line
+
+
+@needs_titan
+def test_torchtitans_switch_conflicting_with_the_policy_is_refused_before_launch() -> None:
+    with pytest.raises(ConfigError, match="fill_uninitialized_memory=false .* has true"):
+        prepare(compose_raw("+recipe=titan_llama3_debug", "arms.deterministic.fill_uninitialized_memory=true"))
+    with pytest.raises(ConfigError, match="deterministic_warn_only"):
+        prepare(compose_raw("+recipe=titan_llama3_debug", "+recipe.model.stack.deterministic_warn_only=true"))
+
+
+@needs_titan
+def test_the_meta_model_has_torchtitans_module_paths() -> None:
+    from taxbench.train.stack import stack_for
+
+    cfg = prepare(compose_raw("+recipe=titan_moe_debug"))
+    names = {name for name, _ in stack_for(cfg.recipe.model).meta_model(cfg.recipe).named_modules()}
+    assert {"layers.0.attention.qkv_linear.wqkv", "layers.1.moe.router.gate", "layers.1.moe.routed_experts"} <= names
+
+
+@needs_titan
+@pytest.mark.slow
+def test_titan_llama3_runs_the_pair_end_to_end_and_passes_the_gates(tmp_path: Path, taxbench_cli) -> None:
+    result = taxbench_cli("+recipe=titan_llama3_debug", "experiment.steps=6", "experiment.warmup_steps=1",
+                          "experiment.resume_step=3", "experiment.checkpoint_every_steps=3", "report.wandb=false",
+                          f"experiment.out_dir={tmp_path}", "experiment.name=titan", cwd=tmp_path, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "titan" / "summary.json").read_text())
+    assert summary["outcome"] == "passed"
+    assert {v["gate"]: v["outcome"] for v in summary["verdicts"]}["repeatability"] == "identical"
+    assert {v["gate"]: v["outcome"] for v in summary["verdicts"]}["restart_replay"] == "identical"
+    manifest = json.loads((tmp_path / "titan" / "deterministic-0" / "manifest.json").read_text())
+    assert manifest["stack_switch"]["stack"] == "torchtitan"
+    assert manifest["stack_switch"]["debug.deterministic"] is True
+    assert manifest["policy_applied"]["use_deterministic_algorithms"] is True
+
+
+@needs_titan
+@pytest.mark.slow
+def test_localize_names_a_fault_planted_inside_a_torchtitan_module(tmp_path: Path) -> None:
+    from taxbench.commands.localize import NAMED, localize
+    from taxbench.launchers.local import launch_local
+
+    cfg = prepare(compose_raw(
+        "+recipe=titan_llama3_debug", "experiment.steps=4", "experiment.block_steps=2", "experiment.resume_step=2",
+        "experiment.warmup_steps=0", f"experiment.out_dir={tmp_path}", "experiment.fault.enabled=true",
+        "experiment.fault.step=2", "experiment.fault.rank=1", "experiment.fault.kind=nondeterministic_op",
+        "experiment.fault.module=layers.1.feed_forward.w1", "experiment.fault.op=aten.mm.default"))
+    root = tmp_path / cfg.experiment.name
+    root.mkdir(parents=True)
+    launch_local(cfg, root)
+    result = localize(root / "deterministic-0", root / "deterministic-1", tmp_path / "work")
+    assert result.verdict == NAMED
+    origin = result.origin
+    assert origin is not None
+    assert (origin.kind, origin.scope, origin.rank, origin.step) == ("op", "layers.1.feed_forward.w1", 1, 2)
