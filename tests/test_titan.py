@@ -104,3 +104,14 @@ def test_localize_names_a_fault_planted_inside_a_torchtitan_module(tmp_path: Pat
     origin = result.origin
     assert origin is not None
     assert (origin.kind, origin.scope, origin.rank, origin.step) == ("op", "layers.1.feed_forward.w1", 1, 2)
+
+
+def test_taxbench_own_workloads_are_the_harness_stack_and_stack_options_need_a_foreign_stack() -> None:
+    from taxbench.train.stack import HarnessStack, stack_for
+
+    cfg = prepare(compose_raw())
+    stack = stack_for(cfg.recipe.model)
+    assert isinstance(stack, HarnessStack)
+    assert {name for name, _ in stack.meta_model(cfg.recipe).named_modules()} >= {"blocks.0", "blocks.1"}
+    with pytest.raises(ConfigError, match="recipe.model.stack is read for recipe.model.kind=titan or megatron only"):
+        prepare(compose_raw("+recipe.model.stack={family: llama3}"))

@@ -3,8 +3,9 @@
 A stack (taxbench's own GPT/MoE trainer, torchtitan, Megatron-Core) gives the harness five things; everything else
 (the step loop and its timer marks, fingerprints, records, checkpoints, gates, tracing, faults) stays the harness's:
 - `build`: this rank's share of the model on the stack's DeviceMesh for one arm's policy, as a RankModel: its parts
-  (what is fingerprinted and checkpointed: parameters, their gradients), and the executor whose `run` is the forward
-  and backward that the trainer times between its marks, with gradient finishing, clipping and the optimizer step;
+  (what is fingerprinted and checkpointed: parameters, their gradients), and the executor whose `run` is the stack's
+  forward and backward; the trainer times it, with gradient finishing, clipping and the optimizer step, between its
+  marks;
 - `optimizer`: the optimizer over those parts (its state is fingerprinted and checkpointed);
 - `switch`: the stack's own determinism switch, applied for the arm and returned as the manifest records it; a
   switch that disagrees with taxbench's policy is refused (ConfigError, one line) rather than silently winning;

@@ -162,6 +162,10 @@ class TitanStep:
 class TitanStack:
     name = "torchtitan"
 
+    def __init__(self) -> None:
+        self._spec: Any = None  # torchtitan's ModelSpec and ParallelDims of the last build (the optimizer's MoE hook)
+        self._dims: Any = None
+
     def switch(self, recipe: RecipeConfig, arm_policy: PolicyConfig) -> dict[str, Any]:
         options = TitanOptions.of(recipe.model)
         on = arm_policy.deterministic
