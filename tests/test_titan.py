@@ -61,7 +61,7 @@ def test_torchtitans_switch_conflicting_with_the_policy_is_refused_before_launch
 
 @needs_titan
 def test_the_meta_model_has_torchtitans_module_paths() -> None:
-    from taxbench.train.stack import stack_for
+    from taxbench.train.stacks import stack_for
 
     cfg = prepare(compose_raw("+recipe=titan_moe_debug"))
     names = {name for name, _ in stack_for(cfg.recipe.model).meta_model(cfg.recipe).named_modules()}
@@ -107,7 +107,8 @@ def test_localize_names_a_fault_planted_inside_a_torchtitan_module(tmp_path: Pat
 
 
 def test_taxbench_own_workloads_are_the_harness_stack_and_stack_options_need_a_foreign_stack() -> None:
-    from taxbench.train.stack import HarnessStack, stack_for
+    from taxbench.train.stack import HarnessStack
+    from taxbench.train.stacks import stack_for
 
     cfg = prepare(compose_raw())
     stack = stack_for(cfg.recipe.model)

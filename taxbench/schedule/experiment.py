@@ -50,7 +50,7 @@ from taxbench.rundir.records import MANIFEST, Stop, op_table_file, read_stop, wr
 from taxbench.schedule.stopping import StoppingRule
 from taxbench.train.flops import throughput_manifest
 from taxbench.train.op_profile import profile_steps
-from taxbench.train.stack import stack_for
+from taxbench.train.stacks import stack_for
 from taxbench.train.trainer import RunSpec, Trainer
 
 

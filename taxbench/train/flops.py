@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from taxbench.config.schema import ClusterConfig, ModelKind, Precision, RecipeConfig
+from taxbench.train.stacks import stack_for
 from taxbench.workloads import TooLargeForHost, build_model, on_meta_or_host, own_workload
 
 # Dense peak TFLOP/s per GPU (no sparsity) by precision: the vendors' datasheets (SXM parts). fp32 steps are held to
@@ -29,8 +30,6 @@ PEAK_TFLOPS = {
 
 def _count(recipe: RecipeConfig, device: str) -> int:
     if not own_workload(recipe.model) and recipe.model.kind != ModelKind.custom:  # a foreign stack's model: on meta
-        from taxbench.train.stack import stack_for
-
         model = stack_for(recipe.model).meta_model(recipe)
     else:
         with torch.device(device):  # a host count needs values: the MoE routes tokens by them

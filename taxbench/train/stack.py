@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from taxbench.config import policy
-from taxbench.config.schema import ConfigError, ModelConfig, ModelKind, PolicyConfig, RecipeConfig
+from taxbench.config.schema import ConfigError, PolicyConfig, RecipeConfig
 from taxbench.parallel.distributed import DistContext
 from taxbench.train.build import RankModel, build_optimizer, build_pipeline
 from taxbench.workloads import build_model
@@ -65,23 +65,6 @@ class HarnessStack:
     def meta_model(self, recipe: RecipeConfig) -> nn.Module:
         with torch.device("meta"):
             return build_model(recipe.model, deterministic_kernels=True)
-
-
-def stack_for(model: ModelConfig) -> TrainingStack:
-    """The stack that trains `recipe.model` (a foreign stack's module is imported only when a recipe names it)."""
-    kind = str(model.kind)
-    if kind == ModelKind.titan.value:
-        from taxbench.train.titan import TitanStack
-
-        return TitanStack()
-    if kind == ModelKind.megatron.value:
-        from taxbench.train.megatron import MegatronStack
-
-        return MegatronStack()
-    if model.stack:
-        raise ConfigError(f"recipe.model.stack is read for recipe.model.kind=titan or megatron only, but "
-                          f"recipe.model.kind={kind}; remove recipe.model.stack")
-    return HarnessStack()
 
 
 def refuse_conflicts(stack: str, arm_policy: PolicyConfig, stack_env: dict[str, str | None]) -> None:

@@ -37,7 +37,7 @@ from taxbench.tracing.faults import STEP_FAULT_KINDS, flip_lowest_bit, step_faul
 from taxbench.train.data import build_source
 from taxbench.train.planted import PlantedDelay
 from taxbench.train.recorder import StepRecorder
-from taxbench.train.stack import stack_for
+from taxbench.train.stacks import stack_for
 from taxbench.train.timer import StepTimer, collected_between_blocks, peak_memory, synchronize
 from taxbench.workloads import use_deterministic_kernels
 
