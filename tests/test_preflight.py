@@ -121,7 +121,7 @@ def test_shard_tokens_beyond_the_vocabulary_are_refused_before_launch(tmp_path: 
         (["+recipe=nosuch"], "available options in 'recipe': dense_tiny"),
         (["cluster=nope"], "available options in 'cluster': inprocess, local"),
         (["mode@arms.baseline=nope"], "available options in 'mode': baseline, deterministic"),
-        (["recipe.model.kind=nosuch"], "expected one of [dense, moe, custom]"),
+        (["recipe.model.kind=nosuch"], "expected one of [dense, moe, custom, titan, megatron]"),
         (["recipe.model.n_heads=0"], "recipe.model.n_heads=0 must be >= 1"),
         (["experiment.name=../escape"], "must be a plain folder name"),
         (["reprot", "runs/x"], "did you mean `taxbench report`?"),
