@@ -65,7 +65,7 @@ def test_the_meta_model_has_torchtitans_module_paths() -> None:
 
     cfg = prepare(compose_raw("+recipe=titan_moe_debug"))
     names = {name for name, _ in stack_for(cfg.recipe.model).meta_model(cfg.recipe).named_modules()}
-    assert {"layers.0.attention.qkv_linear.wqkv", "layers.1.moe.router.gate", "layers.1.moe.routed_experts"} <= names
+    assert {"layers.1.attention.wkv_a", "layers.1.moe.router.gate", "layers.1.moe.routed_experts"} <= names
 
 
 @needs_titan
