@@ -11,7 +11,10 @@ only ~35 useful bits. The digest here (format 2):
   column and every row by its index, so a permutation changes the digest; sums (not XOR) keep equal values from
   cancelling, and one changed lane always changes the body. All sums wrap mod 2**64, and integer addition is
   associative, so no reduction order, thread count or device can change the result;
-- digest = mix(body ^ header), header = 64-bit blake2b of "dtype|numel|shape".
+- digest = mix(body ^ header), header = 64-bit blake2b of "dtype|numel|shape". Low-precision dtypes (float8_e4m3fn,
+  float8_e5m2, float8_e8m0fnu) digest their bytes under their own dtype, so equal bytes of two dtypes differ;
+- a wrapper subclass carrying scales (torchao Float8/MX tensors; anything with `__tensor_flatten__`) digests every
+  inner tensor, data and scales, combined under a header of its class, inner names, dtype and shape.
 
 Three kernels compute it, bit-identical to each other and to the pure-Python reference in the tests:
 - "c": host tensors. A 30-line C loop built on first use by the system C compiler (cached per user) and called
@@ -44,6 +47,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 try:  # ships with CUDA builds of torch; CPU-only installs use the C or torch kernels
     import triton
@@ -395,9 +399,30 @@ def kernel_for(device: torch.device, kernel: Kernel = "auto") -> Kernel:
     return kernel
 
 
+@functools.lru_cache(maxsize=1 << 10)
+def _subclass_header(kind: str, inner: tuple[str, ...], dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    text = f"{kind}|{','.join(inner)}|{header(dtype, shape)}"
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def _subclass_digest(tensor: torch.Tensor, kernel: Kernel) -> Digest:
+    """A wrapper subclass that keeps its values in inner tensors (torchao's Float8TrainingTensor: data and scale; MX
+    formats: qdata and per-block scales): every inner tensor (`__tensor_flatten__`, in its order) combined, keyed by
+    the subclass, the inner names and the outer dtype and shape: a changed scale changes the digest as a changed data
+    byte does."""
+    names, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+    body = combined(digests([getattr(tensor, name) for name in names], kernel))
+    key = _subclass_header(type(tensor).__qualname__, tuple(names), tensor.dtype, tuple(tensor.shape))
+    return mix_int(body ^ key) if isinstance(body, int) else mix(body ^ _signed(key))
+
+
 def digests(tensors: Iterable[torch.Tensor], kernel: Kernel = "auto") -> list[Digest]:
-    """Each tensor's digest: an int for host tensors, a 0-d int64 tensor on the device otherwise (no host sync)."""
+    """Each tensor's digest: an int for host tensors, a 0-d int64 tensor on the device otherwise (no host sync).
+    Wrapper subclasses that carry scales digest their inner tensors (see _subclass_digest)."""
     local = [_as_local(t) for t in tensors]
+    if any(is_traceable_wrapper_subclass(t) for t in local):
+        return [_subclass_digest(t, kernel) if is_traceable_wrapper_subclass(t) else digests([t], kernel)[0]
+                for t in local]
     out: list[Digest] = [0] * len(local)
     chosen_for: dict[torch.device, Kernel] = {}
     groups: dict[tuple[torch.device, Kernel], list[int]] = {}

@@ -66,10 +66,13 @@ def _sample(dtype: torch.dtype, numel: int, seed: int = 0) -> torch.Tensor:
     if not dtype.is_floating_point and not dtype.is_complex:
         high = 256 if dtype in (torch.uint8, torch.uint16, torch.uint32, torch.uint64) else 1 << 7
         return torch.randint(0, high, (numel,), generator=generator).to(dtype)
+    if dtype is getattr(torch, "float8_e8m0fnu", None):  # powers of two only, no sign
+        return (2.0 ** torch.randint(-20, 20, (numel,), generator=generator).float()).to(dtype)
     return (torch.randn(numel, generator=generator) * 100).to(dtype)
 
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
+FLOAT8 = [torch.float8_e4m3fn, torch.float8_e5m2] + [d for d in [getattr(torch, "float8_e8m0fnu", None)] if d]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, *FLOAT8,
           torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.bool, torch.complex64]
 
 
@@ -87,6 +90,7 @@ PINNED = {  # name: (tensor, its digest); a changed value changes every stored d
     "bytes3000_u8": (lambda: (torch.arange(3000) % 251).to(torch.uint8), "2bf2b178d9c60787"),
     "arange9_bf16": (lambda: torch.arange(9, dtype=torch.bfloat16), "d555f3636b1163cf"),
     "arange16_fp8": (lambda: torch.arange(16, dtype=torch.float32).to(torch.float8_e4m3fn), "6c9088c3bac22f2a"),
+    "arange16_fp8_e5m2": (lambda: torch.arange(16, dtype=torch.float32).to(torch.float8_e5m2), "46423986f119c395"),
     "bools": (lambda: torch.tensor([True, False, True]), "4d1e4970043f8c36"),
     "scalar_f16": (lambda: torch.tensor(1.5, dtype=torch.float16), "6c36b152d439c7e3"),
     "empty_0x3": (lambda: torch.zeros(0, 3), "28783d15a32b21ee"),
@@ -296,3 +300,77 @@ def test_float_bits_are_exact() -> None:
     assert fingerprint.bits_hex(int(fingerprint.float_bits(nudged)), torch.float32) == "3f800001"
     one_bf16 = fingerprint.float_bits(torch.tensor(1.0, dtype=torch.bfloat16))
     assert fingerprint.bits_hex(int(one_bf16), torch.bfloat16) == "3f80"
+
+
+@pytest.mark.skipif(not hasattr(torch, "float8_e8m0fnu"), reason="this torch has no float8_e8m0fnu")
+def test_e8m0_scales_are_pinned() -> None:
+    scales = (2.0 ** torch.arange(-8, 8, dtype=torch.float32)).to(torch.float8_e8m0fnu)
+    assert fingerprint.to_hex(digest(scales)) == "d6a2c7ea3651e238" == fingerprint.to_hex(reference_digest(scales))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_the_same_bytes_in_two_float8_dtypes_digest_differently(kernel: fingerprint.Kernel) -> None:
+    raw = (torch.arange(64) % 120).to(torch.uint8)
+    found = {dtype: digest(raw.view(dtype), kernel) for dtype in FLOAT8}
+    assert len(set(found.values())) == len(FLOAT8)
+    assert digest(raw, kernel) not in found.values()
+
+
+class ScaledTensor(torch.Tensor):
+    """The smallest wrapper subclass that carries scales, as torchao's Float8/MX tensors do: float8 data and a float32
+    scale per row, exposed through __tensor_flatten__."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, scale: torch.Tensor) -> ScaledTensor:
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=torch.float32, device=data.device)
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor) -> None:
+        self._data, self._scale = data, scale
+
+    def __tensor_flatten__(self) -> tuple[list[str], dict[str, object]]:
+        return ["_data", "_scale"], {}
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):  # type: ignore[no-untyped-def]
+        return ScaledTensor(inner["_data"], inner["_scale"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        raise NotImplementedError(f"{func} on ScaledTensor: a digest must read the inner tensors only")
+
+
+def _scaled(scale_row0: float = 0.5) -> ScaledTensor:
+    data = (torch.arange(32, dtype=torch.float32).reshape(4, 8) / 4).to(torch.float8_e4m3fn)
+    scale = torch.tensor([scale_row0, 1.0, 2.0, 4.0])
+    return ScaledTensor(data, scale)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_scaled_subclass_digests_its_data_and_its_scales(kernel: fingerprint.Kernel) -> None:
+    base = digest(_scaled(), kernel)
+    assert digest(_scaled(), kernel) == base  # reproducible
+    assert digest(_scaled(scale_row0=0.25), kernel) != base  # one scale changed
+    flipped = _scaled()
+    flipped._data.view(torch.uint8)[3, 5] ^= 1
+    assert digest(flipped, kernel) != base  # one data bit changed
+    plain = _scaled()
+    assert base not in (digest(plain._data, kernel), digest(plain._scale, kernel))
+    assert fingerprint.tensors_digest([_scaled(), torch.ones(2)], kernel) is not None  # mixed with plain tensors
+
+
+def test_torchao_float8_and_mx_tensors_digest_their_scales() -> None:
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
+
+    values = torch.randn(16, 32, generator=torch.Generator().manual_seed(0))
+    float8 = [hp_tensor_and_scale_to_float8(values, torch.tensor(scale), torch.float8_e4m3fn) for scale in (2.0, 4.0)]
+    assert digest(float8[0]) != digest(float8[1])
+    assert digest(float8[0]) == digest(hp_tensor_and_scale_to_float8(values, torch.tensor(2.0), torch.float8_e4m3fn))
+    try:
+        from torchao.prototype.mx_formats.mx_tensor import MXTensor
+    except ImportError:
+        return
+    mx = MXTensor.to_mx(values, torch.float8_e4m3fn, 32)
+    before = digest(mx)
+    mx.scale.view(torch.uint8)[0] += 1
+    assert digest(mx) != before
