@@ -8,6 +8,7 @@
     python -m taxbench diff RUN_A RUN_B             # tracing ladder: first origin per rank
     python -m taxbench localize RUN_A RUN_B         # replay deeper rungs until an op is named
     python -m taxbench layouts +recipe=moe_1t_proxy 'layouts=[pp1.dp4, pp2.dp2]'   # cross-layout validation
+    python -m taxbench scan +recipe=moe_tiny cluster.threads_per_rank=2   # replay every op of a step
     python -m taxbench build-shards corpus.txt shards/
 
 The command line is the top of the import graph. It imports what a command needs where the command starts, so that
@@ -24,6 +25,7 @@ import re
 import sys
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
 import yaml
@@ -46,6 +48,9 @@ from taxbench.config.schema import (
 from taxbench.diagnostics import logger
 from taxbench.rundir.experiment_folder import claimed, experiment_root
 from taxbench.rundir.provenance import capture_launch
+
+if TYPE_CHECKING:
+    from taxbench.commands.scan import ScanSettings
 
 log = logger(__name__)
 
@@ -250,7 +255,8 @@ def subcommand(argv: list[str]) -> int:
 SUBCOMMANDS = ("analyse", "report", "build-shards", "diff", "localize")
 # Subcommands that take Hydra overrides like an experiment, plus keys of their own.
 LAYOUTS = "layouts"
-HYDRA_SUBCOMMANDS = (LAYOUTS,)
+SCAN = "scan"
+HYDRA_SUBCOMMANDS = (LAYOUTS, SCAN)
 LAYOUTS_USAGE = """usage: taxbench layouts [hydra overrides] 'layouts=[L1, L2, ...]' [policy=deterministic|baseline]
 
 Runs the recipe under each layout, two runs of one arm's policy per layout (default: the deterministic arm), and
@@ -266,6 +272,18 @@ pp<N>, tp<N>, dp<N>, ep<N>, v<N> (virtual stages), ddp or fsdp; a factor left ou
 
 def _override_key(override: str) -> str:
     return override.lstrip("+~").partition("=")[0]
+
+
+SCAN_USAGE = """usage: taxbench scan [hydra overrides] [scan.repeats=K] [scan.optimizer_step=false] [scan.out=FILE]
+
+Runs one training step of the recipe under each policy (baseline, deterministic) on one rank in this process, replays
+every ATen op K times (default 3) on cloned inputs with the same RNG state, and lists per policy the ops whose outputs
+differed (op, module, how many of K, input shapes, dtype) and the ops without a deterministic implementation. Writes
+scan.json (default <experiment.out_dir>/scan-<experiment.name>/). Exit 3 when the deterministic policy has such an
+op, 0 when it has none, 2 for bad input.
+
+  python -m taxbench scan +recipe=moe_tiny cluster.threads_per_rank=2
+"""
 
 
 def _compose(overrides: list[str]) -> DictConfig:
@@ -328,6 +346,57 @@ def run_layouts_command(argv: list[str]) -> int:
     except UserWarning as exc:
         fail(_searchpath_error_line(exc))
     return exit_codes.CONFIG_ERROR
+
+
+def _scan_settings(own: dict[str, str]) -> ScanSettings:
+    from taxbench.commands.scan import DEFAULT_REPEATS, ScanSettings
+
+    try:
+        repeats = int(own.get("scan.repeats", DEFAULT_REPEATS))
+    except ValueError:
+        raise ConfigError(f"scan.repeats={own['scan.repeats']!r} is not an integer") from None
+    step = own.get("scan.optimizer_step", "true").lower()
+    if step not in ("true", "false"):
+        raise ConfigError(f"scan.optimizer_step={own['scan.optimizer_step']!r}; use true or false")
+    out = own.get("scan.out")
+    return ScanSettings(repeats, step == "true", Path(out) if out else None)
+
+
+def run_scan_command(argv: list[str]) -> int:
+    """`taxbench scan`: one step per policy with every op replayed (taxbench.commands.scan)."""
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(SCAN_USAGE)
+        return exit_codes.OK
+    from taxbench.commands.scan import check_scan, exit_code, render, run_scan
+    from taxbench.preflight import check_before_launch
+
+    own = {}
+    overrides = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and key.startswith("scan."):
+            if key not in ("scan.repeats", "scan.optimizer_step", "scan.out"):
+                fail(f"unknown scan setting {key!r}; scan takes scan.repeats, scan.optimizer_step and scan.out")
+            own[key] = value
+        else:
+            overrides.append(arg)
+    warnings.filterwarnings("error", message=_MISSING_SEARCHPATH, category=UserWarning)
+    try:
+        settings = _scan_settings(own)
+        cfg = to_typed(OmegaConf.to_container(_compose(overrides), resolve=True))  # type: ignore[arg-type]
+        check_scan(cfg, settings)
+        check_before_launch(cfg)
+        scans, out = run_scan(cfg, settings)
+    except ConfigError as exc:
+        fail(str(exc))
+    except _HYDRA_INPUT_ERRORS as exc:
+        fail(_config_error_line(exc))
+    except yaml.YAMLError as exc:
+        fail(_yaml_error_line(exc))
+    except UserWarning as exc:
+        fail(_searchpath_error_line(exc))
+    print(render(scans, out))
+    return exit_code(scans)
 
 # Hydra and OmegaConf raise these for a bad override, an unknown config group option or a wrong type.
 _HYDRA_INPUT_ERRORS = (HydraException, OmegaConfBaseException)
@@ -417,6 +486,12 @@ def main() -> None:
         raise SystemExit(subcommand(argv))
     if argv and argv[0] == LAYOUTS:
         raise SystemExit(run_layouts_command(argv[1:]))
+    if argv and argv[0] == SCAN:
+        try:
+            raise SystemExit(run_scan_command(argv[1:]))
+        except BrokenPipeError:  # `taxbench scan --help | head`
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise SystemExit(exit_codes.OK) from None
     word = _unknown_word(argv)
     if word is not None:
         close = difflib.get_close_matches(word, SUBCOMMANDS + HYDRA_SUBCOMMANDS, n=1)

@@ -17,11 +17,16 @@ from rich.text import Text
 
 
 class StepRateColumn(ProgressColumn):
-    """Steps per second; rich has no speed until it has seen two updates, so the first frames show a placeholder."""
+    """Units (steps) per second; rich has no speed until it has seen two updates, so the first frames show a
+    placeholder."""
+
+    def __init__(self, unit: str = "steps") -> None:
+        super().__init__()
+        self.unit = unit
 
     def render(self, task: Task) -> Text:
         speed = task.speed
-        return Text("   --- steps/s" if speed is None else f"{speed:>6.1f} steps/s")
+        return Text(f"   --- {self.unit}/s" if speed is None else f"{speed:>6.1f} {self.unit}/s")
 
 
 class StepProgress:
@@ -36,7 +41,8 @@ IDLE = StepProgress(lambda: None)
 
 
 @contextmanager
-def step_progress(total: int, description: str, enabled: bool = True) -> Iterator[StepProgress]:
+def step_progress(total: int, description: str, enabled: bool = True, unit: str = "steps") -> Iterator[StepProgress]:
+    """Progress over `total` units of work (steps of an experiment; ops of a scan)."""
     if not enabled or total <= 0:
         yield IDLE
         return
@@ -47,7 +53,7 @@ def step_progress(total: int, description: str, enabled: bool = True) -> Iterato
             TextColumn("{task.description}", table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis")),
             BarColumn(bar_width=20),
             MofNCompleteColumn(),
-            StepRateColumn(),
+            StepRateColumn(unit),
             TimeRemainingColumn(),
         )
         with Progress(*columns, console=console, transient=True, expand=True) as bar:
@@ -65,7 +71,7 @@ def step_progress(total: int, description: str, enabled: bool = True) -> Iterato
             elapsed = time.perf_counter() - start
             rate = done / elapsed if elapsed > 0 else 0.0
             eta = (total - done) / rate if rate > 0 else 0.0
-            line = f"{description}{running}: {done}/{total} steps, {rate:.1f} steps/s, ETA {eta:.0f}s"
+            line = f"{description}{running}: {done}/{total} {unit}, {rate:.1f} {unit}/s, ETA {eta:.0f}s"
             print(line, file=sys.stderr, flush=True)
             next_report += max(1, total // 10)
 

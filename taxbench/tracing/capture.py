@@ -105,19 +105,19 @@ class CaptureScope:
 
 
 @functools.cache
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _tensor_leaves(value: Any) -> list[torch.Tensor]:
+def tensor_leaves(value: Any) -> list[torch.Tensor]:
     """The tensors inside an op's arguments or result (nested tuples, lists and dicts): rung 3's hot path, where
     pytree's generic flattening cost more than the ops."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (list, tuple)):
-        return [tensor for item in value for tensor in _tensor_leaves(item)]
+        return [tensor for item in value for tensor in tensor_leaves(item)]
     if isinstance(value, dict):
-        return [tensor for item in value.values() for tensor in _tensor_leaves(item)]
+        return [tensor for item in value.values() for tensor in tensor_leaves(item)]
     return []
 
 
@@ -131,6 +131,53 @@ class _Pending:
     record: dict[str, Any]
     inputs: list[tuple[dict[str, Any], int | None]]
     outputs: list[tuple[dict[str, Any], int | None]]
+
+
+class ModuleScope:
+    """Which module is running, per thread: forward hooks push and pop module paths, and the autograd nodes that a
+    module's outputs came from are tagged with its path, so backward ops are scoped "<module>/backward" (inherited by
+    the nodes after it: approximate). Shared by the tracing ladder and the op repeat scan."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._backward_scope = ""
+
+    def stack(self) -> list[str]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def enter(self, path: str) -> None:
+        self.stack().append(path)
+
+    def leave(self, path: str, outputs: Iterable[Any] = ()) -> None:
+        stack = self.stack()
+        if stack and stack[-1] == path:
+            stack.pop()
+        for tensor in outputs:
+            if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None \
+                    and _SCOPE_TAG not in tensor.grad_fn.metadata:
+                tensor.grad_fn.metadata[_SCOPE_TAG] = path  # innermost module wins
+
+    def current(self) -> str:
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            tag = node.metadata.get(_SCOPE_TAG)
+            if tag is not None:
+                self._backward_scope = tag
+            return self._backward_scope + BACKWARD
+        stack = self.stack()
+        return stack[-1] if stack else ""
+
+    def install(self, modules: Iterable[tuple[str, nn.Module]]) -> list[Any]:
+        """Hooks that only track the scope (the tracer's own hooks do more); remove the handles when done."""
+        handles: list[Any] = []
+        for path, module in modules:
+            handles.append(module.register_forward_pre_hook(lambda m, a, path=path: self.enter(path)))
+            handles.append(module.register_forward_hook(
+                lambda m, a, out, path=path: self.leave(path, tree_leaves(out))))
+        return handles
 
 
 class Tracer:
@@ -147,8 +194,8 @@ class Tracer:
         self._occurrences: Counter[tuple[str, str, str]] = Counter()
         self._seq = 0
         self._lock = threading.Lock()
-        self._local = threading.local()  # per-thread: scope stack and the quiet flag
-        self._backward_scope = ""
+        self._local = threading.local()  # per-thread: the quiet flag
+        self.modules = ModuleScope()
         self._trainer: TracedStep | None = None
 
     # -- wiring -------------------------------------------------------------------------------------------------
@@ -208,21 +255,8 @@ class Tracer:
         return handles
 
     # -- scope --------------------------------------------------------------------------------------------------
-    def _stack(self) -> list[str]:
-        stack = getattr(self._local, "stack", None)
-        if stack is None:
-            stack = self._local.stack = []
-        return stack
-
     def current_scope(self) -> str:
-        node = torch._C._current_autograd_node()
-        if node is not None:
-            tag = node.metadata.get(_SCOPE_TAG)
-            if tag is not None:
-                self._backward_scope = tag
-            return self._backward_scope + BACKWARD
-        stack = self._stack()
-        return stack[-1] if stack else ""
+        return self.modules.current()
 
     @property
     def quiet(self) -> bool:
@@ -241,7 +275,7 @@ class Tracer:
     # -- hooks --------------------------------------------------------------------------------------------------
     def _module_pre(self, path: str) -> Any:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
-            self._stack().append(path)
+            self.modules.enter(path)
             if self.scope.rung >= 2 and self.scope.wants_module(path):
                 with self.quieted():  # parameters are inputs too: a module is an origin only if they agree
                     inputs = self.summaries(tree_leaves((args, kwargs)))
@@ -253,13 +287,8 @@ class Tracer:
 
     def _module_post(self, path: str) -> Any:
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            stack = self._stack()
-            if stack and stack[-1] == path:
-                stack.pop()
             outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
-            for tensor in outputs:
-                if tensor.grad_fn is not None and _SCOPE_TAG not in tensor.grad_fn.metadata:
-                    tensor.grad_fn.metadata[_SCOPE_TAG] = path  # innermost module wins
+            self.modules.leave(path, outputs)
             inputs = getattr(module, "_taxbench_inputs", None)
             if inputs is not None:
                 del module._taxbench_inputs  # type: ignore[attr-defined]
@@ -312,7 +341,7 @@ class Tracer:
     def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         trainer = self._trainer
         assert trainer is not None
-        self._stack().append(OPTIMIZER_SCOPE)
+        self.modules.enter(OPTIMIZER_SCOPE)
         with self.quieted():
             params = list(trainer.raw_model.parameters())
             grads = [p.grad for p in params if p.grad is not None]
@@ -322,9 +351,7 @@ class Tracer:
     def _optimizer_post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         trainer = self._trainer
         assert trainer is not None
-        stack = self._stack()
-        if stack and stack[-1] == OPTIMIZER_SCOPE:
-            stack.pop()
+        self.modules.leave(OPTIMIZER_SCOPE)
         with self.quieted():
             outputs = [self.labelled("params", list(trainer.raw_model.parameters())),
                        self.labelled("state", list(trainer.optimizer_tensors()))]
@@ -346,7 +373,7 @@ class Tracer:
         limit = self.scope.max_numel
         wanted = [not limit or t.numel() <= limit for t in tensors]
         indices = iter(self._keep(fingerprint.digests([t for t, w in zip(tensors, wanted, strict=True) if w])))
-        return [({"shape": list(t.shape), "dtype": _dtype_name(t.dtype)}, next(indices) if w else None)
+        return [({"shape": list(t.shape), "dtype": dtype_name(t.dtype)}, next(indices) if w else None)
                 for t, w in zip(tensors, wanted, strict=True)]
 
     def labelled(self, label: str, tensors: Sequence[torch.Tensor]) -> tuple[dict[str, Any], int | None]:
@@ -435,9 +462,9 @@ class OpCapture(TorchDispatchMode):
         scope = tracer.current_scope()
         if not tracer.scope.wants_module(scope):
             return func(*args, **kwargs)
-        inputs = tracer.summaries(_tensor_leaves((args, kwargs)))  # before the op: in-place ops mutate them
+        inputs = tracer.summaries(tensor_leaves((args, kwargs)))  # before the op: in-place ops mutate them
         result = func(*args, **kwargs)
-        tracer.record("op", name, scope, inputs, tracer.summaries(_tensor_leaves(result)))
+        tracer.record("op", name, scope, inputs, tracer.summaries(tensor_leaves(result)))
         return result
 
 

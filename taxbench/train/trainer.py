@@ -38,6 +38,7 @@ from taxbench.train.data import build_source
 from taxbench.train.planted import PlantedDelay
 from taxbench.train.recorder import StepRecorder
 from taxbench.train.stacks import stack_for
+from taxbench.train.step import Batch
 from taxbench.train.timer import StepTimer, collected_between_blocks, peak_memory, synchronize
 from taxbench.workloads import use_deterministic_kernels
 
@@ -238,7 +239,7 @@ class Trainer:
             synchronize(self.ctx.device)
             window_start = time.perf_counter()
             for _ in range(steps):
-                with self._step_scope():
+                with self.step_scope():
                     self._train_step(block)
                 if on_step is not None:
                     on_step()
@@ -248,7 +249,8 @@ class Trainer:
             self.block_times = self.recorder.take_times()
             self.recorder.sync()
 
-    def _step_scope(self) -> AbstractContextManager[None]:
+    def step_scope(self) -> AbstractContextManager[None]:
+        """Around the next step: its injected fault and its tracing capture, where the run has them."""
         if self._step_fault is None and self.tracer is None:
             return nullcontext()
         scope = ExitStack()
@@ -263,21 +265,12 @@ class Trainer:
         lane = self.lane
         lane.step += 1
         data_start = time.perf_counter()
-        batches = [self.data.next_batch() for _ in range(self.grad_accum)]
-        device = self.ctx.device
-        batches = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in batches]
+        batches = self.next_batches()
         data_s = time.perf_counter() - data_start
 
         started = self.timer.start()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_mean = self.executor.run(batches)
-        self.parallel.finish_gradients()
+        loss_mean, grad_norm = self.optimize(batches)
         params = [p for p in self.raw_model.parameters() if p.grad is not None]
-        if not self._gradients_checked:
-            self._require_every_parameter_trained()
-        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
-        grad_norm = self.parallel.clip_grad_norm_(max_norm)
-        self.optimizer.step()
         planted_s, planted_mark = (0.0, None) if lane.planted is None else lane.planted.apply(started)
         measured = self.timer.stop(started)
 
@@ -302,6 +295,26 @@ class Trainer:
         if len(self.lanes) > 1:  # the model's own step, every lane's steps counted
             record["trajectory_step"] = self.step
         lane.recorder.add(record, measured, fingerprint_measured, planted_mark, digests)
+
+    def next_batches(self) -> list[Batch]:
+        """The step's micro-batches, on the device."""
+        device = self.ctx.device
+        batches = [self.data.next_batch() for _ in range(self.grad_accum)]
+        return [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in batches]
+
+    def optimize(self, batches: list[Batch], optimizer_step: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's work on `batches` (what is timed): forward, backward, gradient reduction, clipping and, unless
+        told not to, the optimizer step; the mean loss and the gradient norm."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_mean = self.executor.run(batches)
+        self.parallel.finish_gradients()
+        if not self._gradients_checked:
+            self._require_every_parameter_trained()
+        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
+        grad_norm = self.parallel.clip_grad_norm_(max_norm)
+        if optimizer_step:
+            self.optimizer.step()
+        return loss_mean, grad_norm
 
     def _require_every_parameter_trained(self) -> None:
         """Fail the first step this trainer runs when a trainable parameter of this rank got no gradient: the

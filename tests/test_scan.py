@@ -1,0 +1,122 @@
+"""`taxbench scan`: every ATen op of a step replayed on identical inputs (taxbench.tracing.op_scan,
+taxbench.commands.scan)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_taxbench, run_taxbench_in_terminal
+
+from taxbench.tracing.capture import ModuleScope
+from taxbench.tracing.op_scan import OpRepeatScan, clone_inputs
+
+
+def _scan(fn, repeats: int = 3, deterministic: bool = False):  # type: ignore[no-untyped-def]
+    mode = OpRepeatScan("test", deterministic, repeats, ModuleScope())
+    with mode:
+        out = fn()
+    return out, mode.finish()
+
+
+def test_atomic_index_put_accumulate_on_two_threads_is_found() -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        # As in the MoE combine: both threads' halves sweep the same rows in the same order, so their atomic adds
+        # race on the same rows (random indices rarely collide in time: measured 0 of 50 differing here).
+        generator = torch.Generator().manual_seed(0)
+        base = torch.randn(512, 64, generator=generator)
+        index = torch.arange(512).repeat(2)
+        values = torch.randn(1024, 64, generator=generator)
+        for _ in range(3):  # a race: on a loaded 2-core machine both threads may seldom run at once
+            out, scan = _scan(lambda: base.clone().index_put_((index,), values, accumulate=True), repeats=20)
+            if scan.nondeterministic:
+                break
+    finally:
+        torch.set_num_threads(threads)
+    assert [op.op for op in scan.nondeterministic] == ["aten.index_put_.default"]
+    assert scan.nondeterministic[0].shapes == [[512, 64], [1024], [1024, 64]]
+    assert scan.nondeterministic[0].most_differed >= 1
+    assert out.shape == (512, 64)
+
+
+def test_in_place_ops_are_replayed_on_clones_and_the_real_call_continues() -> None:
+    torch.manual_seed(0)
+    x = torch.zeros(4)
+    view = x[1:3]
+    reference = torch.zeros(4)
+    reference[1:3].add_(1).mul_(torch.rand(2))
+    torch.manual_seed(0)
+    _, scan = _scan(lambda: view.add_(1).mul_(torch.rand(2)))
+    assert torch.equal(x, reference)  # mutated once, with the RNG draw it would have had without the scan
+    assert scan.clean and scan.ops_replayed == 3
+
+
+def test_clones_keep_aliasing_between_arguments() -> None:
+    storage = torch.arange(6.0)
+    a, b = storage[:4], storage[2:]
+    (ca, cb), _ = clone_inputs((a, b), {})
+    ca[2] = -1.0
+    assert cb[0] == -1.0 and storage[2] == 2.0
+
+
+def test_ops_without_a_deterministic_implementation_are_listed() -> None:
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True)  # strict, as the deterministic policy sets it
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the scan keeps torch's alert to itself
+            out, scan = _scan(lambda: torch.zeros(4).put_(torch.tensor([0, 1]), torch.ones(2)), deterministic=True)
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+    assert [entry.op for entry in scan.no_deterministic_implementation] == ["aten.put_.default"]
+    assert "put_ does not have a deterministic implementation" in scan.no_deterministic_implementation[0].message
+    assert scan.nondeterministic == [] and not scan.clean
+    assert out.tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert not torch.is_deterministic_algorithms_warn_only_enabled()
+
+
+def test_moe_tiny_baseline_index_put_is_named_by_module_and_deterministic_is_clean(tmp_path: Path) -> None:
+    out = tmp_path / "scan.json"
+    code, shown = run_taxbench_in_terminal("scan", "+recipe=moe_tiny", "cluster.threads_per_rank=2",
+                                           f"scan.out={out}", cwd=tmp_path)
+    assert code == 0, shown
+    assert "ops/s" in shown  # the live progress bar
+    scan = json.loads(out.read_text())
+    baseline, deterministic = scan["policies"]
+    assert (baseline["policy"], deterministic["policy"]) == ("baseline", "deterministic")
+    found = {(op["op"], op["scope"]) for op in baseline["nondeterministic"]}
+    assert ("aten.index_put_.default", "blocks.0.ffn") in found and ("aten.index_put_.default", "blocks.1.ffn") in found
+    assert deterministic["nondeterministic"] == [] and deterministic["no_deterministic_implementation"] == []
+    assert deterministic["ops_replayed"] > 1000 and scan["exit_code"] == 0 and scan["threads"] == 2
+
+
+@pytest.mark.slow
+def test_a_planted_nondeterministic_op_fails_the_deterministic_policy(tmp_path: Path) -> None:
+    out = tmp_path / "scan.json"
+    result = run_taxbench("scan", "+recipe=dense_tiny", "scan.repeats=2", "scan.optimizer_step=false",
+                          f"scan.out={out}", "experiment.fault.enabled=true",
+                          "experiment.fault.kind=nondeterministic_op", "experiment.fault.module=blocks.1.ffn.up",
+                          "experiment.fault.op=aten.mm.default", cwd=tmp_path)
+    assert result.returncode == 3, result.stderr
+    deterministic = json.loads(out.read_text())["policies"][1]
+    assert [(op["op"], op["scope"]) for op in deterministic["nondeterministic"]] == [
+        ("aten.mm.default", "blocks.1.ffn.up")]
+    assert "NONDETERMINISTIC OPS" in result.stdout
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["scan.repeats=0"], "scan.repeats=0 must be >= 1"),
+    (["scan.bogus=1"], "unknown scan setting 'scan.bogus'"),
+    (["+recipe=no_such_recipe"], "no_such_recipe"),
+    (["+recipe=moe_1t"], "needs tp*pp"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
+    result = run_taxbench("scan", *args, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
