@@ -26,6 +26,7 @@ from taxbench.config.schema import (
     FaultKind,
     Launcher,
     ModelKind,
+    Precision,
     RecipeConfig,
     TaxbenchConfig,
     layout_problems,
@@ -40,6 +41,7 @@ from taxbench.parallel.layout import layout_for
 from taxbench.parallel.pipeline import stage_holding, stage_split
 from taxbench.parallel.recompute import apply_activation_checkpointing
 from taxbench.train.stacks import stack_for
+from taxbench.train.float8 import float8_problem
 from taxbench.workloads import TooLargeForHost, build_model, on_meta_or_host
 
 log = logger(__name__)
@@ -60,6 +62,7 @@ def prepare(raw: DictConfig) -> TaxbenchConfig:
 def check_before_launch(cfg: TaxbenchConfig) -> None:
     """Raise ConfigError for anything that would fail once the ranks run."""
     check_device(cfg)  # first: without the GPUs asked for, the layout errors below would only confuse
+    check_precision(cfg)
     validate(cfg)
     validate_pair(cfg)
     for arm_policy in cfg.arms.values():
@@ -88,6 +91,13 @@ def check_device(cfg: TaxbenchConfig) -> None:
     if cluster.launcher == Launcher.local and cluster.gpus > available:
         raise ConfigError(f"cluster.gpus={cluster.gpus} but this machine has {available} GPU(s); use "
                           f"cluster.gpus<={available}, or cluster=slurm for more")
+
+
+def check_precision(cfg: TaxbenchConfig) -> None:
+    if cfg.recipe.precision is Precision.fp8:
+        problem = float8_problem(cfg.cluster.device, check_gpu=cfg.cluster.launcher is not Launcher.slurm)
+        if problem:
+            raise ConfigError(problem)
 
 
 def _check_cpu_can_hold_a_replica(cfg: TaxbenchConfig) -> None:

@@ -160,3 +160,17 @@ def test_a_planted_tax_on_gpu_is_recovered_by_a_calibration_pair(tmp_path: Path)
     assert done.returncode == 0, done.stderr[-3000:]
     tax = json.loads((tmp_path / "planted" / "summary.json").read_text())["tax"]
     assert abs(tax["tax"] - 0.2) <= max(2 * tax["half_width"], 0.02), tax
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="float8 matmuls need compute capability 8.9+")
+def test_fp8_recipe_trains_float8_linears_and_its_deterministic_arm_repeats(taxbench_cli, tmp_path: Path) -> None:
+    pytest.importorskip("torchao")
+    result = taxbench_cli("recipe.precision=fp8", "recipe.model.d_model=128", "recipe.model.d_ff=512",
+                          "cluster=inprocess", "cluster.device=cuda", "cluster.gpus=1", "experiment.steps=12",
+                          "experiment.block_steps=6", "experiment.warmup_steps=2", "experiment.resume_step=6",
+                          f"experiment.out_dir={tmp_path}", "experiment.name=fp8", "report.wandb=false",
+                          cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    summary = json.loads((tmp_path / "fp8" / "summary.json").read_text())
+    assert summary["deterministic_ok"], summary["verdicts"]

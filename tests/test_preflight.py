@@ -25,6 +25,7 @@ FACTORY = "++recipe.model.factory={_target_: torch.nn.Embedding, num_embeddings:
         (["recipe.model.kind=custom", "++recipe.model.factory={_target_: no_such_pkg.build}"],
          "recipe.model.factory._target_='no_such_pkg.build' could not be instantiated"),
         (["recipe.model.n_heads=0"], "recipe.model.n_heads=0 must be >= 1"),
+        (["recipe.precision=fp8"], "recipe.precision=fp8 "),  # CPU: no float8 matmuls (or no torchao)
         (["recipe.model.vocab_size=0"], "recipe.model.vocab_size=0 must be >= 1"),
         (["recipe.model.d_model=0"], "recipe.model.d_model=0 must be >= 1"),
         (["recipe.parallel.ep=2"], "recipe.parallel.ep=2 needs an MoE model, but recipe.model.kind=dense; set "

@@ -30,6 +30,7 @@ class ConfigError(ValueError):
 class Precision(StrEnum):
     fp32 = "fp32"
     bf16 = "bf16"
+    fp8 = "fp8"  # bf16 autocast with float8 linears (torchao convert_to_float8_training); CUDA, compute capability 8.9+
 
 
 class Device(StrEnum):

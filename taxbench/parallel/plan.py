@@ -192,7 +192,7 @@ def make_plan(cfg: TaxbenchConfig) -> Plan:
         "experts_per_rank": m.n_experts // par.ep if m.n_experts else 0, "micro_batches_per_step": micro_batches,
     }
     fsdp = par.data_parallel is DataParallel.fsdp
-    element = 2 if recipe.precision is Precision.bf16 else 4
+    element = 2 if recipe.precision in (Precision.bf16, Precision.fp8) else 4  # fp8: bf16 activations
     layer = _layer_activations(recipe)
     tokens = recipe.micro_batch_size * m.seq_len
     stages: dict[ActivationCheckpointing, list[StageMemory]] = {mode: [] for mode in RECOMPUTE_MODES}

@@ -26,6 +26,7 @@ from taxbench.parallel.layout import ModelParts, ParallelModel, layout_for, para
 from taxbench.parallel.materialize import materialize
 from taxbench.parallel.pipeline import Boundary, StageSplit, boundaries, split_model, stage_split
 from taxbench.parallel.recompute import apply_activation_checkpointing
+from taxbench.train.float8 import convert_to_float8
 from taxbench.train.step import PipelineStep, PlainStep, StepExecutor
 from taxbench.workloads import build_model, own_workload
 
@@ -46,7 +47,7 @@ class RankModel:
 
 
 def autocast_dtype(recipe: RecipeConfig) -> torch.dtype | None:
-    return torch.bfloat16 if recipe.precision is Precision.bf16 else None
+    return torch.bfloat16 if recipe.precision in (Precision.bf16, Precision.fp8) else None
 
 
 def build_pipeline(recipe: RecipeConfig, arm_policy: PolicyConfig, ctx: DistContext, micro_batches: int) -> RankModel:
@@ -54,6 +55,8 @@ def build_pipeline(recipe: RecipeConfig, arm_policy: PolicyConfig, ctx: DistCont
     layout = layout_for(recipe.parallel, ctx.world_size, ctx.rank)
     with policy.active(arm_policy):
         model = build_model(recipe.model, arm_policy.deterministic_kernels)
+    if recipe.precision is Precision.fp8:
+        convert_to_float8(model)
     apply_activation_checkpointing(model, recipe.activation_checkpointing)
     split = stage_split(recipe, layout.pp_rank) if layout.pp > 1 else None
     parts = [model] if split is None else [split_model(model, split, s) for s in split.stages]

@@ -66,7 +66,8 @@ def peak_flops(cluster: ClusterConfig, precision: Precision, device_name: str | 
         return cluster.peak_tflops * 1e12, "cluster.peak_tflops"
     if cluster.device.value != "cuda" or not device_name:
         return None, "MFU does not apply on CPU"
-    key = "bf16" if precision is Precision.bf16 else "fp32"
+    # fp8 recipes are held to the dense bf16 peak (as torchtitan does): only their linears run in float8
+    key = "bf16" if precision in (Precision.bf16, Precision.fp8) else "fp32"
     for name, peaks in PEAK_TFLOPS.items():
         if name in device_name:
             return peaks[key] * 1e12, f"{name} {key} datasheet peak"
