@@ -35,8 +35,8 @@ from taxbench.tracing.capture import ModuleScope, dtype_name, skipped_op, tensor
 
 # What torch says under use_deterministic_algorithms(True, warn_only=True) for an op with no deterministic kernel.
 NO_DETERMINISTIC_IMPLEMENTATION = "does not have a deterministic implementation"
-# Outputs that are uninitialized memory, or whose values name storage rather than data.
-_SCAN_SKIPPED_PREFIXES = ("aten.resize_", "aten.data_ptr", "aten.is_same_size")
+# Beyond the tracing ladder's skips (aten.empty*, c10d): resize_ grows a tensor into uninitialized memory.
+_SCAN_SKIPPED_PREFIXES = ("aten.resize_",)
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 Signature = tuple[Any, ...]
