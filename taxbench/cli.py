@@ -24,6 +24,8 @@ import os
 import re
 import sys
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -321,8 +323,7 @@ def run_layouts_command(argv: list[str]) -> int:
              "layouts --help)")
     policy = str(own["policy"])
     given = {_override_key(o) for o in overrides}
-    warnings.filterwarnings("error", message=_MISSING_SEARCHPATH, category=UserWarning)
-    try:
+    with _one_line_input_errors(RecordError):
         layouts = parse_layout_list(str(own["layouts"]))
         cfg = to_typed(OmegaConf.to_container(_compose(overrides), resolve=True))  # type: ignore[arg-type]
         if cfg.cluster.launcher is not Launcher.local:
@@ -337,14 +338,6 @@ def run_layouts_command(argv: list[str]) -> int:
             capture_launch()
             run_layouts(configs, policy, root)
             return report(root, cfg.report)
-    except (ConfigError, RecordError) as exc:
-        fail(str(exc))
-    except _HYDRA_INPUT_ERRORS as exc:
-        fail(_config_error_line(exc))
-    except yaml.YAMLError as exc:
-        fail(_yaml_error_line(exc))
-    except UserWarning as exc:
-        fail(_searchpath_error_line(exc))
     return exit_codes.CONFIG_ERROR
 
 
@@ -380,14 +373,24 @@ def run_scan_command(argv: list[str]) -> int:
             own[key] = value
         else:
             overrides.append(arg)
-    warnings.filterwarnings("error", message=_MISSING_SEARCHPATH, category=UserWarning)
-    try:
+    with _one_line_input_errors():
         settings = _scan_settings(own)
         cfg = to_typed(OmegaConf.to_container(_compose(overrides), resolve=True))  # type: ignore[arg-type]
         check_scan(cfg, settings)
         check_before_launch(cfg)
         scans, out = run_scan(cfg, settings)
-    except ConfigError as exc:
+    print(render(scans, out))
+    return exit_code(scans)
+
+
+@contextmanager
+def _one_line_input_errors(*more: type[Exception]) -> Iterator[None]:
+    """Bad input to a subcommand that composes Hydra overrides (ConfigError, `more`, Hydra's and YAML's errors, a
+    missing search path): one line, exit 2."""
+    warnings.filterwarnings("error", message=_MISSING_SEARCHPATH, category=UserWarning)
+    try:
+        yield
+    except (ConfigError, *more) as exc:
         fail(str(exc))
     except _HYDRA_INPUT_ERRORS as exc:
         fail(_config_error_line(exc))
@@ -395,8 +398,7 @@ def run_scan_command(argv: list[str]) -> int:
         fail(_yaml_error_line(exc))
     except UserWarning as exc:
         fail(_searchpath_error_line(exc))
-    print(render(scans, out))
-    return exit_code(scans)
+
 
 # Hydra and OmegaConf raise these for a bad override, an unknown config group option or a wrong type.
 _HYDRA_INPUT_ERRORS = (HydraException, OmegaConfBaseException)
