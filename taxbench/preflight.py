@@ -40,8 +40,8 @@ from taxbench.diagnostics import logger
 from taxbench.parallel.layout import layout_for
 from taxbench.parallel.pipeline import stage_holding, stage_split
 from taxbench.parallel.recompute import apply_activation_checkpointing
-from taxbench.train.stacks import stack_for
 from taxbench.train.float8 import float8_problem
+from taxbench.train.stacks import stack_for
 from taxbench.workloads import TooLargeForHost, build_model, on_meta_or_host
 
 log = logger(__name__)
