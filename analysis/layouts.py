@@ -36,8 +36,8 @@ from taxbench.analysis.verdicts import DIFFERS, Verdict, compare_runs
 from taxbench.config.layout_names import parse_layout_name
 from taxbench.config.schema import ConfigError
 from taxbench.design import run_name
-from taxbench.parallel.logical_digest import weights_file
 from taxbench.rundir.read import RecordError, load_checked_run, load_manifest, manifest_value, read_json_object
+from taxbench.rundir.records import weights_file
 
 PLAN_FILE = "layouts.json"  # <root>/layouts.json: what was asked for and how each layout's launch went
 SUMMARY_FILE = "summary.json"

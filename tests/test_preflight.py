@@ -118,7 +118,7 @@ def test_shard_tokens_beyond_the_vocabulary_are_refused_before_launch(tmp_path: 
         (["+experiment.stepz=3"], "experiment.stepz is not a config key; did you mean experiment.steps?"),
         (["recipe.model.n_layer=3"], "did you mean recipe.model.n_layers?"),
         (["experiment.steps=abc"], "Value 'abc' of type 'str' could not be converted to Integer"),
-        (["recipe.precision=fp16"], "Invalid value 'fp16', expected one of [fp32, bf16]"),
+        (["recipe.precision=fp16"], "Invalid value 'fp16', expected one of [fp32, bf16, fp8]"),
         (["+recipe=nosuch"], "available options in 'recipe': dense_tiny"),
         (["cluster=nope"], "available options in 'cluster': inprocess, local"),
         (["mode@arms.baseline=nope"], "available options in 'mode': baseline, deterministic"),

@@ -20,7 +20,6 @@ import hashlib
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,14 +31,9 @@ from taxbench.parallel.materialize import parameter_views
 from taxbench.workloads.init import GlobalView, global_index_chunks
 
 FORMAT = 1
-WEIGHTS_FILE = "logical_weights.json"  # <run>/logical_weights.json: the digests at the run's first and last step
 _LANE_BITS = 16
 _LANES = 4
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def weights_file(run_dir: Path) -> Path:
-    return run_dir / WEIGHTS_FILE
 
 
 def _signed(value: int) -> int:

@@ -73,6 +73,11 @@ def op_table_file(run_dir: Path, rank: int) -> Path:
     return run_dir / f"ops.rank{rank}.json"
 
 
+def weights_file(run_dir: Path) -> Path:
+    """A layouts run's layout-invariant weight digests at its first and last step (taxbench.parallel.logical_digest)."""
+    return run_dir / "logical_weights.json"
+
+
 def faults_file(run_dir: Path, rank: int) -> Path:
     return run_dir / f"faults.rank{rank}.jsonl"
 

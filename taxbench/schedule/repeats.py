@@ -15,9 +15,9 @@ from pathlib import Path
 from taxbench.config.schema import TaxbenchConfig
 from taxbench.design import RunRef
 from taxbench.parallel.distributed import DistContext
-from taxbench.parallel.logical_digest import FORMAT, WeightsDigest, gather_digest, weights_file
+from taxbench.parallel.logical_digest import FORMAT, WeightsDigest, gather_digest
 from taxbench.progress import IDLE, StepProgress
-from taxbench.rundir.records import SCHEMA_VERSION, write_text_atomically
+from taxbench.rundir.records import SCHEMA_VERSION, weights_file, write_text_atomically
 from taxbench.schedule.experiment import Experiment
 from taxbench.train.trainer import Trainer
 
