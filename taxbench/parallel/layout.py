@@ -115,6 +115,21 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, Any]:
     return plan
 
 
+def dtensor_shards(tensor: DTensor) -> int:
+    """Into how many distinct pieces `tensor`'s placements split it: the product of the mesh sizes of its sharded
+    dims. Every split counts, Shard and FSDP2's _StridedShard alike (the dp shard of a tensor-parallel parameter:
+    torch 2.13's _StridedShard is no Shard subclass, and its is_shard() is False); the ranks of a Replicate dim hold
+    copies. A Partial gradient is not finished (no rank holds its value): refuse it rather than count it wrongly."""
+    shards = 1
+    for dim, placement in enumerate(tensor.placements):
+        if placement.is_partial():
+            raise ValueError(f"a gradient placed as {tensor.placements} has a pending (Partial) reduction over mesh "
+                             f"dim {dim}; its norm is not defined until it is reduced")
+        if not placement.is_replicate():
+            shards *= tensor.device_mesh.size(dim)
+    return shards
+
+
 class ModelParts:
     """This rank's parts of the model (one, or one per pipeline stage it holds), seen as one model: parameters,
     modules (by their names in the unsplit model) and state, in part order."""
@@ -226,9 +241,7 @@ class ParallelModel:
             shards = 1
             local = grad
             if isinstance(grad, DTensor):
-                for dim, placement in enumerate(grad.placements):
-                    if isinstance(placement, Shard):
-                        shards *= grad.device_mesh.size(dim)
+                shards = dtensor_shards(grad)
                 local = grad.to_local()
             # Expert parallelism: each expert lives on 1/ep of the ranks (beyond what a DTensor mesh shows).
             holders = world // shards // (self.layout.ep if id(param) in self._expert_ids else 1)
