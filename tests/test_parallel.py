@@ -102,10 +102,12 @@ def _expert_slice(name: str, grad: torch.Tensor, ep: int, ep_rank: int) -> torch
         (2, ParallelConfig(ep=2)),
         (2, ParallelConfig(ep=2, data_parallel=DataParallel.fsdp)),
         # tp2.dp2: FSDP2 shards the tensor-parallel weights again over dp (_StridedShard, which the norm must count
-        # as a split).
+        # as a split) and DDP must leave the DTensor weights to finish_gradients (its constructor cannot broadcast
+        # them beside plain tensors).
         (4, ParallelConfig(tp=2, data_parallel=DataParallel.fsdp)),
+        (4, ParallelConfig(tp=2, data_parallel=DataParallel.ddp)),
     ],
-    ids=["ddp", "fsdp", "tp", "ep", "ep_fsdp", "tp_dp_fsdp"],
+    ids=["ddp", "fsdp", "tp", "ep", "ep_fsdp", "tp_dp_fsdp", "tp_dp_ddp"],
 )
 def test_layout_gradients_match_the_unsharded_model(world: int, parallel: ParallelConfig, tmp_path: Path) -> None:
     results = _run(world, parallel, tmp_path)

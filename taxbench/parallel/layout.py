@@ -162,12 +162,15 @@ class ParallelModel:
 
     def __init__(self, parts: list[nn.Module], modules: list[nn.Module], layout: Layout, meshes: Meshes | None,
                  group: dist.ProcessGroup | None, expert_params: list[nn.Parameter],
-                 reduce_experts: bool = True) -> None:
+                 reduce_experts: bool = True, tensor_parallel_params: list[nn.Parameter] | None = None) -> None:
         self.parts, self.modules, self.layout, self.group = ModelParts(parts), modules, layout, group
         self.mesh = meshes.full if meshes is not None else None
+        self.dp_group = meshes.dp.get_group() if meshes is not None and meshes.dp.size() > 1 else None
         self.pp_group = meshes.pp_group if meshes is not None else None
         # Expert parameters; finish_gradients averages their gradients unless FSDP2 already reduces them.
         self.expert_params = expert_params if reduce_experts else []
+        # Tensor-parallel (DTensor) parameters that DDP leaves alone; finish_gradients averages them over dp.
+        self.tensor_parallel_params = tensor_parallel_params or []
         self._expert_ids = {id(p) for p in expert_params}
         self._generic_clip = (layout.ep > 1 or layout.pp > 1
                               or any(isinstance(p, DTensor) for part in parts for p in part.parameters()))
@@ -215,7 +218,15 @@ class ParallelModel:
             yield
 
     def finish_gradients(self) -> None:
-        """Expert gradients, which DDP leaves alone, become the mean over all data-parallel ranks."""
+        """Gradients DDP leaves alone (experts; tensor-parallel DTensors, which DDP cannot bucket) become the mean over
+        all data-parallel ranks."""
+        for param in self.tensor_parallel_params:
+            if param.grad is None:
+                continue
+            local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            if self.dp_group is not None:
+                dist.all_reduce(local, group=self.dp_group)
+            local.div_(self.layout.dp)
         if not self.expert_params or self.mesh is None:
             return
         edp_group = self.mesh["edp"].get_group() if self.mesh["edp"].size() > 1 else None
@@ -282,21 +293,31 @@ def parallelize(parts: list[nn.Module], recipe: RecipeConfig, ctx: DistContext, 
         return ParallelModel(parts, [ddp], layout, None, group, [])
 
     meshes = _meshes(layout, ctx, arm_policy)
-    wrapped, expert_params = [], []
+    wrapped, expert_params, tp_params = [], [], []
     for part in parts:
-        module, experts = _parallelize_part(part, layout, meshes, fsdp, materialize)
+        module, experts, manual = _parallelize_part(part, layout, meshes, fsdp, materialize)
         wrapped.append(module)
         expert_params += experts
-    return ParallelModel(parts, wrapped, layout, meshes, group, expert_params, reduce_experts=not fsdp)
+        tp_params += manual
+    return ParallelModel(parts, wrapped, layout, meshes, group, expert_params, reduce_experts=not fsdp,
+                         tensor_parallel_params=tp_params)
 
 
 def _parallelize_part(model: nn.Module, layout: Layout, meshes: Meshes, fsdp: bool,
-                      materialize: Callable[[nn.Module], None]) -> tuple[nn.Module, list[nn.Parameter]]:
-    """EP, then TP, then FSDP2 or DDP over the stage's data-parallel ranks; the module to run and its expert params.
+                      materialize: Callable[[nn.Module], None],
+                      ) -> tuple[nn.Module, list[nn.Parameter], list[nn.Parameter]]:
+    """EP, then TP, then FSDP2 or DDP over the stage's data-parallel ranks; the module to run, its expert params and
+    the tensor-parallel params whose gradients ParallelModel.finish_gradients averages over dp (DDP's, see below).
 
     FSDP2 with EP shards each layer's experts over the expert-data-parallel ranks (the ranks holding the same experts)
     and the rest over all data-parallel ranks, as torchtitan does; expert gradients are divided by dp, so that they
-    are the mean over every data-parallel rank like the others."""
+    are the mean over every data-parallel rank like the others.
+
+    DDP with TP: DDP's reducer works on plain tensors (its constructor broadcasts every parameter with one
+    aten.cat, which fails on a mix of DTensor and plain tensors), and torch's own DDP+TP workaround (a sliced
+    device_mesh) swaps the parameter objects on every forward, behind the optimizer's and activation recompute's
+    back. So DDP ignores the DTensor parameters, as it ignores the experts, and their gradients are averaged over the
+    data-parallel group once per step after the last micro-batch."""
     mesh = meshes.full
     experts = expert_modules(model) if layout.ep > 1 else []
     if layout.ep > 1:
@@ -317,16 +338,18 @@ def _parallelize_part(model: nn.Module, layout: Layout, meshes: Meshes, fsdp: bo
             module.experts.set_gradient_divide_factor(float(layout.dp))
         _fully_shard_blocks(model, dp_mesh, fully_shard)
         materialize(model)
-        return model, [p for module in experts for p in module.experts.parameters()]
+        return model, [p for module in experts for p in module.experts.parameters()], []
     materialize(model)
     expert_params = [p for module in experts for p in module.experts.parameters()]
     if dp_mesh.size() == 1 and not expert_params:
-        return model, []
-    if expert_params:
-        ignored = {id(p) for p in expert_params}
+        return model, [], []
+    tp_params = [p for p in model.parameters() if isinstance(p, DTensor)]
+    if expert_params or tp_params:
+        ignored = {id(p) for p in expert_params + tp_params}
         names = [name for name, p in model.named_parameters() if id(p) in ignored]
         nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
-    return nn.parallel.DistributedDataParallel(model, process_group=dp_mesh.get_group()), expert_params
+    ddp = nn.parallel.DistributedDataParallel(model, process_group=dp_mesh.get_group())
+    return ddp, expert_params, tp_params
 
 
 def _fully_shard_blocks(model: nn.Module, mesh: DeviceMesh, fully_shard: Any) -> None:
