@@ -29,6 +29,8 @@ SEED = 7
 LAYOUTS = {
     "pp2.ep2.fsdp": ParallelConfig(pp=2, ep=2, data_parallel=DataParallel.fsdp),
     "tp2.dp2.fsdp": ParallelConfig(tp=2, data_parallel=DataParallel.fsdp),
+    # DDP does not broadcast the tensor-parallel (DTensor) weights: they must start equal by construction
+    "tp2.dp2.ddp": ParallelConfig(tp=2),
     "ep2.dp4.ddp": ParallelConfig(ep=2),
     "pp2.virtual2.ddp": ParallelConfig(pp=2, pp_schedule="Interleaved1F1B", virtual_stages=2),
 }
