@@ -40,6 +40,10 @@ step interleave_policy 90 $PY -m taxbench "${EXP[@]}" +recipe=moe_tiny experimen
 # The calibrated instrument on GPU: a planted 5% tax on an A/A pair (spin kernel, CUDA event times).
 step planted_5pct 150 $PY -m taxbench "${EXP[@]}" experiment.calibration=true experiment.planted_tax=0.05 \
     experiment.steps=240 experiment.name=planted_gpu
+# The op repeat scan on CUDA: the baseline's atomic MoE ops (index_add_ in combine and dispatch backward) named, the
+# deterministic policy clean (exit 0).
+step scan_moe_tiny 120 $PY -m taxbench scan +recipe=moe_tiny cluster.device=cuda cluster.gpus=1 \
+    scan.out="$OUT/scan_moe_tiny.json"
 # Foreign stacks (issue 21). torchtitan with its FlexAttention, when installed (offline: add taxbench[titan]'s wheels,
 # torchtitan 0.3.0 and what its import needs, to .wheels/); Megatron-Core: its GPTModel stack is not implemented yet,
 # so with CUDA the recipe is expected to exit 2 naming the missing extra or the missing implementation.

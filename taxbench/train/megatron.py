@@ -27,7 +27,8 @@ def require_megatron() -> None:
     """Refuse in one line: Megatron-Core needs CUDA, and the package from the extra."""
     if not torch.cuda.is_available():
         raise ConfigError(f"recipe.model.kind=megatron needs a CUDA GPU (Megatron-Core is GPU only; torch "
-                          f"{torch.__version__} sees none); run it on a GPU node with {INSTALL_HINT}")
+                          f"{torch.__version__} sees none) and {INSTALL_HINT}; note that its GPTModel stack is not "
+                          "implemented yet, so on a GPU it is refused too (issue 21)")
     try:
         import megatron.core  # noqa: F401
     except ImportError as exc:
