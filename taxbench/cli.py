@@ -358,8 +358,7 @@ def _scan_settings(own: dict[str, str]) -> ScanSettings:
 def run_scan_command(argv: list[str]) -> int:
     """`taxbench scan`: one step per policy with every op replayed (taxbench.commands.scan)."""
     if any(arg in ("-h", "--help") for arg in argv):
-        print(SCAN_USAGE)
-        return exit_codes.OK
+        return _print_to_a_pipe(SCAN_USAGE, exit_codes.OK)
     from taxbench.commands.scan import check_scan, exit_code, render, run_scan
     from taxbench.preflight import check_before_launch
 
@@ -379,8 +378,18 @@ def run_scan_command(argv: list[str]) -> int:
         check_scan(cfg, settings)
         check_before_launch(cfg)
         scans, out = run_scan(cfg, settings)
-    print(render(scans, out))
-    return exit_code(scans)
+    return _print_to_a_pipe(render(scans, out), exit_code(scans))
+
+
+def _print_to_a_pipe(text: str, code: int) -> int:
+    """Print `text` and return `code`, also when stdout's reader went away (`taxbench scan | head -3`): the verdict
+    does not depend on who read it."""
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return code
 
 
 @contextmanager
@@ -489,11 +498,7 @@ def main() -> None:
     if argv and argv[0] == LAYOUTS:
         raise SystemExit(run_layouts_command(argv[1:]))
     if argv and argv[0] == SCAN:
-        try:
-            raise SystemExit(run_scan_command(argv[1:]))
-        except BrokenPipeError:  # `taxbench scan --help | head`
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            raise SystemExit(exit_codes.OK) from None
+        raise SystemExit(run_scan_command(argv[1:]))
     word = _unknown_word(argv)
     if word is not None:
         close = difflib.get_close_matches(word, SUBCOMMANDS + HYDRA_SUBCOMMANDS, n=1)

@@ -12,8 +12,10 @@ import pytest
 import torch
 from conftest import run_taxbench, run_taxbench_in_terminal
 
+from taxbench import exit_codes
+from taxbench.commands.scan import exit_code
 from taxbench.tracing.capture import ModuleScope
-from taxbench.tracing.op_scan import OpRepeatScan, clone_inputs
+from taxbench.tracing.op_scan import NondeterministicOp, OpRepeatScan, PolicyScan, clone_inputs
 
 
 def _scan(fn, repeats: int = 3, deterministic: bool = False):  # type: ignore[no-untyped-def]
@@ -142,9 +144,22 @@ def test_a_planted_nondeterministic_op_fails_the_deterministic_policy(tmp_path: 
     (["scan.bogus=1"], "unknown scan setting 'scan.bogus'"),
     (["+recipe=no_such_recipe"], "no_such_recipe"),
     (["+recipe=moe_1t"], "needs tp*pp"),
+    (["+recipe=moe_1t_proxy", "recipe.parallel.pp=1"], "scan it with recipe.parallel.ep=1"),
+    (["scan.out=/proc/no/scan.json"], "choose another scan.out"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
     result = run_taxbench("scan", *args, cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_policy_that_replayed_nothing_is_no_evidence() -> None:
+    baseline = PolicyScan("baseline", deterministic=False, repeats=3, ops_seen=10, ops_replayed=10)
+    nothing = PolicyScan("deterministic", deterministic=True, repeats=3, ops_seen=10, ops_replayed=0,
+                         not_replayed={"aten.mm.default": 10})
+    assert not nothing.clean and exit_code([baseline, nothing]) == exit_codes.INCOMPLETE
+    replayed = PolicyScan("deterministic", deterministic=True, repeats=3, ops_seen=10, ops_replayed=10)
+    assert replayed.clean and exit_code([baseline, replayed]) == exit_codes.OK
+    replayed.nondeterministic.append(NondeterministicOp("aten.mm.default", "blocks.0", [[2, 2]], ["float32"], 3))
+    assert exit_code([baseline, replayed]) == exit_codes.NOT_DETERMINISTIC

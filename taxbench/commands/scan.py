@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import tempfile
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,7 +33,7 @@ from taxbench.launchers.worker import rank_process
 from taxbench.parallel.distributed import free_port
 from taxbench.progress import StepProgress, step_progress
 from taxbench.tracing.capture import OPTIMIZER_SCOPE, ModuleScope
-from taxbench.tracing.op_scan import OpRepeatScan, PolicyScan, scanned
+from taxbench.tracing.op_scan import NO_DETERMINISTIC_IMPLEMENTATION, OpRepeatScan, PolicyScan, scanned
 from taxbench.train.trainer import RunSpec, Trainer
 
 SCAN_FILE = "scan.json"
@@ -73,6 +75,9 @@ def check_scan(cfg: TaxbenchConfig, settings: ScanSettings) -> None:
         raise ConfigError(f"taxbench scan runs one rank, but recipe {cfg.recipe.name} needs tp*pp = "
                           f"{parallel.tp * parallel.pp} ranks per replica; scan it with recipe.parallel.tp=1 "
                           "recipe.parallel.pp=1")
+    if parallel.ep > 1:
+        raise ConfigError(f"taxbench scan runs one rank, but recipe {cfg.recipe.name} has recipe.parallel.ep="
+                          f"{parallel.ep} (experts on {parallel.ep} ranks); scan it with recipe.parallel.ep=1")
     fault = cfg.experiment.fault
     if fault.enabled and fault.kind is not FaultKind.nondeterministic_op:
         raise ConfigError(f"experiment.fault.kind={fault.kind.value} acts between steps or on collectives; a scan "
@@ -98,12 +103,37 @@ def _trainer(cfg: TaxbenchConfig, arm: str, ctx: Any, scratch: Path) -> Iterator
         trainer.close()
 
 
+@contextmanager
+def _warn_only() -> Iterator[None]:
+    """Strict deterministic mode relaxed to warn_only, quietly: the counting pass runs every op, also those without
+    a deterministic implementation (the scan itself notes them)."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(enabled, warn_only=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=f".*{NO_DETERMINISTIC_IMPLEMENTATION}")
+            yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
 def _count_ops(cfg: TaxbenchConfig, arm: str, ctx: Any, scratch: Path, settings: ScanSettings) -> int:
     with _trainer(cfg, arm, ctx, scratch / "count") as trainer, trainer.activated():
         batches = trainer.next_batches()
-        with _OpCounter() as counter:
+        with _warn_only(), _OpCounter() as counter:
             trainer.optimize(batches, settings.optimizer_step)
     return counter.ops
+
+
+def _check_writable(out: Path) -> None:
+    """Refuse an output path the scan could not write, before the scan runs."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"scan output {out}: {exc.strerror or exc}; choose another scan.out") from exc
+    if not os.access(out.parent, os.W_OK) or out.is_dir():
+        raise ConfigError(f"scan output {out}: not writable; choose another scan.out")
 
 
 def scan_arm(cfg: TaxbenchConfig, arm: str, ctx: Any, scratch: Path, settings: ScanSettings,
@@ -129,6 +159,7 @@ def scan_arm(cfg: TaxbenchConfig, arm: str, ctx: Any, scratch: Path, settings: S
 def run_scan(cfg: TaxbenchConfig, settings: ScanSettings) -> tuple[list[PolicyScan], Path]:
     """Scan every arm (one rank, in this process); the results and the JSON file they were written to."""
     out = settings.out or Path(cfg.experiment.out_dir) / f"scan-{cfg.experiment.name}" / SCAN_FILE
+    _check_writable(out)
     scans: list[PolicyScan] = []
     with tempfile.TemporaryDirectory(prefix="taxbench-scan-") as tmp, \
             rank_process([cfg], 0, 1, 0, cfg.cluster.master_addr, free_port(cfg.cluster.master_addr)) as ctx:
@@ -144,8 +175,14 @@ def run_scan(cfg: TaxbenchConfig, settings: ScanSettings) -> tuple[list[PolicySc
 
 
 def exit_code(scans: list[PolicyScan]) -> int:
-    failing = [scan for scan in scans if scan.deterministic and not scan.clean]
-    return exit_codes.NOT_DETERMINISTIC if failing else exit_codes.OK
+    """3 when a deterministic policy has a differing op or one without a deterministic implementation; 4 when a
+    deterministic policy replayed no op (no evidence either way); else 0."""
+    deterministic = [scan for scan in scans if scan.deterministic]
+    if any(scan.nondeterministic or scan.no_deterministic_implementation for scan in deterministic):
+        return exit_codes.NOT_DETERMINISTIC
+    if not deterministic or any(scan.ops_replayed == 0 for scan in deterministic):
+        return exit_codes.INCOMPLETE
+    return exit_codes.OK
 
 
 def write_scan(out: Path, cfg: TaxbenchConfig, settings: ScanSettings, scans: list[PolicyScan]) -> None:
@@ -176,14 +213,20 @@ def render(scans: list[PolicyScan], out: Path) -> str:
     """The console tables, one per policy."""
     lines: list[str] = []
     for scan in scans:
-        verdict = "clean" if scan.clean else "NONDETERMINISTIC OPS" if scan.deterministic else "nondeterministic ops"
+        if scan.ops_replayed == 0:
+            verdict = "NO OP REPLAYED: no evidence"
+        elif scan.clean:
+            verdict = "clean"
+        else:
+            verdict = "NONDETERMINISTIC OPS" if scan.deterministic else "nondeterministic ops"
         lines.append(f"policy {scan.policy}: {scan.ops_seen} ops, {scan.ops_replayed} replayed {scan.repeats}x: "
                      f"{verdict}")
         if scan.nondeterministic:
             lines.append(f"  {'op':<28} {'module':<24} {'differed':>8} {'calls':>6}  inputs")
             for op in scan.nondeterministic:
                 lines.append(f"  {op.op:<28} {op.scope or '<top>':<24} {op.most_differed:>4}/{op.repeats:<3} "
-                             f"{op.calls_differed:>3}/{op.calls:<2}  {_shapes(op.shapes)} {op.dtypes[0]}")
+                             f"{op.calls_differed:>3}/{op.calls:<2}  {_shapes(op.shapes)} "
+                             f"{op.dtypes[0] if op.dtypes else '-'}")
         for entry in scan.no_deterministic_implementation:
             lines.append(f"  no deterministic implementation: {entry.op} in {entry.scope or '<top>'} "
                          f"({entry.calls} calls)")

@@ -86,7 +86,8 @@ class PolicyScan:
 
     @property
     def clean(self) -> bool:
-        return not self.nondeterministic and not self.no_deterministic_implementation
+        """Positive evidence only: ops were replayed, none differed, none lacked a deterministic implementation."""
+        return self.ops_replayed > 0 and not self.nondeterministic and not self.no_deterministic_implementation
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -184,7 +185,7 @@ class OpRepeatScan(TorchDispatchMode):
         rng = RngFork(kwargs)
         if not all(_replayable(t) for t in tensors):
             self._not_replayed[name] += 1
-            return self._call(func, args, kwargs, rng, name, scope)
+            return self._call(func, args, kwargs, rng, name, scope, real=True)
         replays = []
         for _ in range(self.repeats):
             clone_args, clone_kwargs = clone_inputs(args, kwargs)
@@ -193,14 +194,14 @@ class OpRepeatScan(TorchDispatchMode):
             replays.append(signature(func, result, clone_args, clone_kwargs))
             del clone_args, clone_kwargs, result
         rng.restore()
-        result = self._call(func, args, kwargs, rng, name, scope)
+        result = self._call(func, args, kwargs, rng, name, scope, real=True)
         real = signature(func, result, args, kwargs)
         self.result.ops_replayed += 1
         self._count(name, scope, tensors, sum(replay != real for replay in replays))
         return result
 
     def _call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rng: RngFork, name: str,
-              scope: str) -> Any:
+              scope: str, real: bool = False) -> Any:
         """Run the op; under strict deterministic mode an op without a deterministic implementation raises before
         it runs: note it, and run it as warn_only would (C++ warnings only reach Python when the outermost op
         returns, so the warn_only path itself cannot be caught per op)."""
@@ -210,13 +211,15 @@ class OpRepeatScan(TorchDispatchMode):
             if NO_DETERMINISTIC_IMPLEMENTATION not in str(exc):
                 raise
             entry = self._warn_only.setdefault((name, scope), WarnOnlyOp(name, scope, str(exc).splitlines()[0]))
-            entry.calls += 1
+            entry.calls += real  # the step's calls, not the replays
         rng.restore()
+        enabled, warn_only = torch.are_deterministic_algorithms_enabled(), \
+            torch.is_deterministic_algorithms_warn_only_enabled()
         torch.use_deterministic_algorithms(True, warn_only=True)
         try:
             return func(*args, **kwargs)
         finally:
-            torch.use_deterministic_algorithms(True, warn_only=False)
+            torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
     def __enter__(self) -> OpRepeatScan:
         # The warn_only runs above warn when the outermost op returns, inside the scanned block: they are recorded.
