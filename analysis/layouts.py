@@ -37,7 +37,7 @@ from taxbench.config.layout_names import parse_layout_name
 from taxbench.config.schema import ConfigError
 from taxbench.design import run_name
 from taxbench.rundir.read import RecordError, load_checked_run, load_manifest, manifest_value, read_json_object
-from taxbench.rundir.records import weights_file
+from taxbench.rundir.records import WEIGHTS_FORMAT, weights_file
 
 PLAN_FILE = "layouts.json"  # <root>/layouts.json: what was asked for and how each layout's launch went
 SUMMARY_FILE = "summary.json"
@@ -70,10 +70,14 @@ def read_plan(root: Path) -> LayoutsPlan:
     stored = read_json_object(root / PLAN_FILE, "layouts record")
     try:
         launches = {name: LaunchRecord(**value) for name, value in stored.get("launches", {}).items()}
-        return LayoutsPlan(str(stored["recipe"]), str(stored["arm"]), int(stored["steps"]),
+        plan = LayoutsPlan(str(stored["recipe"]), str(stored["arm"]), int(stored["steps"]),
                            int(stored["world_size"]), [str(n) for n in stored["layouts"]], launches)
     except (KeyError, TypeError, ValueError) as exc:
         raise RecordError(f"{root / PLAN_FILE}: not a layouts record ({exc}); the file is damaged") from exc
+    if len(set(plan.layouts)) < 2 or len(set(plan.layouts)) != len(plan.layouts):
+        raise RecordError(f"{root / PLAN_FILE}: layouts {plan.layouts} are not two or more distinct layouts; the "
+                          "file is damaged or edited")
+    return plan
 
 
 def is_layouts_folder(root: Path) -> bool:
@@ -160,6 +164,10 @@ def _digests(run_dir: Path, steps: int) -> tuple[dict[str, str | None], int, lis
         stored = read_json_object(path, "weights digest")
     except RecordError as exc:
         return dict.fromkeys(wanted), 0, [str(exc)]
+    if stored.get("run") != run_dir.name or stored.get("format") != WEIGHTS_FORMAT:
+        return dict.fromkeys(wanted), 0, [
+            f"{path}: digests of run {stored.get('run')!r} in format {stored.get('format')!r}, not of {run_dir.name} "
+            f"in format {WEIGHTS_FORMAT!r}; was it copied from another run?"]
     found = stored.get("steps") if isinstance(stored.get("steps"), dict) else {}
     digests: dict[str, str | None] = {}
     problems = []
@@ -190,6 +198,11 @@ def layout_identity_problems(run_dir: Path, name: str, manifest: dict[str, Any])
     if expected.dp is not None:
         wanted["dp"] = expected.dp
     differing = [f"{key}={recorded.get(key)}" for key, value in wanted.items() if recorded.get(key) != value]
+    parallel = ((manifest.get("config") or {}).get("recipe") or {}).get("parallel") or {}
+    configured = {"virtual_stages": expected.virtual_stages}
+    if expected.data_parallel is not None:
+        configured["data_parallel"] = expected.data_parallel.value
+    differing += [f"{key}={parallel.get(key)}" for key, value in configured.items() if parallel.get(key) != value]
     if differing:
         return [f"{run_dir / 'manifest.json'}: describes a layout with {', '.join(differing)}, not {name}; was it "
                 "copied from another layout's folder?"]

@@ -20,6 +20,7 @@ from taxbench.analysis.wandb_log import log_layouts
 from taxbench.config.layout_names import check_layout, parse_layout_list, parse_layout_name
 from taxbench.config.schema import ConfigError, DataParallel, ModelConfig, RecipeConfig, ReportConfig
 from taxbench.parallel.logical_digest import combine, shard_sum
+from taxbench.rundir.read import RecordError
 from taxbench.workloads import build_model
 from taxbench.workloads.init import GlobalView, initialize
 
@@ -176,6 +177,23 @@ def test_a_run_copied_from_another_layout_is_named(clean_run: tuple[Path, subpro
     # the foreign run also differs from pp2's own second run: a proven difference outranks the missing evidence
     assert summary.exit_code == exit_codes.NOT_DETERMINISTIC
     assert any("describes a layout with pp=1, not pp2" in p for p in summary.problems), summary.problems
+
+
+@pytest.mark.slow
+def test_a_weights_digest_copied_from_another_run_or_a_plan_of_one_layout_is_no_evidence(
+        clean_run: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path) -> None:
+    root, _ = clean_run
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)
+    shutil.copy(copy / "dp2" / "deterministic-0" / "logical_weights.json",
+                copy / "dp2" / "deterministic-1" / "logical_weights.json")
+    summary = analyse_layouts(copy).summary
+    assert summary.exit_code == exit_codes.INCOMPLETE
+    assert any("digests of run 'deterministic-0'" in p and "not of deterministic-1" in p for p in summary.problems)
+    plan = json.loads((copy / "layouts.json").read_text())
+    (copy / "layouts.json").write_text(json.dumps({**plan, "layouts": ["dp2"]}))
+    with pytest.raises(RecordError, match="not two or more distinct layouts"):
+        analyse_layouts(copy)
 
 
 @pytest.mark.slow

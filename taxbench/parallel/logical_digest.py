@@ -30,7 +30,6 @@ from taxbench.fingerprint import GOLDEN, MASK64, header, mix, mix_int
 from taxbench.parallel.materialize import parameter_views
 from taxbench.workloads.init import GlobalView, global_index_chunks
 
-FORMAT = 1
 _LANE_BITS = 16
 _LANES = 4
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -102,7 +101,7 @@ class WeightsDigest:
     problems: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format": FORMAT, "model": self.model, "elements": self.elements, "parameters": self.parameters,
+        return {"model": self.model, "elements": self.elements, "parameters": self.parameters,
                 "problems": self.problems}
 
 

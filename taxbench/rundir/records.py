@@ -73,6 +73,9 @@ def op_table_file(run_dir: Path, rank: int) -> Path:
     return run_dir / f"ops.rank{rank}.json"
 
 
+WEIGHTS_FORMAT = 1  # the layout of logical_weights.json's digests (taxbench.parallel.logical_digest)
+
+
 def weights_file(run_dir: Path) -> Path:
     """A layouts run's layout-invariant weight digests at its first and last step (taxbench.parallel.logical_digest)."""
     return run_dir / "logical_weights.json"

@@ -15,9 +15,9 @@ from pathlib import Path
 from taxbench.config.schema import TaxbenchConfig
 from taxbench.design import RunRef
 from taxbench.parallel.distributed import DistContext
-from taxbench.parallel.logical_digest import FORMAT, WeightsDigest, gather_digest
+from taxbench.parallel.logical_digest import WeightsDigest, gather_digest
 from taxbench.progress import IDLE, StepProgress
-from taxbench.rundir.records import SCHEMA_VERSION, weights_file, write_text_atomically
+from taxbench.rundir.records import SCHEMA_VERSION, WEIGHTS_FORMAT, weights_file, write_text_atomically
 from taxbench.schedule.experiment import Experiment
 from taxbench.train.trainer import Trainer
 
@@ -54,6 +54,6 @@ class RepeatedRuns(Experiment):
     def _write_digests(self, ref: RunRef, digests: dict[str, WeightsDigest | None]) -> None:
         if self.ctx.rank != 0:
             return
-        record = {"schema_version": SCHEMA_VERSION, "format": FORMAT, "run": ref.name,
+        record = {"schema_version": SCHEMA_VERSION, "format": WEIGHTS_FORMAT, "run": ref.name,
                   "steps": {step: digest.to_dict() for step, digest in digests.items() if digest is not None}}
         write_text_atomically(weights_file(self.root / ref.name), json.dumps(record, indent=2))
