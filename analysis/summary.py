@@ -368,7 +368,6 @@ def analyse_experiment(root: Path) -> ExperimentAnalysis:
         verdicts.append(compare_runs(gate.name, reference, runs[reference], candidate, runs[candidate], from_step,
                                      tuple(problems[reference] + problems[candidate])))
     faults, fired = fault_outcome(root, experiment, verdicts)
-    config = manifest_value(manifest, root / first, "config")
     device = manifest_value(manifest, root / first, "policy_applied.device")
     knobs = analyse_ablation(root, config, device, timed["baseline"], steps)
     world = int(manifest_value(manifest, root / first, "layout.world_size"))

@@ -104,6 +104,7 @@ def test_ops_without_a_deterministic_implementation_are_listed() -> None:
         torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
     assert [entry.op for entry in scan.no_deterministic_implementation] == ["aten.put_.default"]
     assert "put_ does not have a deterministic implementation" in scan.no_deterministic_implementation[0].message
+    assert scan.no_deterministic_implementation[0].calls == 1  # the step's call, not its replays
     assert scan.nondeterministic == [] and not scan.clean
     assert out.tolist() == [1.0, 1.0, 0.0, 0.0]
     assert not torch.is_deterministic_algorithms_warn_only_enabled()

@@ -42,7 +42,8 @@ BLIND_SPOTS = (
     "single rank in one process: collectives (all-reduce, all-to-all) and layout sharding are not scanned",
     "only ops that reach the ATen dispatcher: a fused custom kernel called directly (Triton, C++/CUDA extensions "
     "without a registered op) is invisible or one opaque op",
-    "ops on tensor subclasses without storage (DTensor, FSDP2) run unreplayed (counted in not_replayed)",
+    "ops on tensor subclasses without storage (DTensor, FSDP2, torchao's float8 tensors) run unreplayed (counted in "
+    "not_replayed), and the ops such a subclass runs inside its own dispatch (float8 GEMMs) are not seen",
     "one step: nondeterminism that needs other data, sizes or thread timing to show may be missed",
 )
 

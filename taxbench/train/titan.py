@@ -116,6 +116,16 @@ def _model_config(options: TitanOptions) -> Any:
     return spec
 
 
+def _param_dtype(recipe: RecipeConfig) -> str:
+    """torchtitan's mixed_precision_param for recipe.precision (its default, bfloat16, would make an fp32 recipe
+    compute in bf16 under FSDP)."""
+    precision = str(recipe.precision)
+    if precision not in ("fp32", "bf16"):
+        raise ConfigError(f"recipe.precision={precision} is not wired to torchtitan's stack; use fp32 or bf16 with "
+                          "recipe.model.kind=titan")
+    return "float32" if precision == "fp32" else "bfloat16"
+
+
 def _trainer_config(recipe: RecipeConfig, options: TitanOptions, spec: Any, deterministic: bool, world: int) -> Any:
     from torchtitan.config.configs import DebugConfig, ParallelismConfig, TrainingConfig
     from torchtitan.trainer import Trainer
@@ -127,7 +137,7 @@ def _trainer_config(recipe: RecipeConfig, options: TitanOptions, spec: Any, dete
         data_parallel_replicate_degree=dp if ddp else 1, data_parallel_shard_degree=1 if ddp else -1,
         tensor_parallel_degree=par.tp, expert_parallel_degree=par.ep, spmd_backend=options.spmd_backend)
     training = TrainingConfig(local_batch_size=recipe.micro_batch_size, seq_len=recipe.model.seq_len,
-                              disable_cuda_graphs=True)
+                              disable_cuda_graphs=True, mixed_precision_param=_param_dtype(recipe))
     debug = DebugConfig(seed=recipe.seed, deterministic=deterministic,
                         deterministic_warn_only=options.deterministic_warn_only)
     return Trainer.Config(model_spec=spec, training=training, parallelism=parallelism, debug=debug,
@@ -156,7 +166,7 @@ class TitanStep:
             del pred
             loss.backward()
             total += loss.detach()
-        return total
+        return total * self.dp  # this rank's mean token loss, as the harness's own steps record it
 
 
 class TitanStack:
