@@ -40,7 +40,7 @@ from taxbench.diagnostics import logger
 from taxbench.parallel.layout import layout_for
 from taxbench.parallel.pipeline import stage_holding, stage_split
 from taxbench.parallel.recompute import apply_activation_checkpointing
-from taxbench.train.float8 import float8_problem
+from taxbench.train.float8 import float8_layers, float8_problem
 from taxbench.train.stacks import stack_for
 from taxbench.workloads import TooLargeForHost, build_model, on_meta_or_host
 
@@ -135,6 +135,10 @@ def check_model(recipe: RecipeConfig) -> nn.Module:
         raise ConfigError(f"recipe.model: building the model failed: {_one_line(exc)}") from exc
     if recipe.model.kind == ModelKind.custom:
         _check_logits(recipe, model)
+    if recipe.precision is Precision.fp8 and not float8_layers(model):
+        raise ConfigError("recipe.precision=fp8 finds no linear layer to train in float8 (in and out features must "
+                          "be multiples of 16; the output head stays): it would train in bf16; resize the model or "
+                          "use recipe.precision=bf16")
     if recipe.model.kind in (ModelKind.titan, ModelKind.megatron):
         return model  # the stack applies its own activation checkpointing
     apply_activation_checkpointing(model, recipe.activation_checkpointing)  # a model without blocks is refused

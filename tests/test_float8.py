@@ -7,8 +7,9 @@ import pytest
 import torch
 from conftest import compose_typed
 
-from taxbench.config.schema import Device
-from taxbench.train.float8 import convert_to_float8, float8_problem
+from taxbench.config.schema import ConfigError, Device
+from taxbench.preflight import check_model
+from taxbench.train.float8 import convert_to_float8, float8_layers, float8_problem
 from taxbench.workloads import build_model
 
 
@@ -28,3 +29,12 @@ def test_fp8_is_refused_on_cpu_with_the_fix() -> None:
     problem = float8_problem(Device.cpu)
     assert problem is not None and problem.startswith("recipe.precision=fp8")
     assert "bf16" in problem
+
+
+def test_a_model_with_no_float8_layer_is_refused_rather_than_trained_as_bf16() -> None:
+    aligned = compose_typed("+recipe=moe_tiny", "recipe.precision=fp8").recipe
+    assert float8_layers(check_model(aligned))
+    unaligned = compose_typed("+recipe=moe_tiny", "recipe.precision=fp8", "recipe.model.d_model=40",
+                              "recipe.model.n_heads=4", "recipe.model.d_ff=72", "recipe.model.moe_d_ff=72").recipe
+    with pytest.raises(ConfigError, match="finds no linear layer to train in float8"):
+        check_model(unaligned)

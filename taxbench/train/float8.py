@@ -47,6 +47,11 @@ def convert_to_float8(model: nn.Module) -> list[str]:
     """Swap the eligible linear layers for torchao's Float8Linear in place; the paths converted."""
     from torchao.float8 import convert_to_float8_training  # optional dependency: checked by float8_problem
 
-    converted = [path for path, module in model.named_modules() if _float8_eligible(module, path)]
+    converted = float8_layers(model)
     convert_to_float8_training(model, module_filter_fn=_float8_eligible)
     return converted
+
+
+def float8_layers(model: nn.Module) -> list[str]:
+    """The paths of the linear layers recipe.precision=fp8 trains in float8."""
+    return [path for path, module in model.named_modules() if _float8_eligible(module, path)]
