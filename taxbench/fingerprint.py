@@ -68,7 +68,8 @@ Kernel = Literal["auto", "c", "triton", "torch"]
 Digest = int | torch.Tensor
 
 
-def _signed(value: int) -> int:
+def signed64(value: int) -> int:
+    """An unsigned 64-bit value as the int64 that has its bits (torch multiplies int64 tensors)."""
     value &= MASK64
     return value - (1 << 64) if value >= 1 << 63 else value
 
@@ -91,9 +92,9 @@ def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
 def mix(x: torch.Tensor) -> torch.Tensor:
     """splitmix64 finalizer on int64 lanes, with wrapping multiplication."""
     x = x ^ _shr(x, 30)
-    x = x * _signed(M1)
+    x = x * signed64(M1)
     x = x ^ _shr(x, 27)
-    x = x * _signed(M2)
+    x = x * signed64(M2)
     return x ^ _shr(x, 31)
 
 
@@ -104,7 +105,7 @@ def _mix_(x: torch.Tensor, scratch: torch.Tensor) -> None:
         scratch.bitwise_and_((1 << (64 - shift)) - 1)
         x.bitwise_xor_(scratch)
         if multiplier is not None:
-            x.mul_(_signed(multiplier))
+            x.mul_(signed64(multiplier))
 
 
 @functools.lru_cache(maxsize=1 << 14)
@@ -120,12 +121,12 @@ _column_keys: dict[torch.device, torch.Tensor] = {}
 def _column_key(device: torch.device) -> torch.Tensor:
     if device not in _column_keys:
         columns = torch.arange(1, ROW_LANES + 1, dtype=torch.int64, device=device)
-        _column_keys[device] = mix(columns * _signed(GOLDEN))
+        _column_keys[device] = mix(columns * signed64(GOLDEN))
     return _column_keys[device]
 
 
 def _row_keys(rows: int, device: torch.device) -> torch.Tensor:
-    return mix(torch.arange(1, rows + 1, dtype=torch.int64, device=device) * _signed(M2))
+    return mix(torch.arange(1, rows + 1, dtype=torch.int64, device=device) * signed64(M2))
 
 
 def _as_local(tensor: torch.Tensor) -> torch.Tensor:
@@ -369,7 +370,7 @@ def _triton_bodies(tensors: Sequence[torch.Tensor], device: torch.device) -> tor
 
 def _small_tensor(values: list[int], device: torch.device) -> torch.Tensor:
     """Host ints as an int64 tensor on `device`, copied without a host sync on CUDA (pinned, non-blocking)."""
-    host = torch.tensor([_signed(v) for v in values], dtype=torch.int64, pin_memory=device.type == "cuda")
+    host = torch.tensor([signed64(v) for v in values], dtype=torch.int64, pin_memory=device.type == "cuda")
     return host.to(device, non_blocking=True)
 
 
@@ -380,7 +381,7 @@ def _device_digests(tensors: Sequence[torch.Tensor], device: torch.device, kerne
     else:
         bodies = torch.stack([_torch_body(_bytes(t)) for t in tensors])
     headers = [header(t.dtype, tuple(t.shape)) for t in tensors]
-    return mix(bodies ^ (_signed(headers[0]) if len(headers) == 1 else _small_tensor(headers, device)))
+    return mix(bodies ^ (signed64(headers[0]) if len(headers) == 1 else _small_tensor(headers, device)))
 
 
 # -- public API ---------------------------------------------------------------------------------------------------
@@ -413,7 +414,7 @@ def _subclass_digest(tensor: torch.Tensor, kernel: Kernel) -> Digest:
     names, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
     body = combined(digests([getattr(tensor, name) for name in names], kernel))
     key = _subclass_header(type(tensor).__qualname__, tuple(names), tensor.dtype, tuple(tensor.shape))
-    return mix_int(body ^ key) if isinstance(body, int) else mix(body ^ _signed(key))
+    return mix_int(body ^ key) if isinstance(body, int) else mix(body ^ signed64(key))
 
 
 def digests(tensors: Iterable[torch.Tensor], kernel: Kernel = "auto") -> list[Digest]:
@@ -452,12 +453,12 @@ def combined(values: Sequence[Digest]) -> Digest:
     stacked = torch.stack([v.to(device, non_blocking=True) if isinstance(v, torch.Tensor)
                            else _small_tensor([v], device)[0] for v in values])
     positions = torch.arange(1, stacked.numel() + 1, dtype=torch.int64, device=device)
-    return mix(mix(stacked ^ mix(positions * _signed(GOLDEN))).sum())
+    return mix(mix(stacked ^ mix(positions * signed64(GOLDEN))).sum())
 
 
 def as_tensor(digest: Digest) -> torch.Tensor:
     """A digest as a 0-d int64 tensor (host ints become CPU tensors)."""
-    return digest if isinstance(digest, torch.Tensor) else torch.tensor(_signed(digest), dtype=torch.int64)
+    return digest if isinstance(digest, torch.Tensor) else torch.tensor(signed64(digest), dtype=torch.int64)
 
 
 def tensor_digest(tensor: torch.Tensor, kernel: Kernel = "auto") -> torch.Tensor:

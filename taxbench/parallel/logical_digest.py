@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from taxbench.fingerprint import GOLDEN, MASK64, header, mix, mix_int
+from taxbench.fingerprint import GOLDEN, MASK64, header, mix, mix_int, signed64
 from taxbench.parallel.materialize import parameter_views
 from taxbench.workloads.init import GlobalView, global_index_chunks
 
@@ -35,13 +35,8 @@ _LANES = 4
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _signed(value: int) -> int:
-    value &= MASK64
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
 def parameter_key(name: str) -> int:
-    return _signed(int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little"))
+    return signed64(int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little"))
 
 
 @dataclass(frozen=True)
@@ -79,7 +74,7 @@ def shard_sum(name: str, local: torch.Tensor, view: GlobalView) -> ShardSum:
     index_sum = 0
     if local.numel():
         for rows, index in global_index_chunks(view, local.device):
-            hashed = mix(mix(index * _signed(GOLDEN) + key) ^ bits[rows])
+            hashed = mix(mix(index * signed64(GOLDEN) + key) ^ bits[rows])
             for lane in range(_LANES):
                 lanes[lane] += int(((hashed >> (_LANE_BITS * lane)) & 0xFFFF).sum())
             index_sum += int(index.sum())
