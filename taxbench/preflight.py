@@ -41,7 +41,7 @@ from taxbench.parallel.layout import layout_for
 from taxbench.parallel.pipeline import stage_holding, stage_split
 from taxbench.parallel.recompute import apply_activation_checkpointing
 from taxbench.train.float8 import float8_layers, float8_problem
-from taxbench.train.stacks import stack_for
+from taxbench.train.stacks import foreign_stack, stack_for
 from taxbench.workloads import TooLargeForHost, build_model, on_meta_or_host
 
 log = logger(__name__)
@@ -139,7 +139,7 @@ def check_model(recipe: RecipeConfig) -> nn.Module:
         raise ConfigError("recipe.precision=fp8 finds no linear layer to train in float8 (in and out features must "
                           "be multiples of 16; the output head stays): it would train in bf16; resize the model or "
                           "use recipe.precision=bf16")
-    if recipe.model.kind in (ModelKind.titan, ModelKind.megatron):
+    if foreign_stack(recipe.model):
         return model  # the stack applies its own activation checkpointing
     apply_activation_checkpointing(model, recipe.activation_checkpointing)  # a model without blocks is refused
     return model

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from taxbench.config.schema import ClusterConfig, ModelKind, Precision, RecipeConfig
-from taxbench.train.stacks import stack_for
-from taxbench.workloads import TooLargeForHost, build_model, on_meta_or_host, own_workload
+from taxbench.config.schema import ClusterConfig, Precision, RecipeConfig
+from taxbench.train.stacks import foreign_stack, stack_for
+from taxbench.workloads import TooLargeForHost, build_model, on_meta_or_host
 
 # Dense peak TFLOP/s per GPU (no sparsity) by precision: the vendors' datasheets (SXM parts). fp32 steps are held to
 # the TF32 tensor-core peak, which is what fp32 matmuls reach with TF32 on (the baseline's setting).
@@ -29,7 +29,7 @@ PEAK_TFLOPS = {
 
 
 def _count(recipe: RecipeConfig, device: str) -> int:
-    if not own_workload(recipe.model) and recipe.model.kind != ModelKind.custom:  # a foreign stack's model: on meta
+    if foreign_stack(recipe.model):  # a foreign stack's model: on meta
         model = stack_for(recipe.model).meta_model(recipe)
     else:
         with torch.device(device):  # a host count needs values: the MoE routes tokens by them
@@ -46,14 +46,14 @@ def flops_per_step(recipe: RecipeConfig) -> tuple[float | None, str]:
     """Model FLOPs of one training step of the whole job, and how they were counted (or why not)."""
     micro_batches = recipe.global_batch_size // recipe.micro_batch_size
     try:
-        if recipe.model.kind in (ModelKind.titan, ModelKind.megatron):
+        if foreign_stack(recipe.model):
             flops, device = _count(recipe, "meta"), "meta"
         else:
             flops, device = on_meta_or_host(recipe.model, lambda device: (_count(recipe, device), device))
     except TooLargeForHost as exc:
         return None, f"not counted: {exc}"
     except Exception as exc:  # a foreign stack's model that cannot run on the meta device
-        if recipe.model.kind not in (ModelKind.titan, ModelKind.megatron):
+        if not foreign_stack(recipe.model):
             raise
         return None, f"not counted: {type(exc).__name__} on the meta device"
     where = "the meta device" if device == "meta" else "a host copy"

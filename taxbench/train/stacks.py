@@ -8,6 +8,11 @@ from taxbench.train.stack import HarnessStack, TrainingStack
 from taxbench.train.titan import TitanStack
 
 
+def foreign_stack(model: ModelConfig) -> bool:
+    """Whether another training stack (torchtitan, Megatron-Core) builds, checkpoints its activations and counts."""
+    return str(model.kind) in (ModelKind.titan.value, ModelKind.megatron.value)
+
+
 def stack_for(model: ModelConfig) -> TrainingStack:
     """The stack that trains `recipe.model` (torchtitan and Megatron-Core are imported only when a recipe uses them)."""
     kind = str(model.kind)
