@@ -1,5 +1,5 @@
 """Foreign training stacks: torchtitan end to end on CPU (gloo), its determinism switch against taxbench's policy, and
-the clean refusals (torchtitan not installed, Megatron-Core without CUDA)."""
+the clean refusal when torchtitan is not installed (Megatron-Core: tests/test_megatron.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import compose_raw
 
 from taxbench.config.schema import ConfigError
@@ -41,14 +40,6 @@ def test_a_titan_recipe_without_torchtitan_is_refused_in_one_line_naming_the_ext
                           env={"PYTHONPATH": str(tmp_path / "shadow")})
     line = _one_line_refusal(result)
     assert "taxbench[titan]" in line and "torchtitan==0.3.0" in line
-
-
-def test_a_megatron_recipe_without_cuda_is_refused_in_one_line(tmp_path: Path, taxbench_cli) -> None:
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA")
-    result = taxbench_cli("+recipe=megatron_gpt_debug", f"experiment.out_dir={tmp_path}", cwd=tmp_path, timeout=120)
-    line = _one_line_refusal(result)
-    assert "needs a CUDA GPU" in line and "taxbench[megatron]" in line
 
 
 @needs_titan

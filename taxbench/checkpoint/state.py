@@ -5,8 +5,8 @@ A checkpoint is a directory, `<run>/checkpoints/step<S>/`:
   is written once) and its `.metadata` (written by rank 0). Keys are the unsplit model's parameter names, read through
   torch.distributed.checkpoint.state_dict from all of this rank's pipeline stages at once (so blocks.3.* is blocks.3.*
   under any pipeline split), and FSDP2/tensor-parallel DTensors keep their global shape. Experts, which each ep rank
-  holds a different slice of under the same name, are saved as one DTensor over all experts
-  (ParallelModel.expert_global), so every rank's experts land at their own offsets.
+  holds a different slice of under the same name (as Megatron-Core's tensor-parallel weights), are saved as one
+  DTensor over the whole parameter (ParallelModel.global_view), so every rank's slice lands at its own offsets.
 - what is per rank and not a tensor shard: the step, the data-loader position and the RNG streams, in
   `rank<R>.pt` beside the DCP files.
 
@@ -64,22 +64,22 @@ class _RecordingWriter(FileSystemWriter):
 @dataclass
 class _States:
     """The model and optimizer state dicts of this rank (tensors shared with the live ones), and the same dicts as
-    DCP sees them (experts as global DTensors over the same local data)."""
+    DCP sees them (sliced parameters as global DTensors over the same local data)."""
 
     model: dict[str, Any]
     optimizer: dict[str, Any]
 
     def for_dcp(self, parallel: ParallelModel) -> dict[str, Any]:
-        experts = parallel.expert_names() if parallel.layout.ep > 1 else set()
-        if not experts:
+        sliced = parallel.sliced_names()
+        if not sliced:
             return {"model": self.model, "optimizer": self.optimizer}
-        shapes = {name: self.model[name].shape for name in experts}
-        model = {k: parallel.expert_global(v) if k in experts else v for k, v in self.model.items()}
+        shapes = {name: self.model[name].shape for name in sliced}
+        model = {k: parallel.global_view(k, v) if k in sliced else v for k, v in self.model.items()}
         optimizer = {}
         for key, value in self.optimizer.items():
-            name = _param_of_state(key, experts)
-            is_expert = name is not None and isinstance(value, torch.Tensor) and value.shape == shapes[name]
-            optimizer[key] = parallel.expert_global(value) if is_expert else value
+            name = _param_of_state(key, sliced)
+            is_slice = name is not None and isinstance(value, torch.Tensor) and value.shape == shapes[name]
+            optimizer[key] = parallel.global_view(name, value) if is_slice and name is not None else value
         return {"model": model, "optimizer": optimizer}
 
 

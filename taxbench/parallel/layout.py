@@ -83,7 +83,7 @@ class Meshes:
         return self.full["pp"].get_group() if "pp" in (self.full.mesh_dim_names or ()) else None
 
 
-def _meshes(layout: Layout, ctx: DistContext, arm_policy: PolicyConfig) -> Meshes:
+def meshes_for(layout: Layout, ctx: DistContext, arm_policy: PolicyConfig) -> Meshes:
     """One mesh per arm and layout for the life of the process group (kept on its DistContext)."""
     key = (arm_policy.name, layout.mesh_shape)
     if key not in ctx.meshes:
@@ -175,16 +175,22 @@ class ParallelModel:
         self._generic_clip = (layout.ep > 1 or layout.pp > 1
                               or any(isinstance(p, DTensor) for part in parts for p in part.parameters()))
 
-    def expert_names(self) -> set[str]:
-        """Names of the expert-parallel parameters (in the unsplit model): each rank holds 1/ep of these experts."""
+    def sliced_names(self) -> set[str]:
+        """Parameters (names in the unsplit model) that each rank holds a different slice of under the same name,
+        beyond what a DTensor shows: the experts, each rank holding 1/ep of them. The checkpoint saves each as one
+        global tensor (`global_view`)."""
+        if self.layout.ep == 1:
+            return set()
         return {name for name, p in self.parts.named_parameters() if id(p) in self._expert_ids}
 
-    def expert_global(self, local: torch.Tensor) -> DTensor:
-        """This rank's slice of an expert tensor (a parameter, or optimizer state shaped like it) as a DTensor over
-        all experts: split over the ep ranks in ep-rank order (enable_expert_parallel), each slice split again over
-        its edp ranks when FSDP2 shards it (a DTensor on the edp mesh). The local data is shared, not copied."""
+    def global_view(self, name: str, local: torch.Tensor) -> DTensor:
+        """This rank's slice of the sliced parameter `name` (the parameter, or optimizer state shaped like it) as a
+        DTensor over the whole of it: experts split over the ep ranks in ep-rank order (enable_expert_parallel), each
+        slice split again over its edp ranks when FSDP2 shards it (a DTensor on the edp mesh). The local data is
+        shared, not copied."""
         from torch.distributed.tensor.placement_types import _StridedShard
 
+        del name  # every sliced parameter here is an expert tensor, split the same way
         assert self.mesh is not None and self.layout.ep > 1
         ep = self.layout.ep
         if isinstance(local, DTensor):
@@ -292,7 +298,7 @@ def parallelize(parts: list[nn.Module], recipe: RecipeConfig, ctx: DistContext, 
         ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
         return ParallelModel(parts, [ddp], layout, None, group, [])
 
-    meshes = _meshes(layout, ctx, arm_policy)
+    meshes = meshes_for(layout, ctx, arm_policy)
     wrapped, expert_params, tp_params = [], [], []
     for part in parts:
         module, experts, manual = _parallelize_part(part, layout, meshes, fsdp, materialize)
