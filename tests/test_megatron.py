@@ -82,7 +82,8 @@ def test_what_megatrons_switch_or_this_adapter_cannot_do_is_refused_in_one_line(
 
 
 def _build_and_save(rank: int, world: int, tp: int, out: str, port: int) -> None:
-    """This rank's GPTModel built as MegatronStack.build builds it (on the host), saved through the harness's DCP."""
+    """This rank's GPTModel built as MegatronStack.build builds it (on the host), saved through the harness's DCP and
+    read back into itself."""
     cfg = compose_typed(*HOST, f"recipe.parallel.tp={tp}", f"cluster.cpu_ranks={world}")
     with rank_process([cfg], rank, world, rank, "127.0.0.1", port) as ctx:
         arm = cfg.arms["deterministic"]
@@ -98,6 +99,12 @@ def _build_and_save(rank: int, world: int, tp: int, out: str, port: int) -> None
         parallel = megatron.MegatronParallel(gpt, gpt, layout, meshes, groups)
         optimizer = build_optimizer(cfg.recipe, gpt.parameters())
         checkpoint.save(Path(out) / f"tp{tp}", parallel, optimizer, {"step": 0}, rank)
+        saved = {name: p.detach().clone() for name, p in gpt.named_parameters()}
+        with torch.no_grad():
+            for p in gpt.parameters():
+                p.fill_(float("nan"))
+        checkpoint.load(Path(out) / f"tp{tp}", parallel, optimizer, rank, torch.device("cpu"))
+        assert [name for name, p in gpt.named_parameters() if not torch.equal(p, saved[name])] == []
         if rank == 0:
             shapes = {name: list(p.shape) for name, p in gpt.named_parameters()}
             (Path(out) / f"tp{tp}.json").write_text(json.dumps({"local": shapes, "sliced": sorted(
