@@ -16,7 +16,7 @@ from conftest import compose_typed
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from taxbench.checkpoint import state as checkpoint
-from taxbench.config.schema import ConfigError, TaxbenchConfig
+from taxbench.config.schema import ConfigError, TaxbenchConfig, validate
 from taxbench.launchers.worker import rank_process
 from taxbench.parallel.distributed import free_port
 from taxbench.parallel.layout import layout_for, meshes_for
@@ -66,6 +66,7 @@ def test_the_deterministic_switch_records_megatrons_mode_and_environment() -> No
 @pytest.mark.parametrize(("overrides", "refusal"), [
     (("+recipe.model.stack.cross_entropy_loss_fusion=true",), "rejects cross-entropy loss fusion"),
     (("arms.deterministic.nccl_algo=CollnetDirect",), "NCCL_ALGO=Ring but the deterministic arm's taxbench policy"),
+    (("arms.deterministic.nccl_algo=null",), "NCCL_ALGO=Ring but the deterministic arm's taxbench policy has None"),
     (("recipe.parallel.pp=2",), "recipe.parallel.pp=2"),
     (("recipe.parallel.data_parallel=fsdp",), "DistributedDataParallel"),
     (("+recipe.model.stack.flash=true",), "recipe.model.stack.flash is not a Megatron-Core option"),
@@ -135,6 +136,11 @@ def test_a_tensor_parallel_gptmodel_checkpoints_as_the_unsplit_model(tmp_path: P
     one, two = _saved_model(tmp_path / "tp1"), _saved_model(tmp_path / "tp2")
     assert {k: v.shape for k, v in two.items()} == {k: v.shape for k, v in one.items()}
     assert [name for name in one if not torch.equal(one[name], two[name])] == []
+
+
+def test_one_model_switching_policy_per_block_is_refused_for_megatron() -> None:
+    with pytest.raises(ConfigError, match="deterministic_mode is fixed when its GPTModel is built"):
+        validate(_config("experiment.interleave=policy"))
 
 
 @needs_megatron

@@ -341,12 +341,13 @@ class MegatronStack:
 
 
 def _refuse_env_conflicts(arm_policy: PolicyConfig) -> None:
-    """Megatron's --deterministic-mode environment against the deterministic arm's policy (before launch)."""
+    """Megatron's --deterministic-mode environment against the deterministic arm's policy (before launch): taxbench's
+    policy sets the environment, so it must set what Megatron's mode needs (unset is refused too)."""
     ours = policy.policy_env(arm_policy)
     for name, theirs in SWITCH_ENV.items():
-        if ours.get(name) not in (None, theirs):
+        if ours.get(name) != theirs:
             raise ConfigError(f"Megatron's deterministic_mode sets {name}={theirs} but the {arm_policy.name} arm's "
-                              f"taxbench policy has {ours[name]}; make the two agree (arms.{arm_policy.name})")
+                              f"taxbench policy has {ours.get(name)}; make the two agree (arms.{arm_policy.name})")
 
 
 @contextmanager
