@@ -51,6 +51,12 @@ def test_torchtitans_switch_conflicting_with_the_policy_is_refused_before_launch
 
 
 @needs_titan
+def test_activation_checkpointing_is_refused_for_torchtitan_rather_than_ignored() -> None:
+    with pytest.raises(ConfigError, match="recipe.activation_checkpointing=full is not wired to torchtitan"):
+        prepare(compose_raw("+recipe=titan_llama3_debug", "recipe.activation_checkpointing=full"))
+
+
+@needs_titan
 def test_the_meta_model_has_torchtitans_module_paths() -> None:
     from taxbench.train.stacks import stack_for
 

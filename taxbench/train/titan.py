@@ -36,7 +36,14 @@ import torch
 from torch import nn
 
 from taxbench.config import policy
-from taxbench.config.schema import ConfigError, DataParallel, ModelConfig, PolicyConfig, RecipeConfig
+from taxbench.config.schema import (
+    ActivationCheckpointing,
+    ConfigError,
+    DataParallel,
+    ModelConfig,
+    PolicyConfig,
+    RecipeConfig,
+)
 from taxbench.parallel.distributed import DistContext
 from taxbench.parallel.layout import ParallelModel, layout_for
 from taxbench.train.build import RankModel, build_optimizer
@@ -192,6 +199,10 @@ class TitanStack:
         if recipe.parallel.pp > 1:
             raise ConfigError("recipe.model.kind=titan runs with recipe.parallel.pp=1 here (torchtitan's pipeline_llm "
                               "is not driven yet)")
+        if str(recipe.activation_checkpointing) != ActivationCheckpointing.none.value:
+            raise ConfigError(f"recipe.activation_checkpointing={recipe.activation_checkpointing} is not wired to "
+                              "torchtitan's stack (its checkpoint wrappers rename the module paths that faults, "
+                              "traces and records use); set recipe.activation_checkpointing=none")
         spec = _model_config(options)
         config = _trainer_config(recipe, options, spec, False, recipe.parallel.tp * recipe.parallel.ep)
         spec.model.update_from_config(config=config)
