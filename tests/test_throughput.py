@@ -66,3 +66,20 @@ def test_a_run_records_its_work_and_its_summary_holds_tokens_per_second(experime
         assert metrics["mfu"] is None and metrics["peak_memory_bytes"] > 0 and 0 < metrics["data_share"] < 1
     assert summary["cost"]["tokens_per_s_lost"] == pytest.approx(
         summary["throughput"]["baseline"]["tokens_per_s"] - summary["throughput"]["deterministic"]["tokens_per_s"])
+
+
+def test_megatrons_gpt_is_counted_as_the_dense_gpt_of_the_same_shape() -> None:
+    megatron = compose_typed("+recipe=megatron_gpt_debug", "experiment.name=x").recipe
+    flops, how = flops_per_step(megatron)
+    model = megatron.model
+    dense = compose_typed("experiment.name=x", f"recipe.model.vocab_size={model.vocab_size}",
+                          f"recipe.model.seq_len={model.seq_len}",
+                          f"recipe.micro_batch_size={megatron.micro_batch_size}",
+                          f"recipe.global_batch_size={megatron.global_batch_size}").recipe
+    assert how == "FlopCounterMode on the meta device, taxbench's dense GPT of the same shape"
+    assert flops == flops_per_step(dense)[0]
+    # GPTModel's matmuls by hand (qkv and projection, a GELU MLP, attention scores and values over the whole sequence,
+    # the output head): 3 (forward, backward) x 2 x tokens x (layers x (4h^2 + 2hf + 2sh) + hV)
+    h, f, s, v, layers = model.d_model, model.d_ff, model.seq_len, model.vocab_size, model.n_layers
+    tokens = megatron.global_batch_size * s
+    assert flops == 6 * tokens * (layers * (4 * h * h + 2 * h * f + 2 * s * h) + h * v)

@@ -8,13 +8,14 @@ otherwise.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from taxbench.config.schema import ClusterConfig, Precision, RecipeConfig
+from taxbench.config.schema import ClusterConfig, ModelConfig, ModelKind, Precision, RecipeConfig
 from taxbench.train.stacks import foreign_stack, stack_for
 from taxbench.workloads import TooLargeForHost, build_model, on_meta_or_host
 
@@ -28,13 +29,20 @@ PEAK_TFLOPS = {
 }
 
 
+def _counted_model(model: ModelConfig) -> ModelConfig:
+    """The model whose FLOPs are counted: Megatron's GPTModel (local spec) does not run on the meta device, and
+    taxbench's dense GPT of the same fields has the same matmuls (fused qkv, output projection, a GELU MLP of d_ff,
+    an untied output head), and the same attention."""
+    return replace(model, kind=ModelKind.dense, stack={}) if model.kind == ModelKind.megatron else model
+
+
 def _count(recipe: RecipeConfig, device: str) -> int:
-    if foreign_stack(recipe.model):  # a foreign stack's model: on meta
-        model = stack_for(recipe.model).meta_model(recipe)
+    counted = _counted_model(recipe.model)
+    if foreign_stack(counted):  # a foreign stack's model: on meta
+        model = stack_for(counted).meta_model(recipe)
     else:
         with torch.device(device):  # a host count needs values: the MoE routes tokens by them
-            model = build_model(recipe.model, deterministic_kernels=True,
-                                seed=None if device == "meta" else recipe.seed)
+            model = build_model(counted, deterministic_kernels=True, seed=None if device == "meta" else recipe.seed)
     tokens = torch.zeros(recipe.micro_batch_size, recipe.model.seq_len, dtype=torch.long, device=device)
     with FlopCounterMode(display=False) as counter:
         logits = model(tokens)
@@ -45,19 +53,21 @@ def _count(recipe: RecipeConfig, device: str) -> int:
 def flops_per_step(recipe: RecipeConfig) -> tuple[float | None, str]:
     """Model FLOPs of one training step of the whole job, and how they were counted (or why not)."""
     micro_batches = recipe.global_batch_size // recipe.micro_batch_size
+    counted = _counted_model(recipe.model)
     try:
-        if foreign_stack(recipe.model):
+        if foreign_stack(counted):
             flops, device = _count(recipe, "meta"), "meta"
         else:
             flops, device = on_meta_or_host(recipe.model, lambda device: (_count(recipe, device), device))
     except TooLargeForHost as exc:
         return None, f"not counted: {exc}"
     except Exception as exc:  # a foreign stack's model that cannot run on the meta device
-        if not foreign_stack(recipe.model):
+        if not foreign_stack(counted):
             raise
         return None, f"not counted: {type(exc).__name__} on the meta device"
     where = "the meta device" if device == "meta" else "a host copy"
-    return float(flops * micro_batches), f"FlopCounterMode on {where}"
+    of = ", taxbench's dense GPT of the same shape" if counted is not recipe.model else ""
+    return float(flops * micro_batches), f"FlopCounterMode on {where}{of}"
 
 
 def peak_flops(cluster: ClusterConfig, precision: Precision, device_name: str | None) -> tuple[float | None, str]:
