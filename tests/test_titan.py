@@ -104,6 +104,23 @@ def test_building_titan_twice_in_one_process_leaves_it_as_found_and_builds_the_s
 
 
 @needs_titan
+def test_the_layouts_weights_digest_holds_torchtitans_moe_router_bias() -> None:
+    from taxbench.parallel.logical_digest import gather_digest
+    from taxbench.train.titan import TitanStack
+
+    cfg = compose_config("+recipe=titan_moe_debug", "cluster=inprocess")
+    with one_rank(cfg) as ctx:
+        parts = TitanStack().build(cfg.recipe, cfg.arms["deterministic"], ctx, 1).parts.parts
+        digest = gather_digest(parts, 0, 1)
+        assert digest is not None and digest.model is not None, digest
+        bias = [name for name in digest.buffers if name.endswith(".moe.expert_bias_E")]
+        assert bias and not [name for name in digest.buffers if "tokens_per_expert" in name]  # not persistent
+        parts[0].get_buffer(bias[0]).add_(0.25)  # what torchtitan's load-balancing hook does every step
+        moved = gather_digest(parts, 0, 1)
+    assert moved is not None and moved.model != digest.model and moved.parameters == digest.parameters
+
+
+@needs_titan
 @pytest.mark.slow
 def test_titan_llama3_runs_the_pair_end_to_end_and_passes_the_gates(tmp_path: Path, taxbench_cli) -> None:
     result = taxbench_cli("+recipe=titan_llama3_debug", "experiment.steps=6", "experiment.warmup_steps=1",
