@@ -16,8 +16,7 @@ from typing import Any
 import pandas as pd
 
 from taxbench.analysis.verdicts import DIFFERS, IDENTICAL, Verdict, compare_runs
-from taxbench.config.schema import Device, PolicyConfig
-from taxbench.design import KNOB_NEEDED, KnobPlan, plan_ablation
+from taxbench.design import KNOB_NEEDED, plans_from_config
 from taxbench.rundir.read import RecordError, load_checked_run, load_manifest
 from taxbench.stats.tax import TaxEstimate, estimate_tax, no_estimate
 
@@ -50,11 +49,6 @@ class KnobResult:
             "repeat": None if self.repeat is None else self.repeat.to_dict(),
             "problems": self.problems,
         }
-
-
-def plans_from_config(config: dict[str, Any], device: str) -> list[KnobPlan]:
-    arms = {arm: PolicyConfig(**policy) for arm, policy in config["arms"].items()}
-    return plan_ablation(arms, Device(device))
 
 
 def _load(root: Path, name: str, steps: int, config: dict[str, Any]) -> tuple[pd.DataFrame | None, list[str]]:

@@ -24,6 +24,7 @@ import dataclasses
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from taxbench.config.schema import ARM_NAMES, Device, PolicyConfig, TaxbenchConfig
 
@@ -168,6 +169,12 @@ def plan_ablation(arms: Mapping[str, PolicyConfig], device: Device) -> list[Knob
             without_policy,
         ))
     return plans
+
+
+def plans_from_config(config: Mapping[str, Any], device: str) -> list[KnobPlan]:
+    """plan_ablation of a config as a manifest records it (plain values)."""
+    arms = {arm: PolicyConfig(**policy) for arm, policy in config["arms"].items()}
+    return plan_ablation(arms, Device(device))
 
 
 def knob_policies(plans: Sequence[KnobPlan]) -> dict[str, PolicyConfig]:

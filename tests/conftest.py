@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -10,7 +13,12 @@ from hydra import compose, initialize_config_module
 from omegaconf import DictConfig, OmegaConf
 
 from taxbench.config.schema import TaxbenchConfig, register_configs, to_typed
+from taxbench.launchers.worker import rank_process
+from taxbench.parallel.distributed import DistContext, free_port
 from taxbench.preflight import prepare
+from taxbench.progress import IDLE, StepProgress
+from taxbench.rundir.records import METRICS, steps_file
+from taxbench.schedule.experiment import Experiment
 
 register_configs()  # the schema Hydra composes against (the CLI registers it when imported)
 REPO = Path(__file__).resolve().parents[1]
@@ -38,6 +46,59 @@ def compose_typed(*overrides: str) -> TaxbenchConfig:
 def compose_config(*overrides: str) -> TaxbenchConfig:
     """What the CLI would launch: typed, validated and pair-checked (taxbench.preflight.prepare)."""
     return prepare(compose_raw(*overrides))
+
+
+# ---- a tiny experiment run in this process, crashed and continued ------------------------------------------------
+def tiny_config(*extra: str, name: str = "ckpt") -> TaxbenchConfig:
+    """A 12-step in-process experiment of a tiny model in 3-step blocks, checkpointed every 3 steps."""
+    return compose_config("cluster=inprocess", "recipe.global_batch_size=4", "recipe.model.d_model=32",
+                          "recipe.model.n_heads=2", "recipe.model.seq_len=16", "recipe.model.d_ff=64",
+                          f"experiment.name={name}", "experiment.steps=12", "experiment.block_steps=3",
+                          "experiment.warmup_steps=2", "experiment.resume_step=6",
+                          "experiment.checkpoint_every_steps=3", *extra)
+
+
+class Crash(Exception):
+    pass
+
+
+def crash_after(steps: int) -> Callable[[], None]:
+    """A progress callback that raises Crash at the `steps`-th step the schedule takes."""
+    done = [0]
+
+    def on_step() -> None:
+        done[0] += 1
+        if done[0] == steps:
+            raise Crash
+
+    return on_step
+
+
+@contextmanager
+def one_rank(cfg: TaxbenchConfig) -> Iterator[DistContext]:
+    """The only rank of `cfg`, in this process; the environment its policies set is put back afterwards."""
+    saved = dict(os.environ)
+    try:
+        with rank_process([cfg], 0, 1, 0, "127.0.0.1", free_port()) as ctx:
+            yield ctx
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def run_schedule(cfg: TaxbenchConfig, root: Path, on_step: Callable[[], None] | None = None) -> None:
+    """The experiment's whole schedule on one in-process rank."""
+    with one_rank(cfg) as ctx:
+        Experiment(cfg, ctx, root, IDLE if on_step is None else StepProgress(on_step)).run()
+
+
+def step_records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in steps_file(run_dir, 0).read_text().splitlines()]
+
+
+def fingerprints(run_dir: Path) -> list[tuple]:
+    """Rank 0's (step, trajectory_step, *METRICS) per record (trajectory_step: None outside a shared model)."""
+    return [(r["step"], r.get("trajectory_step"), *(r[m] for m in METRICS)) for r in step_records(run_dir)]
 
 
 @pytest.fixture

@@ -16,8 +16,7 @@ from taxbench.analysis.summary import analyse
 from taxbench.config.schema import ConfigError, Device
 from taxbench.design import KNOBS, MEASURED, RunRef, knob_of, knob_policies, plan_ablation, round_orders
 from taxbench.rundir.records import steps_file
-from tests.conftest import compose_config
-from tests.test_checkpoints import run_schedule, tiny_config
+from tests.conftest import compose_config, run_schedule, tiny_config
 
 
 def pair_policies():

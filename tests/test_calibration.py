@@ -12,14 +12,9 @@ from taxbench import exit_codes
 from taxbench.analysis.summary import CALIBRATION, analyse
 from taxbench.config.schema import ConfigError
 from taxbench.rundir.records import STOP_FILE
-from tests.conftest import compose_config
-from tests.test_checkpoints import Crash, crash_after, run_schedule, tiny_config
+from tests.conftest import Crash, compose_config, crash_after, run_schedule, step_records, tiny_config
 
 CALIBRATED = ("experiment.calibration=true", "experiment.block_steps=1", "experiment.checkpoint_every_steps=10")
-
-
-def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "steps.rank0.jsonl").read_text().splitlines()]
 
 
 def test_a_planted_tax_is_recovered_by_an_a_a_pair_labelled_as_a_calibration(tmp_path: Path) -> None:
@@ -28,9 +23,9 @@ def test_a_planted_tax_is_recovered_by_an_a_a_pair_labelled_as_a_calibration(tmp
     for name in ("baseline-0", "deterministic-0", "deterministic-1", "baseline-1", "deterministic-resumed"):
         manifest = json.loads((tmp_path / name / "manifest.json").read_text())
         assert manifest["policy"]["deterministic"] is False, name  # both arms on the baseline policy
-    planted = [r["planted_s"] for r in records(tmp_path / "deterministic-1")]
+    planted = [r["planted_s"] for r in step_records(tmp_path / "deterministic-1")]
     assert planted[0] > 0 and all(p > 0 for p in planted)  # every deterministic step, from the first one
-    assert all(r["planted_s"] == 0 for r in records(tmp_path / "baseline-1"))
+    assert all(r["planted_s"] == 0 for r in step_records(tmp_path / "baseline-1"))
     summary = analyse(tmp_path)
     assert summary.outcome == CALIBRATION and summary.exit_code == exit_codes.OK and not summary.deterministic_ok
     assert summary.tax.timed_runs == 4  # baseline-0, deterministic-0, deterministic-1, baseline-1
@@ -51,7 +46,7 @@ def test_a_precision_target_adds_rounds_until_the_interval_is_that_narrow(tmp_pa
     assert summary.tax.half_width <= 0.02 and summary.stopped_by == "target_half_width"
     assert summary.tax.low > 0  # the planted 10% is seen (how close it lands is benchmarks/calibration.py's job)
     for name in ("baseline-0", "deterministic-1", "deterministic-resumed"):  # every run took the decided steps
-        assert [r["step"] for r in records(tmp_path / name)] == list(range(1, stop["steps"] + 1))
+        assert [r["step"] for r in step_records(tmp_path / name)] == list(range(1, stop["steps"] + 1))
 
 
 def test_the_step_cap_stops_an_unreachable_target_and_says_so(tmp_path: Path) -> None:

@@ -6,21 +6,17 @@ import errno
 import json
 import os
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_config
+from conftest import Crash, crash_after, fingerprints, run_schedule, tiny_config
 
 from taxbench.checkpoint.store import PROGRESS_FILE, CheckpointError, RunCheckpoints, commit, resume_step
-from taxbench.config.schema import TaxbenchConfig
 from taxbench.design import ALL_RUNS
-from taxbench.launchers.worker import rank_process
 from taxbench.parallel.distributed import DistContext, free_port
-from taxbench.progress import IDLE, StepProgress
-from taxbench.rundir.records import METRICS, RunWriteError, steps_file, write_atomically, write_manifest
-from taxbench.schedule.experiment import Experiment
+from taxbench.rundir.records import RunWriteError, write_atomically, write_manifest
 from taxbench.train.trainer import RunSpec, Trainer
 
 
@@ -185,45 +181,6 @@ def test_a_checkpoint_and_a_manifest_on_a_full_disk_fail_in_one_line_and_leave_n
 
 
 # ---- the schedule: crash, damage a checkpoint, continue ------------------------------------------------------------
-
-def tiny_config(*extra: str) -> TaxbenchConfig:
-    cfg = compose_config("cluster=inprocess", "recipe.global_batch_size=4", "recipe.model.d_model=32",
-                            "recipe.model.n_heads=2", "recipe.model.seq_len=16", "recipe.model.d_ff=64",
-                            "experiment.name=ckpt", "experiment.steps=12", "experiment.block_steps=3",
-                            "experiment.warmup_steps=2", "experiment.resume_step=6",
-                            "experiment.checkpoint_every_steps=3", *extra)
-    return cfg
-
-
-class Crash(Exception):
-    pass
-
-
-def crash_after(steps: int) -> Callable[[], None]:
-    done = [0]
-
-    def on_step() -> None:
-        done[0] += 1
-        if done[0] == steps:
-            raise Crash
-
-    return on_step
-
-
-def run_schedule(cfg: TaxbenchConfig, root: Path, on_step: Callable[[], None] | None = None) -> None:
-    saved = dict(os.environ)
-    try:
-        with rank_process([cfg], 0, 1, 0, "127.0.0.1", free_port()) as ctx:
-            Experiment(cfg, ctx, root, IDLE if on_step is None else StepProgress(on_step)).run()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
-def fingerprints(run_dir: Path) -> list[tuple]:
-    lines = steps_file(run_dir, 0).read_text().splitlines()
-    return [(r["step"], *(r[m] for m in METRICS)) for r in map(json.loads, lines)]
-
 
 DAMAGE = {"truncated": truncate, "flipped": flip_64_bytes}
 

@@ -19,7 +19,7 @@ from taxbench.analysis.layouts import analyse_layouts, float32_bits, ulp_distanc
 from taxbench.analysis.wandb_log import log_layouts
 from taxbench.config.layout_names import check_layout, parse_layout_list, parse_layout_name
 from taxbench.config.schema import ConfigError, DataParallel, ModelConfig, RecipeConfig, ReportConfig
-from taxbench.parallel.logical_digest import combine, shard_sum
+from taxbench.parallel.logical_digest import combine, shard_sum, shard_sums
 from taxbench.rundir.read import RecordError
 from taxbench.workloads import build_model
 from taxbench.workloads.init import GlobalView, initialize
@@ -109,6 +109,30 @@ def test_the_weights_digest_is_the_same_for_any_split_and_replicas_count_once() 
     replica = [shard_sum(name, local.contiguous(), view) if s.name == name else s for s in rank0]
     disagreeing = combine([rank0, rank1, replica])
     assert disagreeing.model is None and any("replicas disagree" in p for p in disagreeing.problems)
+
+
+def test_the_weights_digest_covers_persistent_buffers_by_name_and_replicas_must_agree_on_them() -> None:
+    model = initialize(build_model(ModelConfig(n_layers=1, d_model=16, n_heads=2, d_ff=32, vocab_size=32,
+                                               seq_len=8), deterministic_kernels=True), seed=3)
+    router = model.get_submodule("blocks.0")  # a router's load-balancing bias, and a scratch count never saved
+    router.register_buffer("expert_bias", torch.linspace(-1, 1, 4))
+    router.register_buffer("tokens_per_expert", torch.arange(4.0), persistent=False)
+    rank0 = shard_sums([model])
+    whole = combine([rank0])
+    assert whole.model is not None and set(whole.buffers) == {"blocks.0.expert_bias"}
+    assert not set(whole.buffers) & set(whole.parameters)
+    assert whole.elements == sum(p.numel() for p in model.parameters()) + 4
+    replicated = combine([rank0, shard_sums([model])])  # a data-parallel replica: counted once
+    assert (replicated.model, replicated.buffers) == (whole.model, whole.buffers)
+
+    router.tokens_per_expert.add_(1)  # not in the state dict: no part of the weights
+    assert combine([shard_sums([model])]).model == whole.model
+    router.expert_bias[2] += 0.5
+    moved = combine([shard_sums([model])])
+    assert moved.model is not None and moved.model != whole.model and moved.parameters == whole.parameters
+    disagreeing = combine([rank0, shard_sums([model])])  # a replica whose bias drifted from rank 0's
+    assert disagreeing.model is None
+    assert any(p.startswith("blocks.0.expert_bias: ") and "replicas disagree" in p for p in disagreeing.problems)
 
 
 # --------------------------------------------------------------------------------------------- the command, for real

@@ -5,23 +5,17 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import weakref
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_config
+from conftest import Crash, crash_after, fingerprints, one_rank, run_schedule, step_records, tiny_config
 
 from analysis.summary import analyse
 from taxbench.checkpoint.store import RunCheckpoints
 from taxbench.config.schema import TaxbenchConfig
 from taxbench.design import ALL_RUNS, INTERLEAVED
-from taxbench.launchers.worker import rank_process
-from taxbench.parallel.distributed import free_port
-from taxbench.progress import IDLE, StepProgress
-from taxbench.rundir.records import METRICS, steps_file
 from taxbench.schedule import experiment as schedule
 from taxbench.train.trainer import Trainer
 
@@ -29,33 +23,7 @@ LANES = INTERLEAVED["policy"]
 
 
 def policy_config(*extra: str) -> TaxbenchConfig:
-    return compose_config("cluster=inprocess", "recipe.global_batch_size=4", "recipe.model.d_model=32",
-                          "recipe.model.n_heads=2", "recipe.model.seq_len=16", "recipe.model.d_ff=64",
-                          "experiment.name=policy", "experiment.interleave=policy", "experiment.steps=12",
-                          "experiment.block_steps=3", "experiment.warmup_steps=2", "experiment.resume_step=6",
-                          "experiment.checkpoint_every_steps=3", *extra)
-
-
-class Crash(Exception):
-    pass
-
-
-def run_schedule(cfg: TaxbenchConfig, root: Path, on_step: Callable[[], None] | None = None) -> None:
-    saved = dict(os.environ)
-    try:
-        with rank_process([cfg], 0, 1, 0, "127.0.0.1", free_port()) as ctx:
-            schedule.Experiment(cfg, ctx, root, IDLE if on_step is None else StepProgress(on_step)).run()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
-def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in steps_file(run_dir, 0).read_text().splitlines()]
-
-
-def fingerprints(run_dir: Path) -> list[tuple]:
-    return [(r["step"], r.get("trajectory_step"), *(r[m] for m in METRICS)) for r in records(run_dir)]
+    return tiny_config("experiment.interleave=policy", *extra, name="policy")
 
 
 @pytest.fixture
@@ -84,7 +52,7 @@ def test_one_model_times_both_arms_and_the_gate_runs_run_whole_one_at_a_time(tmp
 
     # One trainer for the rounds, then one per whole run (4) and two for the resumed run: never two alive.
     assert len(models_alive) == 1 + 4 + 2 and max(models_alive) == 1, models_alive
-    baseline, deterministic = (records(root / ref.name) for ref in LANES)
+    baseline, deterministic = (step_records(root / ref.name) for ref in LANES)
     for lane in (baseline, deterministic):
         assert [r["step"] for r in lane] == list(range(1, 13))  # each arm takes experiment.steps steps
     # The model's steps are the two lanes' blocks taken in turn, in the A B B A order: every model step once.
@@ -114,15 +82,8 @@ def test_a_crash_in_the_rounds_continues_from_the_shared_checkpoint_bitwise(tmp_
     root.mkdir()
     run_schedule(cfg, reference_root)
 
-    done = [0]
-
-    def crash_in_third_round() -> None:  # two rounds of 2 x 3 steps committed step 6 of each lane
-        done[0] += 1
-        if done[0] == 12 + 4:
-            raise Crash
-
-    with pytest.raises(Crash):
-        run_schedule(cfg, root, crash_in_third_round)
+    with pytest.raises(Crash):  # in the third round: two rounds of 2 x 3 steps committed step 6 of each lane
+        run_schedule(cfg, root, crash_after(12 + 4))
     # The shared model's checkpoints go to the first lane's folder only (one model, one checkpoint).
     assert RunCheckpoints(root / LANES[0].name, 0).complete() == [3, 6]
     assert not list((root / LANES[1].name).glob("checkpoints/step*"))
@@ -135,19 +96,14 @@ def test_the_shared_model_switches_its_kernels_with_the_lane(tmp_path: Path) -> 
     cfg = policy_config("recipe.model.kind=moe", "recipe.model.n_experts=4", "recipe.model.top_k=2")
     root = tmp_path / "kernels"
     seen: list[tuple[str, bool]] = []
-    saved = dict(os.environ)
-    try:
-        with rank_process([cfg], 0, 1, 0, "127.0.0.1", free_port()) as ctx:
-            experiment = schedule.Experiment(cfg, ctx, root)
-            trainer = experiment._shared_trainer(LANES)
-            moe = next(m for m in trainer.raw_model.parts[0].modules() if hasattr(m, "deterministic_kernels"))
-            moe.register_forward_hook(lambda module, *_: seen.append((trainer.arm, module.deterministic_kernels)))
-            for ref in (*LANES, LANES[0]):
-                trainer.run_block(1, 0, lane=ref.name)
-            trainer.close()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    with one_rank(cfg) as ctx:
+        experiment = schedule.Experiment(cfg, ctx, root)
+        trainer = experiment._shared_trainer(LANES)
+        moe = next(m for m in trainer.raw_model.parts[0].modules() if hasattr(m, "deterministic_kernels"))
+        moe.register_forward_hook(lambda module, *_: seen.append((trainer.arm, module.deterministic_kernels)))
+        for ref in (*LANES, LANES[0]):
+            trainer.run_block(1, 0, lane=ref.name)
+        trainer.close()
     wanted = {ref.arm: cfg.arms[ref.arm].deterministic_kernels for ref in LANES}
     assert wanted["baseline"] != wanted["deterministic"]
     assert {arm for arm, _ in seen} == {"baseline", "deterministic"}

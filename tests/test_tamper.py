@@ -5,19 +5,15 @@ evidence (exit 4, naming the file), never a pass. One real experiment whose dete
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import pytest
-from conftest import compose_config
+from conftest import compose_config, run_schedule, tiny_config
 
 from analysis.summary import analyse
 from taxbench import exit_codes
-from taxbench.launchers.worker import rank_process
-from taxbench.parallel.distributed import free_port
 from taxbench.rundir.provenance import config_hash
-from taxbench.schedule.experiment import Experiment
 
 
 @pytest.fixture(scope="module")
@@ -29,13 +25,7 @@ def faulted(tmp_path_factory: pytest.TempPathFactory) -> Path:
                          "experiment.fault.step=8", "experiment.fault.rank=0")
     root = tmp_path_factory.mktemp("tamper") / "experiment"
     root.mkdir()
-    saved = dict(os.environ)
-    try:
-        with rank_process([cfg], 0, 1, 0, "127.0.0.1", free_port()) as ctx:
-            Experiment(cfg, ctx, root).run()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    run_schedule(cfg, root)
     return root
 
 
@@ -149,3 +139,28 @@ def test_a_fault_under_a_gate_that_still_agrees_is_called_out_and_not_a_pass(fau
     summary = analyse(root)
     assert summary.fault_fired is False and summary.exit_code == exit_codes.INCOMPLETE
     assert any("the fault fired, yet repeatability found the runs identical" in line for line in summary.faults)
+
+
+@pytest.fixture(scope="module")
+def ablated(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An ablation experiment: knob arms beside the pair, each with the policy the design gives it."""
+    root = tmp_path_factory.mktemp("ablated") / "experiment"
+    root.mkdir()
+    run_schedule(tiny_config("experiment.ablation=true", "experiment.profile_steps=1", "experiment.warmup_steps=0",
+                             "experiment.steps=6", "experiment.resume_step=3", name="ablated"), root)
+    return root
+
+
+@pytest.mark.parametrize("run", ["deterministic-1", "with_deterministic_kernels-0", "without_deterministic_kernels-1"])
+def test_a_manifest_whose_policy_was_edited_is_named_for_every_kind_of_arm(ablated: Path, tmp_path: Path,
+                                                                          run: str) -> None:
+    root = copy_of(ablated, tmp_path)
+    assert not [line for line in analyse(root).problems if ": policy is not" in line]
+    path = root / run / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["policy"]["deterministic_kernels"] = not manifest["policy"]["deterministic_kernels"]
+    path.write_text(json.dumps(manifest))
+    summary = analyse(root)
+    assert summary.exit_code == exit_codes.INCOMPLETE
+    assert any(line.startswith(f"{path}: policy is not ") and ": deterministic_kernels " in line
+               for line in summary.problems), summary.problems

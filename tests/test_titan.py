@@ -4,12 +4,15 @@ the clean refusal when torchtitan is not installed (Megatron-Core: tests/test_me
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
-from conftest import compose_raw
+import torch
+from conftest import compose_config, compose_raw, one_rank
 
-from taxbench.config.schema import ConfigError
+from taxbench.config import policy
+from taxbench.config.schema import ConfigError, Device
 from taxbench.preflight import prepare
 
 
@@ -63,6 +66,56 @@ def test_the_meta_model_has_torchtitans_module_paths() -> None:
     cfg = prepare(compose_raw("+recipe=titan_moe_debug"))
     names = {name for name, _ in stack_for(cfg.recipe.model).meta_model(cfg.recipe).named_modules()}
     assert {"layers.1.attention.wkv_a", "layers.1.moe.router.gate", "layers.1.moe.routed_experts"} <= names
+
+
+def _process_state() -> dict[str, object]:
+    """What a titan build could leave changed: the environment, torch's flags and generator, torchtitan's device
+    globals and FlexAttention's class-wide kernel."""
+    from torchtitan.distributed import parallel_dims, utils
+    from torchtitan.models.common import token_dispatcher
+    from torchtitan.models.common.attention import FlexAttention
+    from torchtitan.tools import utils as tools_utils
+
+    modules = (tools_utils, parallel_dims, utils, token_dispatcher)
+    return {"env": dict(os.environ), "flags": policy.applied_state(Device.cpu), "rng": torch.get_rng_state().tolist(),
+            "devices": [(m.__name__, getattr(m, "device_type", None), getattr(m, "device_module", None))
+                        for m in modules],
+            "flex": (FlexAttention._compiled_flex_attn, dict(FlexAttention.inductor_configs))}
+
+
+@needs_titan
+def test_building_titan_twice_in_one_process_leaves_it_as_found_and_builds_the_same_model() -> None:
+    from taxbench.train.titan import TitanStack
+
+    cfg = compose_config("+recipe=titan_llama3_debug", "cluster=inprocess")
+    weights = []
+    with one_rank(cfg) as ctx:
+        for _ in range(2):
+            torch.manual_seed(1234)
+            before = _process_state()
+            built = TitanStack().build(cfg.recipe, cfg.arms["deterministic"], ctx, 1)
+            after = _process_state()
+            assert after == before, {key: (before[key], after[key]) for key in before if before[key] != after[key]}
+            weights.append({name: p.to_local().clone() for name, p in built.parts.parts[0].named_parameters()})
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[0])
+
+
+@needs_titan
+def test_the_layouts_weights_digest_holds_torchtitans_moe_router_bias() -> None:
+    from taxbench.parallel.logical_digest import gather_digest
+    from taxbench.train.titan import TitanStack
+
+    cfg = compose_config("+recipe=titan_moe_debug", "cluster=inprocess")
+    with one_rank(cfg) as ctx:
+        parts = TitanStack().build(cfg.recipe, cfg.arms["deterministic"], ctx, 1).parts.parts
+        digest = gather_digest(parts, 0, 1)
+        assert digest is not None and digest.model is not None, digest
+        bias = [name for name in digest.buffers if name.endswith(".moe.expert_bias_E")]
+        assert bias and not [name for name in digest.buffers if "tokens_per_expert" in name]  # not persistent
+        parts[0].get_buffer(bias[0]).add_(0.25)  # what torchtitan's load-balancing hook does every step
+        moved = gather_digest(parts, 0, 1)
+    assert moved is not None and moved.model != digest.model and moved.parameters == digest.parameters
 
 
 @needs_titan

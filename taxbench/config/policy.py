@@ -183,19 +183,20 @@ def arm_environment(policy: PolicyConfig) -> Iterator[None]:
     _outer_env.append(_outer_env[0] if _outer_env else saved)
     values = arm_env_values(policy, _outer_env[0])
     try:
-        for key, value in values.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        put_env(values)
         yield
     finally:
         _outer_env.pop()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        put_env(saved)
+
+
+def put_env(values: Mapping[str, str | None]) -> None:
+    """Set each environment variable to its value; None unsets it."""
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def apply_flags(policy: PolicyConfig) -> None:

@@ -11,6 +11,11 @@ shape)). A shard held by several ranks (data-parallel replicas) is counted once,
 the element count and the sum of global indices must come out as the unsplit parameter's, so a shard counted twice or
 missed is a problem the digest reports instead of a value. The model digest hashes every parameter's digest by name.
 
+Persistent buffers (those a state dict holds: torchtitan's MoE routers keep their load-balancing expert bias in one,
+changed by every optimizer step) are digested the same way under their names, apart from the parameters. A buffer that
+is not a DTensor is whole on every rank holding it (taxbench.parallel.materialize.buffer_views): held by several
+ranks, they must agree on it, or the digest reports the problem.
+
 Costs about twenty int64 passes over the weights: taken at the first and the last step of a run, never per step.
 """
 
@@ -27,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from taxbench.fingerprint import GOLDEN, MASK64, header, mix, mix_int, signed64
-from taxbench.parallel.materialize import parameter_views
+from taxbench.parallel.materialize import buffer_views, parameter_views
 from taxbench.workloads.init import GlobalView, global_index_chunks
 
 _LANE_BITS = 16
@@ -50,6 +55,7 @@ class ShardSum:
     elements: int
     index_sum: int
     lanes: tuple[int, ...]  # the 16-bit lanes of the element hashes, each summed
+    buffer: bool = False  # a persistent buffer, not a parameter
 
 
 def _bits(local: torch.Tensor) -> torch.Tensor:
@@ -67,7 +73,7 @@ def _shard_id(view: GlobalView) -> str:
     return digest.hexdigest()
 
 
-def shard_sum(name: str, local: torch.Tensor, view: GlobalView) -> ShardSum:
+def shard_sum(name: str, local: torch.Tensor, view: GlobalView, buffer: bool = False) -> ShardSum:
     key = parameter_key(name)
     bits = _bits(local).reshape(len(view.indices[0]) if view.shape else 1, -1)
     lanes = [0] * _LANES
@@ -79,25 +85,31 @@ def shard_sum(name: str, local: torch.Tensor, view: GlobalView) -> ShardSum:
                 lanes[lane] += int(((hashed >> (_LANE_BITS * lane)) & 0xFFFF).sum())
             index_sum += int(index.sum())
     return ShardSum(name, _shard_id(view), str(local.dtype), tuple(view.shape), local.numel(), index_sum,
-                    tuple(lanes))
+                    tuple(lanes), buffer)
 
 
 def shard_sums(parts: Iterable[nn.Module]) -> list[ShardSum]:
-    """This rank's sums over every parameter it holds (`parts`: its model parts, names as in the unsplit model)."""
+    """This rank's sums over every parameter and persistent buffer it holds (`parts`: its model parts, names as in
+    the unsplit model)."""
+    sums = []
     with torch.no_grad():
-        return [shard_sum(name, local, view) for part in parts for name, local, view in parameter_views(part)]
+        for part in parts:
+            sums += [shard_sum(name, local, view) for name, local, view in parameter_views(part)]
+            sums += [shard_sum(name, local, view, buffer=True) for name, local, view in buffer_views(part)]
+    return sums
 
 
 @dataclass
 class WeightsDigest:
     model: str | None  # None when a problem keeps the digest from standing for the whole model
     parameters: dict[str, str] = field(default_factory=dict)  # name -> digest (hex)
-    elements: int = 0
+    elements: int = 0  # of the parameters and buffers
     problems: list[str] = field(default_factory=list)
+    buffers: dict[str, str] = field(default_factory=dict)  # persistent buffers: name -> digest (hex)
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "elements": self.elements, "parameters": self.parameters,
-                "problems": self.problems}
+                "buffers": self.buffers, "problems": self.problems}
 
 
 def combine(per_rank: list[list[ShardSum]]) -> WeightsDigest:
@@ -113,24 +125,28 @@ def combine(per_rank: list[list[ShardSum]]) -> WeightsDigest:
             elif (first[1].lanes, first[1].dtype) != (found.lanes, found.dtype):
                 problems.append(f"{found.name}: ranks {first[0]} and {rank} hold the same shard with different "
                                 "values (replicas disagree)")
-    parameters = {}
+    digests: dict[bool, dict[str, str]] = {False: {}, True: {}}  # buffer? -> name -> digest
     elements = 0
     for name in sorted(shards):
         held = [s for _, s in shards[name].values()]
-        shape, dtypes = held[0].shape, {s.dtype for s in held}
+        shape, dtypes, kinds = held[0].shape, {s.dtype for s in held}, {s.buffer for s in held}
         numel = math.prod(shape)
         count, index_sum = sum(s.elements for s in held), sum(s.index_sum for s in held)
-        if count != numel or index_sum != numel * (numel - 1) // 2 or len(dtypes) > 1 or \
+        if count != numel or index_sum != numel * (numel - 1) // 2 or len(dtypes) > 1 or len(kinds) > 1 or \
                 any(s.shape != shape for s in held):
             problems.append(f"{name}: the shards hold {count} elements of its {numel} ({len(held)} distinct shards, "
-                            f"dtypes {sorted(dtypes)}): an element is missing or counted twice")
+                            f"dtypes {sorted(dtypes)}{', a parameter on some ranks' if len(kinds) > 1 else ''}): an "
+                            "element is missing or counted twice")
             continue
         body = sum(sum(s.lanes[lane] << (_LANE_BITS * lane) for lane in range(_LANES)) for s in held) & MASK64
-        parameters[name] = f"{mix_int(body ^ header(getattr(torch, held[0].dtype.removeprefix('torch.')), shape)):016x}"
+        dtype = getattr(torch, held[0].dtype.removeprefix("torch."))
+        digests[held[0].buffer][name] = f"{mix_int(body ^ header(dtype, shape)):016x}"
         elements += numel
-    model = None if problems else hashlib.blake2b(
-        "".join(f"{name} {value}\n" for name, value in parameters.items()).encode(), digest_size=8).hexdigest()
-    return WeightsDigest(model, parameters, elements, problems)
+    parameters, buffers = digests[False], digests[True]
+    lines = [f"{name} {value}\n" for name, value in parameters.items()]
+    lines += [f"buffer {name} {value}\n" for name, value in buffers.items()]
+    model = None if problems else hashlib.blake2b("".join(lines).encode(), digest_size=8).hexdigest()
+    return WeightsDigest(model, parameters, elements, problems, buffers)
 
 
 def gather_digest(parts: Iterable[nn.Module], rank: int, world_size: int) -> WeightsDigest | None:

@@ -86,6 +86,18 @@ def parameter_views(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, Globa
         yield name, local, view
 
 
+def buffer_views(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, GlobalView]]:
+    """Every persistent buffer of this rank's share (those its state dict holds; names as in the unsplit model): its
+    local tensor and where that lies in the unsplit buffer. A DTensor buffer lies where its placements say; a plain
+    one is taken as whole, replicated on every rank that holds it (FSDP2 and the pipeline split leave buffers whole,
+    torchtitan's expert parallelism slices only DTensors, and taxbench's workloads hold no buffers), so ranks holding
+    different values or shapes of it are found out by the digest, not merged."""
+    for module_name, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                yield f"{module_name}.{name}" if module_name else name, *local_and_view(buffer)
+
+
 def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     """Allocate this rank's share of a meta-device model on `device` and fill every parameter by its rule."""
     rows = _global_rows(model)

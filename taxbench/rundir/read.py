@@ -17,6 +17,7 @@ careful forgery of every field (the config hash is a plain sha256 anyone can rec
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +30,7 @@ import pandas as pd
 import pyarrow as pa
 
 from taxbench.config.pairing import differences, experiment_differences
+from taxbench.design import knob_of, knob_policies, plans_from_config
 from taxbench.redaction import redact
 from taxbench.rundir.provenance import config_hash
 from taxbench.rundir.records import MANIFEST, METRICS, SCHEMA_VERSION
@@ -329,11 +331,29 @@ def config_problems(run_dir: Path, manifest: dict, config: dict[str, Any]) -> li
     changed = experiment_differences(own, config)
     if changed:
         problems.append(f"{where}: config differs from the experiment's: {_changed_text(changed)}")
-    policy = (config.get("arms") or {}).get(manifest.get("arm"))
+    arm = manifest.get("arm")
+    try:
+        policy = arm_policy(config, arm)
+    except (KeyError, TypeError, ValueError) as exc:
+        return [*problems, f"{where}: the experiment's config gives arm {arm} no policy to check it against "
+                           f"({type(exc).__name__}: {exc})"]
     if policy is not None and differences(manifest.get("policy"), policy):
-        problems.append(f"{where}: policy is not the config's arms.{manifest.get('arm')}: "
+        problems.append(f"{where}: policy is not the one the config gives arm {arm}: "
                         f"{_changed_text(differences(manifest.get('policy'), policy))}")
     return problems
+
+
+def arm_policy(config: dict[str, Any], arm: Any) -> dict[str, Any] | None:
+    """The policy `config` gives `arm`, as a manifest records it: arms.<arm>, or a knob arm's (taxbench.design: the
+    pair's policy with one knob switched); None for an arm the config does not name (the folder names are checked
+    elsewhere)."""
+    arms = config.get("arms") or {}
+    if not isinstance(arm, str) or (arm not in arms and knob_of(arm) is None):
+        return None
+    if arm in arms:
+        return arms[arm]
+    policies = knob_policies(plans_from_config(config, config["cluster"]["device"]))
+    return dataclasses.asdict(policies[arm]) if arm in policies else None
 
 
 def _changed_text(changed: list[tuple[str, Any, Any]], limit: int = 3) -> str:

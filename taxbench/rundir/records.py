@@ -73,7 +73,9 @@ def op_table_file(run_dir: Path, rank: int) -> Path:
     return run_dir / f"ops.rank{rank}.json"
 
 
-WEIGHTS_FORMAT = 1  # the layout of logical_weights.json's digests (taxbench.parallel.logical_digest)
+# The layout of logical_weights.json's digests (taxbench.parallel.logical_digest); 2: persistent buffers are
+# digested too (format 1 files cover parameters only and are refused).
+WEIGHTS_FORMAT = 2
 
 
 def weights_file(run_dir: Path) -> Path:

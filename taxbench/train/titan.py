@@ -13,10 +13,12 @@ and checkpointer, which the harness replaces.
 
 The deterministic arm runs torchtitan's own switch (`debug.deterministic`: torchtitan.distributed.utils
 .set_determinism, which also seeds) inside taxbench's policy; flags it leaves differing from the policy are refused.
+The rest of what it changes is put back after the build (environment, generators, FlexAttention's class-wide kernel,
+which each model then swaps in for its own steps), so that one process can build several trainers.
 
 On CPU (torchtitan 0.3.0 targets accelerators), four things are adapted, each needed to get past a concrete failure:
 - torchtitan binds `device_type = "cuda"` at import when no accelerator is present (torchtitan/tools/utils.py:55);
-  the modules that read it are pointed at the CPU;
+  the modules that read it are pointed at the CPU while taxbench builds;
 - FlexAttention has no CPU backward and varlen attention calls flash attention (CUDA): `attn_backend: sdpa` swaps
   the inner attention for torchtitan's own ScaledDotProductAttention (causal; one document per row);
 - FSDP2 reduce-scatters with ReduceOp.PREMUL_SUM, which gloo rejects: its modules sum instead
@@ -28,7 +30,10 @@ On CPU (torchtitan 0.3.0 targets accelerators), four things are adapted, each ne
 from __future__ import annotations
 
 import importlib
+import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +52,7 @@ from taxbench.config.schema import (
 from taxbench.parallel.distributed import DistContext
 from taxbench.parallel.layout import ParallelModel, layout_for
 from taxbench.train.build import RankModel, build_optimizer
+from taxbench.train.rng import RngSnapshot
 from taxbench.train.stack import refuse_conflicts
 from taxbench.train.step import Batch
 
@@ -56,6 +62,7 @@ FAMILIES = ("llama3", "qwen3", "deepseek_v3")
 ATTN_BACKENDS = ("flex", "varlen", "sdpa")
 # torchtitan's switch puts this in the environment (torchtitan/distributed/utils.py, set_determinism).
 SWITCH_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+SEED_ENV = "PYTHONHASHSEED"  # which it sets to its seed as well
 
 
 @dataclass(frozen=True)
@@ -93,17 +100,78 @@ def require_torchtitan() -> None:
                           f"({exc})") from None
 
 
-def _point_torchtitan_at_cpu() -> None:
-    """torchtitan resolved its device at import; the modules that use it on our path read the CPU instead."""
+@contextmanager
+def _torchtitan_on(device: torch.device) -> Iterator[None]:
+    """torchtitan resolved its device at import; on the CPU, the modules that use it on our path read the CPU instead
+    while taxbench builds (their own values come back after)."""
+    if device.type != "cpu":
+        yield
+        return
     from torchtitan.distributed import parallel_dims, utils
     from torchtitan.models.common import token_dispatcher
     from torchtitan.tools import utils as tools_utils
 
-    for module in (tools_utils, parallel_dims, utils, token_dispatcher):
-        if hasattr(module, "device_type"):
-            module.device_type = "cpu"  # type: ignore[attr-defined]
-        if hasattr(module, "device_module"):
-            module.device_module = torch.cpu  # type: ignore[attr-defined]
+    cpu = {"device_type": "cpu", "device_module": torch.cpu}
+    saved = [(module, name, getattr(module, name)) for module in (tools_utils, parallel_dims, utils, token_dispatcher)
+             for name in cpu if hasattr(module, name)]
+    for module, name, _ in saved:
+        setattr(module, name, cpu[name])
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
+@dataclass(frozen=True)
+class FlexKernel:
+    """FlexAttention's compiled kernel and its inductor options: class-wide, and replaced by torchtitan's switch (a
+    compile without autotuning). Each model runs with the one its build chose (TitanStep)."""
+
+    compiled: Any
+    options: dict[str, Any]
+
+    @classmethod
+    def current(cls) -> FlexKernel:
+        from torchtitan.models.common.attention import FlexAttention
+
+        return cls(FlexAttention._compiled_flex_attn, dict(FlexAttention.inductor_configs))
+
+    def install(self) -> None:
+        from torchtitan.models.common.attention import FlexAttention
+
+        FlexAttention._compiled_flex_attn = self.compiled
+        FlexAttention.inductor_configs.clear()  # the switch edits this dict in place: so does its restore
+        FlexAttention.inductor_configs.update(self.options)
+
+
+@contextmanager
+def _flex_kernel(kernel: FlexKernel | None) -> Iterator[None]:
+    if kernel is None:
+        yield
+        return
+    saved = FlexKernel.current()
+    kernel.install()
+    try:
+        yield
+    finally:
+        saved.install()
+
+
+@contextmanager
+def _switch_undone() -> Iterator[None]:
+    """Puts back what torchtitan's switch (set_determinism) changes and policy.active does not (it restores torch's
+    flags): the environment variables it sets, the generators it seeds and FlexAttention's kernel, so that building a
+    titan model leaves the process as it found it (`taxbench scan` and in-process launches build several)."""
+    env = {name: os.environ.get(name) for name in (*SWITCH_ENV, SEED_ENV)}
+    rng = RngSnapshot.capture()
+    flex = FlexKernel.current()
+    try:
+        yield
+    finally:
+        policy.put_env(env)
+        rng.restore()
+        flex.install()
 
 
 def _model_config(options: TitanOptions) -> Any:
@@ -154,8 +222,10 @@ def _trainer_config(recipe: RecipeConfig, options: TitanOptions, spec: Any, dete
 class TitanStep:
     """torchtitan's forward_backward_step over the harness's micro-batches: loss = token sum / global tokens."""
 
-    def __init__(self, model: nn.Module, loss_fn: Any, dp: int, device: torch.device, needs_masks: bool) -> None:
+    def __init__(self, model: nn.Module, loss_fn: Any, dp: int, device: torch.device, needs_masks: bool,
+                 flex: FlexKernel | None) -> None:
         self.model, self.loss_fn, self.dp, self.device, self.needs_masks = model, loss_fn, dp, device, needs_masks
+        self.flex = flex  # FlexAttention's kernel as this model's build left it (None: the model has no FlexAttention)
 
     def _extra(self, inputs: torch.Tensor) -> dict[str, Any]:
         if not self.needs_masks:  # SDPA: causal, no positions
@@ -167,12 +237,13 @@ class TitanStep:
         # Every harness token is a valid label: the global count needs no all-reduce.
         global_tokens = torch.tensor(sum(t.numel() for _, t in batches) * self.dp, device=self.device)
         total = torch.zeros((), device=self.device)
-        for inputs, targets in batches:
-            pred = self.model(inputs, **self._extra(inputs))
-            loss, _ = self.loss_fn(pred, targets, global_tokens)
-            del pred
-            loss.backward()
-            total += loss.detach()
+        with _flex_kernel(self.flex):
+            for inputs, targets in batches:
+                pred = self.model(inputs, **self._extra(inputs))
+                loss, _ = self.loss_fn(pred, targets, global_tokens)
+                del pred
+                loss.backward()
+                total += loss.detach()
         return total * self.dp  # this rank's mean token loss, as the harness's own steps record it
 
 
@@ -180,8 +251,9 @@ class TitanStack:
     name = "torchtitan"
 
     def __init__(self) -> None:
-        self._spec: Any = None  # torchtitan's ModelSpec and ParallelDims of the last build (the optimizer's MoE hook)
-        self._dims: Any = None
+        self._spec: Any = None  # torchtitan's ModelSpec, ParallelDims and device of the last build (the optimizer's
+        self._dims: Any = None  # MoE hook)
+        self._device = torch.device("cpu")
 
     def switch(self, recipe: RecipeConfig, arm_policy: PolicyConfig) -> dict[str, Any]:
         options = TitanOptions.of(recipe.model)
@@ -222,13 +294,11 @@ class TitanStack:
         from torchtitan.distributed.utils import set_determinism
         from torchtitan.models.common.attention import FlexAttention, VarlenAttention
 
-        if ctx.device.type == "cpu":
-            _point_torchtitan_at_cpu()
         options = TitanOptions.of(recipe.model)
         spec = _model_config(options)
         config = _trainer_config(recipe, options, spec, arm_policy.deterministic, ctx.world_size)
-        dims = ParallelDims.from_config(config.parallelism, ctx.world_size)
-        with policy.active(arm_policy):
+        with _switch_undone(), _torchtitan_on(ctx.device), policy.active(arm_policy):
+            dims = ParallelDims.from_config(config.parallelism, ctx.world_size)
             set_determinism(dims, ctx.device, config.debug, distinct_seed_mesh_dims=["pp"])
             refuse_conflicts(self.name, arm_policy, SWITCH_ENV if arm_policy.deterministic else {})
             spec.model.update_from_config(config=config)
@@ -247,19 +317,21 @@ class TitanStack:
             with torch.no_grad():
                 model.init_weights(buffer_device=None)
             model.train()
+            uses_flex = any(True for _ in spec.model.traverse(FlexAttention.Config))
+            flex = FlexKernel.current() if uses_flex else None
         layout = layout_for(recipe.parallel, ctx.world_size, ctx.rank)
         parallel = ParallelModel([model], [model], layout, None, None, [])
-        needs_masks = any(True for _ in spec.model.traverse(FlexAttention.Config)) or any(
-            True for _ in spec.model.traverse(VarlenAttention.Config))
+        needs_masks = uses_flex or any(True for _ in spec.model.traverse(VarlenAttention.Config))
         loss_fn = _loss(spec, config)
-        step = TitanStep(model, loss_fn, layout.dp, ctx.device, needs_masks)
-        self._spec, self._dims = spec, dims
+        step = TitanStep(model, loss_fn, layout.dp, ctx.device, needs_masks, flex)
+        self._spec, self._dims, self._device = spec, dims, ctx.device
         return RankModel(parallel, None, [], step, None)
 
     def optimizer(self, recipe: RecipeConfig, model: RankModel) -> torch.optim.Optimizer:
         optimizer = build_optimizer(recipe, model.parts.parameters())
         if self._spec.post_optimizer_build_fn is not None:  # MoE: torchtitan's expert-bias load balancing hook
-            self._spec.post_optimizer_build_fn(optimizer, model.parts.parts, self._dims)
+            with _torchtitan_on(self._device):
+                self._spec.post_optimizer_build_fn(optimizer, model.parts.parts, self._dims)
         return optimizer
 
 

@@ -11,7 +11,6 @@ On CUDA, step times come from CUDA events and digests stay on the device until t
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
@@ -19,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
@@ -37,47 +35,11 @@ from taxbench.tracing.faults import STEP_FAULT_KINDS, flip_lowest_bit, step_faul
 from taxbench.train.data import build_source
 from taxbench.train.planted import PlantedDelay
 from taxbench.train.recorder import StepRecorder
+from taxbench.train.rng import RngSnapshot
 from taxbench.train.stacks import stack_for
 from taxbench.train.step import Batch
 from taxbench.train.timer import StepTimer, collected_between_blocks, peak_memory, synchronize
 from taxbench.workloads import use_deterministic_kernels
-
-
-@dataclass
-class RngSnapshot:
-    python: Any
-    numpy: Any
-    torch_cpu: torch.Tensor
-    torch_cuda: list[torch.Tensor] | None
-
-    @classmethod
-    def capture(cls) -> RngSnapshot:
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        return cls(random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda)
-
-    @classmethod
-    def seeded(cls, seed: int) -> RngSnapshot:
-        random.seed(seed)
-        np.random.seed(seed)
-        torch.manual_seed(seed)  # also seeds every CUDA device
-        return cls.capture()
-
-    def restore(self) -> None:
-        random.setstate(self.python)
-        np.random.set_state(self.numpy)
-        torch.set_rng_state(self.torch_cpu)
-        if self.torch_cuda is not None:
-            torch.cuda.set_rng_state_all(self.torch_cuda)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"python": self.python, "numpy": self.numpy, "torch_cpu": self.torch_cpu, "torch_cuda": self.torch_cuda}
-
-    @classmethod
-    def from_state_dict(cls, state: dict[str, Any]) -> RngSnapshot:
-        # torch.load(map_location=<cuda>) moves every tensor to the GPU; RNG states must be CPU ByteTensors.
-        cuda = state["torch_cuda"]
-        return cls(state["python"], state["numpy"], state["torch_cpu"].cpu(),
-                   None if cuda is None else [s.cpu() for s in cuda])
 
 
 @dataclass(frozen=True)
