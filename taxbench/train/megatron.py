@@ -52,7 +52,7 @@ from taxbench.train.build import RankModel, build_optimizer
 from taxbench.train.stack import refuse_conflicts
 from taxbench.train.step import Batch
 
-TESTED_VERSION = "0.16.1 (Python 3.11) and 0.19.x (Python 3.12)"
+SUPPORTED_VERSIONS = "0.16.1 (Python 3.11) or 0.19.x (Python 3.12)"
 INSTALL_HINT = "pip install 'taxbench[megatron]'"
 # Megatron's --deterministic-mode environment (megatron/training/arguments.py and its NCCL note).
 SWITCH_ENV = {"NCCL_ALGO": "Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
@@ -114,7 +114,7 @@ def require_megatron() -> None:
     try:
         import megatron.core  # noqa: F401
     except ImportError as exc:
-        raise ConfigError(f"recipe.model.kind=megatron needs megatron-core {TESTED_VERSION}: {INSTALL_HINT} "
+        raise ConfigError(f"recipe.model.kind=megatron needs megatron-core {SUPPORTED_VERSIONS}: {INSTALL_HINT} "
                           f"({exc})") from None
 
 
