@@ -18,7 +18,7 @@ import pandas as pd
 from taxbench.analysis.verdicts import DIFFERS, IDENTICAL, Verdict, compare_runs
 from taxbench.design import KNOB_NEEDED, plans_from_config
 from taxbench.rundir.read import RecordError, load_checked_run, load_manifest
-from taxbench.stats.tax import TaxEstimate, estimate_tax, no_estimate
+from taxbench.stats.tax import Checkpoints, TaxEstimate, estimate_tax, no_estimate
 
 
 @dataclass
@@ -61,7 +61,8 @@ def _load(root: Path, name: str, steps: int, config: dict[str, Any]) -> tuple[pd
 
 def _knob_tax(baselines: list[pd.DataFrame], frame: pd.DataFrame, experiment: dict[str, Any]) -> TaxEstimate:
     try:
-        return estimate_tax(baselines, [frame], experiment["warmup_steps"], experiment["confidence"])
+        return estimate_tax(baselines, [frame], experiment["warmup_steps"], experiment["confidence"],
+                            Checkpoints.of(experiment))
     except ValueError:
         return no_estimate(experiment["confidence"], experiment["warmup_steps"])
 

@@ -38,7 +38,14 @@ from taxbench.rundir.read import (
     manifest_value,
 )
 from taxbench.rundir.records import STEPS, STOP_FILE, TARGET, RunWriteError, read_stop, write_atomically
-from taxbench.stats.tax import PRECISE_HALF_WIDTH, TaxEstimate, estimate_tax, no_estimate, steps_for_half_width
+from taxbench.stats.tax import (
+    PRECISE_HALF_WIDTH,
+    Checkpoints,
+    TaxEstimate,
+    estimate_tax,
+    no_estimate,
+    steps_for_half_width,
+)
 
 SUMMARY_FILE = "summary.json"
 
@@ -317,7 +324,7 @@ def fault_outcome(root: Path, experiment: dict[str, Any], verdicts: list[Verdict
 def _tax(timed: dict[str, list[pd.DataFrame]], experiment: dict[str, Any], incomplete: bool) -> TaxEstimate:
     try:
         return estimate_tax(timed["baseline"], timed["deterministic"], experiment["warmup_steps"],
-                            experiment["confidence"])
+                            experiment["confidence"], Checkpoints.of(experiment))
     except ValueError as exc:
         if incomplete:  # too few records for a tax: the incompleteness is what the user needs to hear about
             return no_estimate(experiment["confidence"], experiment["warmup_steps"])

@@ -105,7 +105,8 @@ def _manifest(spec: SyntheticExperiment, name: str, arm: str, replica: str) -> d
         "recipe": {"name": spec.recipe, "micro_batch_size": 1, "global_batch_size": spec.ranks, "precision": "bf16"},
         "cluster": {"name": "synthetic", "device": "cuda", "gpus": spec.ranks},
         "experiment": {"name": name, "steps": spec.steps, "block_steps": spec.block_steps,
-                       "warmup_steps": spec.warmup_steps, "resume_step": spec.resume_step, "confidence": 0.95},
+                       "warmup_steps": spec.warmup_steps, "resume_step": spec.resume_step, "confidence": 0.95,
+                       "checkpoint_every_steps": 0},
         "arm_overrides": {},
     }
     return {

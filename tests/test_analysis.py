@@ -16,7 +16,7 @@ from taxbench.analysis.verdicts import DIFFERS, INCOMPLETE, compare_runs
 from taxbench.rundir.read import RecordError, check_run, load_fault_events, load_manifest, load_run
 from taxbench.rundir.records import METRICS, SCHEMA_VERSION, steps_file
 from taxbench.rundir.step_stream import StepWriter
-from taxbench.stats.tax import estimate_tax, steps_for_half_width
+from taxbench.stats.tax import Checkpoints, estimate_tax, steps_for_half_width
 from taxbench.stats.warmup import mser5, warmup_cut
 
 
@@ -72,6 +72,24 @@ def test_every_timed_run_narrows_the_interval_around_the_same_tax() -> None:
     assert every.timed_runs == 4 and pair.timed_runs == 2
     assert every.low <= true_tax <= every.high and pair.low <= true_tax <= pair.high
     assert every.half_width < pair.half_width / 1.2  # sqrt(2) in expectation
+
+
+def test_the_round_after_each_checkpoint_is_left_out_of_the_tax() -> None:
+    # An A/A pair whose deterministic arm always runs the first step after a checkpoint commit (every 10 steps), 30%
+    # slower: as in A B B A rounds on one model, where that slot is always the first arm's.
+    steps, every = 120, 10
+    baseline = synthetic_arm(0.010, steps, 1, ranks=1, cv=0.01, seed=1)
+    deterministic = synthetic_arm(0.010, steps, 1, ranks=1, cv=0.01, seed=2)
+    after = (deterministic["step"] - 1) % every == 0
+    deterministic.loc[after & (deterministic["step"] > 1), "time_s"] *= 1.3
+    checkpoints = Checkpoints(every, block_steps=1)
+    naive = estimate_tax([baseline], [deterministic], min_warmup=4)
+    fair = estimate_tax([baseline], [deterministic], min_warmup=4, checkpoints=checkpoints)
+    assert naive.low > 0.01  # the post-checkpoint steps alone make a tax
+    assert fair.low <= 0 <= fair.high and fair.pairs == naive.pairs - 11
+    assert [b for b in range(13) if checkpoints.precede(b)] == [10]  # block 10 starts at step 11
+    assert not Checkpoints(0, 1).precede(10)
+    assert [b for b in range(12) if Checkpoints(10, block_steps=4).precede(b)] == [3, 5, 8, 10]
 
 
 def test_steps_needed_extrapolate_the_measured_half_width() -> None:

@@ -38,6 +38,7 @@ from taxbench.design import (
     RESUMED,
     ExperimentDesign,
     RunRef,
+    checkpoint_after,
     design_of,
     knob_of,
     round_orders,
@@ -201,8 +202,7 @@ class Experiment:
 
     def _checkpoint_due(self, step: int, last: int, block_steps: int) -> bool:
         """Whether the block of `block_steps` just ended at `step` reached a multiple of the checkpoint interval."""
-        every = self.cfg.experiment.checkpoint_every_steps
-        return every > 0 and step < last and step // every > (step - block_steps) // every
+        return step < last and checkpoint_after(step, block_steps, self.cfg.experiment.checkpoint_every_steps)
 
     def _timed_trainers(self, runs: Sequence[RunRef], start: int | None) -> dict[RunRef, Trainer]:
         """A trainer per timed run, or one for all under experiment.interleave=policy, at `start`."""

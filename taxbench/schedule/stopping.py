@@ -26,7 +26,7 @@ from taxbench.config.schema import ExperimentConfig, max_steps
 from taxbench.design import RunRef
 from taxbench.parallel.distributed import DistContext
 from taxbench.rundir.records import CAP, STEPS, TARGET, Stop, steps_file
-from taxbench.stats.tax import estimate_tax
+from taxbench.stats.tax import Checkpoints, estimate_tax
 
 MIN_ROUNDS = 10  # post-warmup rounds before the precision rule may stop
 LOOK_GROWTH = 1.1  # after `steps`, the rule looks again once the runs are 10% longer (a look costs an estimate)
@@ -93,7 +93,7 @@ class StoppingRule:
         arms = {arm: [frames[ref.name] for ref in self.runs if ref.arm == arm] for arm in ("baseline", "deterministic")}
         try:
             estimate = estimate_tax(arms["baseline"], arms["deterministic"], self.exp.warmup_steps,
-                                    self.exp.confidence)
+                                    self.exp.confidence, Checkpoints(self.exp.checkpoint_every_steps, block))
         except ValueError:  # no round after the warmup yet
             return False
         self.half_width = estimate.half_width if math.isfinite(estimate.half_width) else None

@@ -10,13 +10,15 @@ estimate with its signed-rank interval cross-checks it.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 import pandas as pd
 from scipy import stats
 
+from taxbench.design import checkpoint_after
 from taxbench.rundir.read import step_times
 from taxbench.stats.warmup import WarmupCut, warmup_cut
 
@@ -89,27 +91,48 @@ def _log_block_medians(runs: Sequence[pd.DataFrame], warmup: int) -> pd.Series:
 
 
 def block_ratios(
-    baselines: Sequence[pd.DataFrame], deterministics: Sequence[pd.DataFrame], warmup: int
+    baselines: Sequence[pd.DataFrame], deterministics: Sequence[pd.DataFrame], warmup: int,
+    checkpoints: Checkpoints | None = None,
 ) -> pd.DataFrame:
     """Per round (block): the baseline and deterministic median step time after warmup (geometric mean over each
-    arm's runs) and their ratio."""
+    arm's runs) and their ratio; without the rounds right after a checkpoint (`checkpoints`), when given."""
     paired = pd.concat({"baseline": _log_block_medians(baselines, warmup),
                         "deterministic": _log_block_medians(deterministics, warmup)}, axis=1, join="inner").dropna()
+    if checkpoints is not None:
+        paired = paired.loc[np.array([not checkpoints.precede(int(block)) for block in paired.index], dtype=bool)]
     paired["ratio"] = np.exp(paired["deterministic"] - paired["baseline"])
     paired[["baseline", "deterministic"]] = np.exp(paired[["baseline", "deterministic"]])
     return paired
 
 
+@dataclass(frozen=True)
+class Checkpoints:
+    """When the timed runs commit checkpoints: after the block ending at every multiple of `every` steps."""
+
+    every: int
+    block_steps: int
+
+    @classmethod
+    def of(cls, experiment: Mapping[str, Any]) -> Checkpoints:
+        """From an experiment config as a manifest records it."""
+        return cls(int(experiment["checkpoint_every_steps"]), int(experiment["block_steps"]))
+
+    def precede(self, block: int) -> bool:
+        """Whether a checkpoint was committed right before round `block` (0-based)."""
+        return block > 0 and checkpoint_after(block * self.block_steps, self.block_steps, self.every)
+
+
 def estimate_tax(
     baselines: Sequence[pd.DataFrame], deterministics: Sequence[pd.DataFrame], min_warmup: int,
-    confidence: float = 0.95,
+    confidence: float = 0.95, checkpoints: Checkpoints | None = None,
 ) -> TaxEstimate:
-    """The tax from each arm's timed runs (records of every rank; the slowest rank's time per step counts)."""
+    """The tax from each arm's timed runs (records of every rank; the slowest rank's time per step counts), without
+    the rounds right after a checkpoint commit (`checkpoints`; taxbench.design.checkpoint_after says why)."""
     series = {(arm, i): step_times(f)["time_s"].to_numpy() for arm, runs in
               (("baseline", baselines), ("deterministic", deterministics)) for i, f in enumerate(runs)}
     cuts: dict[tuple[str, int], WarmupCut] = {key: warmup_cut(values, min_warmup) for key, values in series.items()}
     warmup = max(cut.steps for cut in cuts.values())
-    paired = block_ratios(baselines, deterministics, warmup)
+    paired = block_ratios(baselines, deterministics, warmup, checkpoints)
     logs = np.log(paired["ratio"].to_numpy())
     n = len(logs)
     if n == 0:
