@@ -244,9 +244,9 @@ def design_of(cfg: TaxbenchConfig) -> ExperimentDesign:
 
 def checkpoint_after(step: int, block_steps: int, every: int) -> bool:
     """Whether the runs commit a checkpoint after the block of `block_steps` steps ending at `step`: every
-    experiment.checkpoint_every_steps (`every`) steps, 0 never. The round after one is left out of the tax
-    (taxbench.stats.tax): its first step runs measurably slower (5-30% on CPU), and with the default interval that
-    block is the same arm's every time (A B B A rounds), which biased the tax by about a point."""
+    experiment.checkpoint_every_steps (`every`) steps, 0 never. The first step after one is left out of the tax
+    (taxbench.stats.tax): it runs measurably slower (5-30% on CPU), and with the default interval it is the same
+    arm's every time (A B B A rounds), which biased the tax by about a point."""
     return every > 0 and step // every > (step - block_steps) // every
 
 

@@ -87,9 +87,12 @@ def test_the_round_after_each_checkpoint_is_left_out_of_the_tax() -> None:
     fair = estimate_tax([baseline], [deterministic], min_warmup=4, checkpoints=checkpoints)
     assert naive.low > 0.01  # the post-checkpoint steps alone make a tax
     assert fair.low <= 0 <= fair.high and fair.pairs == naive.pairs - 11
-    assert [b for b in range(13) if checkpoints.precede(b)] == [10]  # block 10 starts at step 11
-    assert not Checkpoints(0, 1).precede(10)
-    assert [b for b in range(12) if Checkpoints(10, block_steps=4).precede(b)] == [3, 5, 8, 10]
+    assert [s for s in range(1, 30) if checkpoints.follows(s)] == [11, 21]
+    assert not Checkpoints(0, 1).follows(11)
+    # blocks of 4 end at 12, 20, 32, 40 after crossing a multiple of 10: the next block's first step is left out
+    assert [s for s in range(1, 49) if Checkpoints(10, block_steps=4).follows(s)] == [13, 21, 33, 41]
+    blocks = synthetic_arm(0.010, 48, 4, ranks=1, cv=0.01, seed=3)
+    assert estimate_tax([blocks], [blocks], min_warmup=0, checkpoints=Checkpoints(10, 4)).pairs == 12  # blocks kept
 
 
 def test_steps_needed_extrapolate_the_measured_half_width() -> None:

@@ -80,12 +80,15 @@ def _hodges_lehmann(logs: np.ndarray, confidence: float) -> tuple[float, float, 
     return center, float(walsh[k]), float(walsh[m - 1 - k])
 
 
-def _log_block_medians(runs: Sequence[pd.DataFrame], warmup: int) -> pd.Series:
-    """Per block: the mean over `runs` of log(median step time after warmup); blocks every run holds."""
+def _log_block_medians(runs: Sequence[pd.DataFrame], warmup: int, checkpoints: Checkpoints | None) -> pd.Series:
+    """Per block: the mean over `runs` of log(median step time after warmup, without the first step after a
+    checkpoint commit); blocks every run holds."""
     logs = []
     for frame in runs:
         times = step_times(frame)
         times = times[times["step"] > warmup]
+        if checkpoints is not None:
+            times = times[~times["step"].map(checkpoints.follows).astype(bool)]
         logs.append(np.log(times.groupby("block")["time_s"].median()))
     return pd.concat(logs, axis=1, join="inner").mean(axis=1)
 
@@ -95,11 +98,11 @@ def block_ratios(
     checkpoints: Checkpoints | None = None,
 ) -> pd.DataFrame:
     """Per round (block): the baseline and deterministic median step time after warmup (geometric mean over each
-    arm's runs) and their ratio; without the rounds right after a checkpoint (`checkpoints`), when given."""
-    paired = pd.concat({"baseline": _log_block_medians(baselines, warmup),
-                        "deterministic": _log_block_medians(deterministics, warmup)}, axis=1, join="inner").dropna()
-    if checkpoints is not None:
-        paired = paired.loc[np.array([not checkpoints.precede(int(block)) for block in paired.index], dtype=bool)]
+    arm's runs) and their ratio; without the first step after each checkpoint commit (`checkpoints`), when given (with
+    one step per block, that round is gone)."""
+    paired = pd.concat({"baseline": _log_block_medians(baselines, warmup, checkpoints),
+                        "deterministic": _log_block_medians(deterministics, warmup, checkpoints)},
+                       axis=1, join="inner").dropna()
     paired["ratio"] = np.exp(paired["deterministic"] - paired["baseline"])
     paired[["baseline", "deterministic"]] = np.exp(paired[["baseline", "deterministic"]])
     return paired
@@ -117,9 +120,10 @@ class Checkpoints:
         """From an experiment config as a manifest records it."""
         return cls(int(experiment["checkpoint_every_steps"]), int(experiment["block_steps"]))
 
-    def precede(self, block: int) -> bool:
-        """Whether a checkpoint was committed right before round `block` (0-based)."""
-        return block > 0 and checkpoint_after(block * self.block_steps, self.block_steps, self.every)
+    def follows(self, step: int) -> bool:
+        """Whether `step` (1-based) is the first step after a checkpoint commit."""
+        return step > 1 and (step - 1) % self.block_steps == 0 and checkpoint_after(step - 1, self.block_steps,
+                                                                                      self.every)
 
 
 def estimate_tax(
@@ -127,7 +131,7 @@ def estimate_tax(
     confidence: float = 0.95, checkpoints: Checkpoints | None = None,
 ) -> TaxEstimate:
     """The tax from each arm's timed runs (records of every rank; the slowest rank's time per step counts), without
-    the rounds right after a checkpoint commit (`checkpoints`; taxbench.design.checkpoint_after says why)."""
+    the first step after each checkpoint commit (`checkpoints`; taxbench.design.checkpoint_after says why)."""
     series = {(arm, i): step_times(f)["time_s"].to_numpy() for arm, runs in
               (("baseline", baselines), ("deterministic", deterministics)) for i, f in enumerate(runs)}
     cuts: dict[tuple[str, int], WarmupCut] = {key: warmup_cut(values, min_warmup) for key, values in series.items()}
