@@ -37,6 +37,9 @@ from taxbench.tracing.capture import ModuleScope, dtype_name, skipped_op, tensor
 NO_DETERMINISTIC_IMPLEMENTATION = "does not have a deterministic implementation"
 # Beyond the tracing ladder's skips (aten.empty*, c10d): resize_ grows a tensor into uninitialized memory.
 _SCAN_SKIPPED_PREFIXES = ("aten.resize_",)
+# Results that are not the op's numbers: attention kernels' RNG state for their backward, and outputs they leave
+# uninitialized unless asked for (flash/cudnn/efficient SDPA schemas).
+_NOT_RESULTS = frozenset({"philox_seed", "philox_offset", "rng_state", "unused", "debug_attn_mask"})
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 Signature = tuple[Any, ...]
@@ -149,9 +152,19 @@ def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[A
     return written
 
 
+def _compared_results(func: Any, result: Any) -> Any:
+    """The op's results less its RNG bookkeeping and placeholders (by schema name): fused attention returns its
+    philox seed and offset, which without dropout are uninitialized memory (seen on CUDA: every replay differed)."""
+    returns = func._schema.returns
+    if not isinstance(result, (list, tuple)) or len(returns) != len(result):
+        return result
+    return [value for value, declared in zip(result, returns, strict=True) if declared.name not in _NOT_RESULTS]
+
+
 def signature(func: Any, result: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Signature:
     """What an op produced, byte for byte: digests of its result tensors and of the arguments it wrote, and its
     non-tensor results as values."""
+    result = _compared_results(func, result)
     tensors = tensor_leaves([result, _written(func, args, kwargs)])
     values = [int(d) if isinstance(d, torch.Tensor) else d for d in fingerprint.digests(tensors)]
     scalars = [r for r in (result if isinstance(result, (list, tuple)) else [result])

@@ -327,7 +327,8 @@ class MegatronStack:
                 ensure_parallel_state(layout.tp)
             model_parallel_cuda_manual_seed(recipe.seed, tp_rank=layout.tp_rank, ep_rank=0, etp_rank=layout.tp_rank)
             config = transformer_config(recipe, options, arm_policy.deterministic, on_device=True)
-            gpt = build_gpt(recipe, options, config, groups)
+            # As Megatron's get_model: its parallel layers allocate on the GPU, torch's norms on the host.
+            gpt = build_gpt(recipe, options, config, groups).to(ctx.device)
             ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                        use_distributed_optimizer=False)
             ddp = DistributedDataParallel(config, ddp_config, gpt, pg_collection=groups)
