@@ -65,7 +65,6 @@ from taxbench.design import BASELINE_REPEAT, EQUIVALENCE_RUNS, GATES, REPEAT, TI
 from taxbench.oserrors import describe_os_error
 from taxbench.redaction import redact
 from taxbench.rundir.read import ResultWriteError, step_times
-from taxbench.stats.tax import block_ratios
 
 REPORT_DIR = "report"
 HTML_FILE = "report.html"
@@ -489,7 +488,7 @@ def experiment_report(analysis: ExperimentAnalysis) -> Report:
                                 f"{ms(max(summary.rank_median_s), 3)} (spread {pct_plain(summary.rank_spread)}); "
                                 "the tax uses the slowest rank's time per step."))
     series = {arm: step_times(analysis.runs[f"{arm}-0"]) for arm in ("baseline", "deterministic")}
-    ratios = block_ratios(analysis.timed["baseline"], analysis.timed["deterministic"], tax.warmup_steps)
+    ratios = analysis.block_ratios()
     blocks.append(Figure(STEP_TIME_PNG, step_time_plot(series, tax, ratios),
                          "step time per arm with the warmup cut, and the per-block tax"))
 

@@ -42,6 +42,7 @@ from taxbench.stats.tax import (
     PRECISE_HALF_WIDTH,
     Checkpoints,
     TaxEstimate,
+    block_ratios,
     estimate_tax,
     no_estimate,
     steps_for_half_width,
@@ -190,6 +191,13 @@ class ExperimentAnalysis:
     runs: dict[str, pd.DataFrame]  # run name -> step records of all ranks
     timed: dict[str, list[pd.DataFrame]]  # arm -> its interleaved (timed) runs' records
     manifests: dict[str, dict[str, Any]]  # run name -> manifest.json
+
+    def block_ratios(self) -> pd.DataFrame:
+        """The per-block deterministic/baseline ratios the tax is estimated from (same warmup, same steps left out
+        after checkpoint commits), for the plots."""
+        experiment = self.manifests[TIMED["deterministic"].name]["config"]["experiment"]
+        return block_ratios(self.timed["baseline"], self.timed["deterministic"], self.summary.tax.warmup_steps,
+                            Checkpoints.of(experiment))
 
 
 def write_result(path: Path, data: str | bytes) -> None:

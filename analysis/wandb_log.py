@@ -38,7 +38,6 @@ from taxbench.config.schema import ReportConfig
 from taxbench.design import GATES, TIMED
 from taxbench.redaction import redact
 from taxbench.rundir.read import step_losses, step_times
-from taxbench.stats.tax import block_ratios
 
 INSTALL_HINT = "pip install 'taxbench[wandb]'"
 ARMS = ("baseline", "deterministic")
@@ -248,7 +247,7 @@ def log_experiment(analysis: ExperimentAnalysis, settings: ReportConfig, report_
             run.define_metric(pattern, step_metric="block", summary="none")
         for row in _step_rows(analysis):
             run.log(row)
-        ratios = block_ratios(analysis.timed["baseline"], analysis.timed["deterministic"], summary.tax.warmup_steps)
+        ratios = analysis.block_ratios()
         for block, ratio in ratios["ratio"].items():
             run.log({"block": int(block), "block_tax/ratio": float(ratio)})
         media: dict[str, Any] = {"gates": wandb.Table(columns=GATE_COLUMNS, data=gate_table_rows(summary))}

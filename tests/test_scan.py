@@ -15,7 +15,7 @@ from conftest import run_taxbench, run_taxbench_in_terminal
 from taxbench import exit_codes
 from taxbench.commands.scan import exit_code
 from taxbench.tracing.capture import ModuleScope
-from taxbench.tracing.op_scan import NondeterministicOp, OpRepeatScan, PolicyScan, clone_inputs
+from taxbench.tracing.op_scan import NondeterministicOp, OpRepeatScan, PolicyScan, clone_inputs, signature
 
 
 def _scan(fn, repeats: int = 3, deterministic: bool = False):  # type: ignore[no-untyped-def]
@@ -83,6 +83,19 @@ def test_in_place_ops_are_replayed_on_clones_and_the_real_call_continues() -> No
     _, scan = _scan(lambda: view.add_(1).mul_(torch.rand(2)))
     assert torch.equal(x, reference)  # mutated once, with the RNG draw it would have had without the scan
     assert scan.clean and scan.ops_replayed == 3
+
+
+def test_fused_attentions_rng_bookkeeping_is_not_compared_but_its_numbers_are() -> None:
+    # CUDA's efficient attention returns its philox seed and offset, uninitialized without dropout (on an H200 every
+    # replay of the deterministic policy's attention "differed" through them alone).
+    op = torch.ops.aten._scaled_dot_product_efficient_attention.default
+    output, log_sumexp = torch.ones(2, 3), torch.zeros(2)
+
+    def produced(seed: int, offset: int, out: torch.Tensor = output) -> tuple[object, ...]:
+        return signature(op, (out, log_sumexp, torch.tensor(seed), torch.tensor(offset)), (), {})
+
+    assert produced(1, 2) == produced(7, 9)
+    assert produced(1, 2) != produced(1, 2, out=output + 1)
 
 
 def test_clones_keep_aliasing_between_arguments() -> None:
