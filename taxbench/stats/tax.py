@@ -95,11 +95,12 @@ def _log_block_medians(runs: Sequence[pd.DataFrame], warmup: int, checkpoints: C
 
 def block_ratios(
     baselines: Sequence[pd.DataFrame], deterministics: Sequence[pd.DataFrame], warmup: int,
-    checkpoints: Checkpoints | None = None,
+    checkpoints: Checkpoints | None,
 ) -> pd.DataFrame:
     """Per round (block): the baseline and deterministic median step time after warmup (geometric mean over each
-    arm's runs) and their ratio; without the first step after each checkpoint commit (`checkpoints`), when given (with
-    one step per block, that round is gone)."""
+    arm's runs) and their ratio; without the first step after each checkpoint commit (`checkpoints`; None: runs that
+    commit none; with one step per block, that round is gone). No default: a plot that forgot it showed rounds the
+    estimate had left out."""
     paired = pd.concat({"baseline": _log_block_medians(baselines, warmup, checkpoints),
                         "deterministic": _log_block_medians(deterministics, warmup, checkpoints)},
                        axis=1, join="inner").dropna()
