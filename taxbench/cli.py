@@ -22,7 +22,9 @@ import argparse
 import difflib
 import os
 import re
+import shutil
 import sys
+import textwrap
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -218,30 +220,80 @@ def _input_errors() -> tuple[type[Exception], ...]:
     return (RecordError, ShardError, FileNotFoundError, *input_errors())
 
 
-def _parser() -> argparse.ArgumentParser:
-    from taxbench.commands.tracing import add_tracing_parsers
+EXIT_CODES = "exit codes: 0 ok, 1 a run failed, 2 bad input, 3 a gate failed or runs differ, 4 incomplete evidence"
 
-    parser = argparse.ArgumentParser(prog="taxbench", description="Work on finished taxbench experiments.")
+
+def _subparser(sub: argparse._SubParsersAction, name: str, summary: str, description: str, exits: str,
+               ) -> argparse.ArgumentParser:
+    """A subcommand whose --help says what it does and what its exit codes mean, wrapped for an 80-column terminal."""
+    return sub.add_parser(name, help=summary, description=description, epilog=exits,
+                          formatter_class=_Formatter)
+
+
+class _Formatter(argparse.HelpFormatter):
+    """argparse's formatter at no more than 80 columns, whatever the terminal reports."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, width=min(80, shutil.get_terminal_size().columns), max_help_position=28)
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The parser of the subcommands that work on results. Built from argparse alone: `taxbench analyse` and its
+    --help import no torch and no launcher (tests/test_cli.py checks it)."""
+    parser = argparse.ArgumentParser(prog="taxbench", description="Work on finished taxbench experiments.",
+                                     epilog=EXIT_CODES, formatter_class=_Formatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    analyse_cmd = sub.add_parser("analyse", help="re-analyse an experiment directory, print its summary and "
-                                 "rewrite summary.json and any report/")
-    analyse_cmd.add_argument("root", type=Path)
+    analyse_cmd = _subparser(
+        sub, "analyse", "re-analyse an experiment, print its summary",
+        "Re-analyse an experiment folder: check every run against its manifest, estimate the tax, decide the "
+        "gates, print the summary and rewrite summary.json (and report/ where the experiment wrote one).",
+        "exit codes: 0 the gates passed, 2 bad input (not an experiment folder), 3 a gate failed, 4 incomplete "
+        "evidence (missing, truncated or unreadable records)")
+    analyse_cmd.add_argument("root", type=Path, metavar="EXPERIMENT", help="an experiment folder (runs/<name>)")
     analyse_cmd.set_defaults(handler=_analyse)
-    report_cmd = sub.add_parser("report", help="write report/report.html and report.md for an experiment or sweep")
-    report_cmd.add_argument("root", type=Path, help="an experiment directory, or a folder of experiments (sweep)")
+    report_cmd = _subparser(
+        sub, "report", "write report.html and report.md",
+        "Analyse an experiment, or a sweep folder that a taxbench multirun made, and write report/report.html "
+        "(self-contained, with plots) and report/report.md; --wandb also logs it to Weights & Biases.",
+        "exit codes: 0 passed, 2 bad input (not an experiment or a sweep folder), 3 a gate failed, 4 incomplete "
+        "evidence")
+    report_cmd.add_argument("root", type=Path, metavar="FOLDER", help="an experiment folder or a sweep folder")
     report_cmd.add_argument("--wandb", action="store_true", help="also log to wandb (offline unless WANDB_MODE is set)")
-    report_cmd.add_argument("--wandb-project", default=ReportConfig.wandb_project)
+    report_cmd.add_argument("--wandb-project", default=ReportConfig.wandb_project, help="wandb project")
     report_cmd.add_argument("--wandb-group", default=None, help="wandb group (default: the sweep folder's name)")
     report_cmd.set_defaults(handler=_report)
-    shards_cmd = sub.add_parser("build-shards", help="tokenize a text file (bytes) into a token-shard folder")
+    shards_cmd = _subparser(
+        sub, "build-shards", "tokenize a text file into token shards",
+        "Tokenize a text file (one token per byte) into a folder of token shards that recipe.data reads.",
+        "exit codes: 0 written, 2 bad input")
     shards_cmd.add_argument("text_file", type=Path)
     shards_cmd.add_argument("out_dir", type=Path)
     shards_cmd.add_argument("--tokens-per-shard", type=int, default=1 << 24)
     shards_cmd.add_argument("--dtype", choices=["uint16", "uint32"], default="uint16")
     shards_cmd.set_defaults(handler=_build_shards)
-    add_tracing_parsers(sub)
-    for name in ("diff", "localize"):
-        sub.choices[name].set_defaults(handler=_tracing)
+    diff_cmd = _subparser(
+        sub, "diff", "diff two runs' traces, first origin per rank",
+        "Compare two runs' trace captures (<run>/trace/, from experiment.trace) op by op, aligned by (module, op "
+        "occurrence), and name per rank the first op whose inputs agree and whose outputs differ.",
+        "exit codes: 0 identical, 2 bad input, 3 the traces differ, 4 no evidence (no trace, or no step in common)")
+    diff_cmd.add_argument("run_a", type=Path)
+    diff_cmd.add_argument("run_b", type=Path)
+    diff_cmd.add_argument("--step", type=int, action="append", help="compare only this step (repeatable)")
+    diff_cmd.add_argument("--json", action="store_true", help="print the report as JSON")
+    diff_cmd.set_defaults(handler=_tracing)
+    loc_cmd = _subparser(
+        sub, "localize", "replay the first diverging step until an op is named",
+        "Find the first step where two runs' fingerprints differ, replay both from their checkpoints with deeper "
+        "tracing rungs (modules, then ops, then every op's tensors) until the op where they part is named.",
+        "exit codes: 0 no divergence, 2 bad input, 3 diverged (origin named or bounded), 4 no evidence")
+    loc_cmd.add_argument("run_a", type=Path)
+    loc_cmd.add_argument("run_b", type=Path)
+    loc_cmd.add_argument("--work-dir", type=Path, default=None,
+                         help="where replays go (default: <run_b>/../localize/<run_a>-vs-<run_b>)")
+    loc_cmd.add_argument("--max-numel", type=int, default=0,
+                         help="record larger tensors by shape only (bounds rung-3 cost); 0 = no limit")
+    loc_cmd.add_argument("--json", action="store_true", help="print the result as JSON")
+    loc_cmd.set_defaults(handler=_tracing)
     return parser
 
 
@@ -259,32 +311,98 @@ SUBCOMMANDS = ("analyse", "report", "build-shards", "diff", "localize")
 LAYOUTS = "layouts"
 SCAN = "scan"
 HYDRA_SUBCOMMANDS = (LAYOUTS, SCAN)
-LAYOUTS_USAGE = """usage: taxbench layouts [hydra overrides] 'layouts=[L1, L2, ...]' [policy=deterministic|baseline]
+LAYOUTS_USAGE = """\
+usage: taxbench layouts [hydra overrides] 'layouts=[L1, L2, ...]'
+                        [policy=deterministic|baseline]
 
-Runs the recipe under each layout, two runs of one arm's policy per layout (default: the deterministic arm), and
-compares them: whether each layout is repeatable on its own, the step-0 and final weights by a layout-invariant digest,
-and per step the loss and gradient norm with their distance in float32 ulps. A layout is dot-joined factors:
-pp<N>, tp<N>, dp<N>, ep<N>, v<N> (virtual stages), ddp or fsdp; a factor left out is 1, dp follows from the world size
-(cluster.cpu_ranks). experiment.steps sets the steps per run (default 8). Exit 0 when every layout is repeatable,
-3 when one is not, 4 when evidence is missing, 2 for bad input.
+Runs the recipe under each layout, two runs of one arm's policy per layout
+(default: the deterministic arm), and compares them: whether each layout is
+repeatable on its own, the step-0 and final weights by a layout-invariant
+digest, and per step the loss and gradient norm with their distance in float32
+ulps. A layout is dot-joined factors: pp<N>, tp<N>, dp<N>, ep<N>, v<N> (virtual
+stages), ddp or fsdp; a factor left out is 1, dp follows from the world size
+(cluster.cpu_ranks). experiment.steps sets the steps per run (default 8).
 
-  python -m taxbench layouts +recipe=moe_1t_proxy 'layouts=[pp1.dp4, pp2.dp2, pp2.dp2.ep2, tp2.dp2]'
+  python -m taxbench layouts +recipe=moe_1t_proxy \\
+      'layouts=[pp1.dp4, pp2.dp2, pp2.dp2.ep2, tp2.dp2]'
+
+exit codes: 0 every layout repeatable, 2 bad input (checked for every layout
+before any runs), 3 a layout not repeatable, 4 evidence missing
 """
+
+
+MAIN_HELP = """\
+taxbench: what does bitwise determinism cost your LLM pretraining recipe, and
+do you really have it?
+
+Run a baseline/deterministic pair (Hydra overrides, key=value):
+  python -m taxbench                     # dense_tiny, 2 gloo ranks on CPU
+  python -m taxbench +recipe=moe_tiny cluster.threads_per_rank=2
+  python -m taxbench +recipe=moe_1t cluster.gpus=2432 plan=true
+  python -m taxbench -m +recipe=moe_1t cluster=slurm \\
+      cluster.gpus=512,1024,2432
+  python -m taxbench +recipe=moe_1t cluster=slurm cluster.gpus=2432 \\
+      cluster.dry_run=true               # the job script only
+
+Config groups: a recipe with +recipe=NAME, the arms with
+mode@arms.baseline=MODE and mode@arms.deterministic=MODE.
+{groups}
+Every key with its value: python -m taxbench --cfg job
+
+Work on results (taxbench SUBCOMMAND --help for each):
+  analyse EXPERIMENT         re-analyse an experiment, print its summary
+  report FOLDER              write report.html/report.md (and --wandb)
+  diff RUN_A RUN_B           tracing ladder: first origin per rank
+  localize RUN_A RUN_B       replay deeper rungs until an op is named
+  layouts [overrides] 'layouts=[pp1.dp4, pp2.dp2]'
+                             one recipe under several parallel layouts
+  scan [overrides]           replay every op of one step per policy
+  build-shards TEXT OUT_DIR  tokenize a text file into token shards
+
+Shell completion: eval "$(taxbench -sc install=bash)"
+Hydra's own flags (--cfg, --info, -m, ...): python -m taxbench --hydra-help
+
+{exit_codes}
+"""
+
+# The config groups a person chooses from (the schema group holds the structured configs Hydra validates against).
+CHOSEN_GROUPS = ("recipe", "mode", "cluster")
+
+
+def main_help() -> str:
+    """`python -m taxbench --help`: Hydra's help template cannot wrap its group lists or name the console script, so
+    the help is ours, its group options read from the config package as Hydra would find them."""
+    from importlib.resources import files
+
+    conf = files("taxbench.conf")
+    lines = []
+    for group in CHOSEN_GROUPS:
+        names = sorted(entry.name.removesuffix(".yaml") for entry in conf.joinpath(group).iterdir()
+                       if entry.name.endswith(".yaml"))
+        lines.append(textwrap.fill(", ".join(names), width=80, initial_indent=f"  {group}: ",
+                                   subsequent_indent=" " * (len(group) + 4), break_on_hyphens=False))
+    return MAIN_HELP.format(groups="\n".join(lines), exit_codes=textwrap.fill(EXIT_CODES, width=80))
 
 
 def _override_key(override: str) -> str:
     return override.lstrip("+~").partition("=")[0]
 
 
-SCAN_USAGE = """usage: taxbench scan [hydra overrides] [scan.repeats=K] [scan.optimizer_step=false] [scan.out=FILE]
+SCAN_USAGE = """\
+usage: taxbench scan [hydra overrides] [scan.repeats=K]
+                     [scan.optimizer_step=false] [scan.out=FILE]
 
-Runs one training step of the recipe under each policy (baseline, deterministic) on one rank in this process, replays
-every ATen op K times (default 3) on cloned inputs with the same RNG state, and lists per policy the ops whose outputs
-differed (op, module, how many of K, input shapes, dtype) and the ops without a deterministic implementation. Writes
-scan.json (default <experiment.out_dir>/scan-<experiment.name>/). Exit 3 when the deterministic policy has such an
-op, 0 when it has none, 2 for bad input.
+Runs one training step of the recipe under each policy (baseline,
+deterministic) on one rank in this process, replays every ATen op K times
+(default 3) on cloned inputs with the same RNG state, and lists per policy the
+ops whose outputs differed (op, module, how many of K, input shapes, dtype) and
+the ops without a deterministic implementation. Writes scan.json (default
+<experiment.out_dir>/scan-<experiment.name>/).
 
   python -m taxbench scan +recipe=moe_tiny cluster.threads_per_rank=2
+
+exit codes: 0 the deterministic policy has no such op, 2 bad input, 3 it has
+one, 4 no op replayed (no evidence)
 """
 
 
@@ -499,6 +617,8 @@ def main() -> None:
         raise SystemExit(run_layouts_command(argv[1:]))
     if argv and argv[0] == SCAN:
         raise SystemExit(run_scan_command(argv[1:]))
+    if "--help" in argv or "-h" in argv:
+        raise SystemExit(_print_to_a_pipe(main_help(), exit_codes.OK))
     word = _unknown_word(argv)
     if word is not None:
         close = difflib.get_close_matches(word, SUBCOMMANDS + HYDRA_SUBCOMMANDS, n=1)

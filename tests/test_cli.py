@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from taxbench.cli import SUBCOMMANDS
+from taxbench.cli import HYDRA_SUBCOMMANDS, LAYOUTS_USAGE, SCAN_USAGE, SUBCOMMANDS, _parser, main_help
 
 
 @pytest.fixture
@@ -86,9 +87,39 @@ def test_a_multirun_names_each_points_overrides_before_it_runs(tmp_path: Path, t
     assert "abc123secret" not in done.stdout + done.stderr
 
 
-def test_analysis_does_not_import_torch() -> None:
-    """`taxbench analyze` and sweeps read records, summaries and op tables: torch's ~2 s import is not theirs to pay."""
-    probe = ("import sys, taxbench.cli, taxbench.analysis.publish, taxbench.analysis.sweep; "
-             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    assert result.stdout.strip() == "[]"
+def _imported(*args: str, cwd: Path) -> set[str]:
+    """The modules `python -m taxbench <args>` imported, read from -X importtime (the command itself, not a probe)."""
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "taxbench", *args], capture_output=True,
+                          text=True, cwd=cwd, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return {line.rpartition("|")[2].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+
+
+def test_analysis_and_help_do_not_import_torch(tmp_path: Path) -> None:
+    """`taxbench analyse`, `report` and every --help read records, summaries and op tables: torch's seconds-long
+    import and the launchers are not theirs to pay (building the argument parser once imported localize's
+    launchers and torch)."""
+    from taxbench.analysis.synthetic import SyntheticExperiment, write_experiment
+
+    root = write_experiment(tmp_path / "exp", SyntheticExperiment(ranks=2, steps=24))
+    commands = [("analyse", str(root)), ("report", str(root)), ("--help",), ("localize", "--help")]
+    for args in commands:
+        modules = _imported(*args, cwd=tmp_path)
+        assert "taxbench.cli" in modules, args  # the probe sees the command's imports
+        heavy = sorted(m for m in modules if m == "torch" or m.startswith(("torch.", "taxbench.launchers")))
+        assert heavy == [], (args, heavy[:5])
+
+
+def test_every_help_fits_80_columns_and_names_the_exit_codes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")  # a wide terminal: the help is still wrapped for 80
+    parser = _parser()
+    subcommands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    texts = {"--help": main_help(), "layouts": LAYOUTS_USAGE, "scan": SCAN_USAGE,
+             **{name: subcommands.choices[name].format_help() for name in SUBCOMMANDS}}
+    assert set(texts) == {"--help", *SUBCOMMANDS, *HYDRA_SUBCOMMANDS}
+    for name, text in texts.items():
+        long_lines = [line for line in text.splitlines() if len(line) > 80]
+        assert long_lines == [], (name, long_lines)
+        assert "exit codes: 0" in text, name
+    assert "schema" not in main_help() and 'eval "$(taxbench -sc install=bash)"' in main_help()
+    assert "moe_1t_proxy" in main_help()  # the recipes are read from the config package

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from taxbench import exit_codes
 from taxbench.commands.localize import NO_DIVERGENCE, LocalizeError, localize
@@ -19,22 +18,6 @@ EXIT_DIVERGED = exit_codes.NOT_DETERMINISTIC  # same code as a failed determinis
 def input_errors() -> tuple[type[Exception], ...]:
     """Errors that mean bad input (reported as `taxbench: error: ...`), not a bug."""
     return (TraceError, LocalizeError, RecordError, FileNotFoundError)
-
-
-def add_tracing_parsers(sub: argparse._SubParsersAction) -> None:
-    diff_cmd = sub.add_parser("diff", help="diff two runs' traces (<run>/trace/) and name the first origin per rank")
-    diff_cmd.add_argument("run_a", type=Path)
-    diff_cmd.add_argument("run_b", type=Path)
-    diff_cmd.add_argument("--step", type=int, action="append", help="compare only this step (repeatable)")
-    diff_cmd.add_argument("--json", action="store_true", help="print the report as JSON")
-    loc_cmd = sub.add_parser("localize", help="replay the first diverging step with deeper rungs until an op is named")
-    loc_cmd.add_argument("run_a", type=Path)
-    loc_cmd.add_argument("run_b", type=Path)
-    loc_cmd.add_argument("--work-dir", type=Path, default=None,
-                         help="where replays go (default: <run_b>/../localize/<run_a>-vs-<run_b>)")
-    loc_cmd.add_argument("--max-numel", type=int, default=0,
-                         help="record larger tensors by shape only (bounds rung-3 cost); 0 = no limit")
-    loc_cmd.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def run_tracing_command(args: argparse.Namespace) -> int:
