@@ -13,7 +13,7 @@ import torch
 from conftest import run_taxbench, run_taxbench_in_terminal
 
 from taxbench import exit_codes
-from taxbench.commands.scan import exit_code
+from taxbench.commands.scan import exit_code, render
 from taxbench.tracing.capture import ModuleScope
 from taxbench.tracing.op_scan import NondeterministicOp, OpRepeatScan, PolicyScan, clone_inputs, signature
 
@@ -177,3 +177,14 @@ def test_a_policy_that_replayed_nothing_is_no_evidence() -> None:
     assert replayed.clean and exit_code([baseline, replayed]) == exit_codes.OK
     replayed.nondeterministic.append(NondeterministicOp("aten.mm.default", "blocks.0", [[2, 2]], ["float32"], 3))
     assert exit_code([baseline, replayed]) == exit_codes.NOT_DETERMINISTIC
+
+
+def test_the_scan_table_fits_80_columns_with_long_op_module_and_shape_names(tmp_path: Path) -> None:
+    op = NondeterministicOp("aten._scaled_dot_product_efficient_attention.default", "blocks.11.attention.inner",
+                            [[8, 16, 2048, 128]] * 4, ["torch.bfloat16"], repeats=3, calls=24, calls_differed=24,
+                            most_differed=3)
+    scan = PolicyScan("deterministic", deterministic=True, repeats=3, ops_seen=5000, ops_replayed=4000,
+                      nondeterministic=[op])
+    shown = render([scan], tmp_path / "scan.json")
+    assert max(len(line) for line in shown.splitlines()[:-1]) <= 80, shown  # the path is never broken
+    assert "8x16x2048x128" in shown and "blocks.11.attention.inner" in shown and "3/3 replays, 24/24 calls" in shown

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import tempfile
+import textwrap
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -222,17 +223,22 @@ def render(scans: list[PolicyScan], out: Path) -> str:
             verdict = "NONDETERMINISTIC OPS" if scan.deterministic else "nondeterministic ops"
         lines.append(f"policy {scan.policy}: {scan.ops_seen} ops, {scan.ops_replayed} replayed {scan.repeats}x: "
                      f"{verdict}")
-        if scan.nondeterministic:
-            lines.append(f"  {'op':<28} {'module':<24} {'differed':>8} {'calls':>6}  inputs")
-            for op in scan.nondeterministic:
-                lines.append(f"  {op.op:<28} {op.scope or '<top>':<24} {op.most_differed:>4}/{op.repeats:<3} "
-                             f"{op.calls_differed:>3}/{op.calls:<2}  {_shapes(op.shapes)} "
-                             f"{op.dtypes[0] if op.dtypes else '-'}")
+        for op in scan.nondeterministic:  # two lines each, not a table: op and module names run long
+            lines.extend(_wrapped(f"{op.op} in {op.scope or '<top>'}", indent=2))
+            lines.extend(_wrapped(f"differed in {op.most_differed}/{op.repeats} replays, {op.calls_differed}/"
+                                  f"{op.calls} calls; inputs {_shapes(op.shapes)} "
+                                  f"{op.dtypes[0] if op.dtypes else '-'}", indent=4))
         for entry in scan.no_deterministic_implementation:
-            lines.append(f"  no deterministic implementation: {entry.op} in {entry.scope or '<top>'} "
-                         f"({entry.calls} calls)")
+            lines.extend(_wrapped(f"no deterministic implementation: {entry.op} in {entry.scope or '<top>'} "
+                                  f"({entry.calls} calls)", indent=2))
         if scan.not_replayed:
-            lines.append(f"  not replayed (inputs without plain storage): {sum(scan.not_replayed.values())} calls of "
-                         f"{len(scan.not_replayed)} ops")
-    lines.append(f"details: {out}")
+            lines.extend(_wrapped(f"not replayed (inputs without plain storage): {sum(scan.not_replayed.values())} "
+                                  f"calls of {len(scan.not_replayed)} ops", indent=2))
+    lines.append(f"details: {out}")  # a path is never broken: it is copied whole
     return "\n".join(lines)
+
+
+def _wrapped(text: str, indent: int) -> list[str]:
+    """`text` wrapped to 80 columns, its continuation lines indented two more (long words are not broken)."""
+    return textwrap.wrap(text, width=80, initial_indent=" " * indent, subsequent_indent=" " * (indent + 2),
+                         break_long_words=False, break_on_hyphens=False)
