@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from taxbench.analysis.layouts import analyse_layouts, is_layouts_folder, render_layouts
 from taxbench.analysis.report import REPORT_DIR, write_experiment_report, write_layouts_report, write_sweep_report
@@ -38,7 +39,10 @@ def _say_wandb(runs: list[Path], console: Console | None) -> None:
     if runs:
         offline = " offline (upload with `wandb sync <run folder>`)" if runs[-1].name.startswith("offline-") else ""
         many = f" ({len(runs)} runs)" if len(runs) > 1 else ""
-        (console or Console()).print(f"wandb{offline}{many}: {runs[-1]}")
+        # The path on a line of its own, never folded, so that it can be copied (also from a piped log).
+        shown = console or Console()
+        shown.print(f"wandb{offline}{many}:", soft_wrap=True)
+        shown.print(escape(str(runs[-1])), soft_wrap=True)
 
 
 def _wandb(strict: bool, log_to_wandb: Callable[..., Path], *args: object) -> Path | None:

@@ -123,3 +123,17 @@ def test_every_help_fits_80_columns_and_names_the_exit_codes(monkeypatch: pytest
         assert "exit codes: 0" in text, name
     assert "schema" not in main_help() and 'eval "$(taxbench -sc install=bash)"' in main_help()
     assert "moe_1t_proxy" in main_help()  # the recipes are read from the config package
+
+
+def test_the_wandb_run_folder_is_printed_whole_on_a_line_of_its_own() -> None:
+    import io
+
+    from rich.console import Console
+
+    from taxbench.analysis.publish import _say_wandb
+
+    folder = Path("/tmp") / ("x" * 70) / "wandb" / "offline-run-20261204_211500-abcdefgh"
+    console = Console(file=io.StringIO(), width=80)
+    _say_wandb([folder], console)
+    lines = console.file.getvalue().splitlines()
+    assert lines[-1] == str(folder) and lines[0].startswith("wandb offline")  # copied whole, never folded
