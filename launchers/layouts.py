@@ -17,6 +17,7 @@ from pathlib import Path
 from rich.console import Console
 
 from taxbench.analysis.layouts import PLAN_FILE, SUMMARY_FILE, LaunchRecord, LayoutsPlan
+from taxbench.analysis.summary import recipe_label
 from taxbench.config.layout_names import LayoutName, check_layout
 from taxbench.config.schema import ConfigError, TaxbenchConfig, world_size, world_size_key
 from taxbench.launchers.local import RankFailed, start_ranks
@@ -67,7 +68,7 @@ def run_layouts(configs: dict[str, TaxbenchConfig], arm: str, root: Path, consol
                           "overwriting them")
     first = next(iter(configs.values()))
     steps, world = first.experiment.steps, world_size(first.cluster)
-    plan = LayoutsPlan(first.recipe.name, arm, steps, world, list(configs))
+    plan = LayoutsPlan(recipe_label(dataclasses.asdict(first.recipe)), arm, steps, world, list(configs))
     plan.write(root)
     for index, (name, cfg) in enumerate(configs.items(), start=1):
         console.print(f"layout {index}/{len(configs)} {name}: {len(REPLICAS)} runs x {steps} steps of {arm} on "

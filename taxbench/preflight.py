@@ -37,7 +37,7 @@ from taxbench.config.schema import (
 from taxbench.datasets.shards import ShardError
 from taxbench.datasets.source import check_shard_recipe
 from taxbench.diagnostics import logger
-from taxbench.parallel.layout import layout_for
+from taxbench.parallel.layout import layout_for, tensor_parallel_plan
 from taxbench.parallel.pipeline import stage_holding, stage_split
 from taxbench.parallel.recompute import apply_activation_checkpointing
 from taxbench.train.float8 import float8_layers, float8_problem
@@ -69,6 +69,7 @@ def check_before_launch(cfg: TaxbenchConfig) -> None:
         validate_policy(arm_policy, cfg.cluster.device)
     check_data(cfg.recipe, world_size(cfg.cluster))
     model = check_model(cfg.recipe)
+    check_model_parallel(cfg.recipe, model)
     for arm_policy in cfg.arms.values():  # the stack's own determinism switch must agree with each arm's policy
         stack_for(cfg.recipe.model).switch(cfg.recipe, arm_policy)
     check_fault_and_trace(cfg, model)
@@ -143,6 +144,21 @@ def check_model(recipe: RecipeConfig) -> nn.Module:
         return model  # the stack applies its own activation checkpointing
     apply_activation_checkpointing(model, recipe.activation_checkpointing)  # a model without blocks is refused
     return model
+
+
+def check_model_parallel(recipe: RecipeConfig, model: nn.Module) -> None:
+    """tp>1 shards the model's taxbench attention and MLP blocks (a foreign stack shards its own): a model without
+    them, a custom one, is refused here rather than inside every rank (where it failed with exit 1). ep and pp of a
+    custom model are refused with the layout (taxbench.config.schema.layout_problems)."""
+    if recipe.parallel.tp == 1 or foreign_stack(recipe.model):
+        return
+    try:
+        tensor_parallel_plan(model)
+    except ConfigError:
+        target = recipe.model.factory.get("_target_") if recipe.model.kind == ModelKind.custom else None
+        what = f"recipe.model.factory._target_={target!r}" if target else f"recipe.model.kind={recipe.model.kind}"
+        raise ConfigError(f"recipe.parallel.tp={recipe.parallel.tp} shards taxbench's attention and MLP blocks, and "
+                          f"{what} ({type(model).__name__}) has none; set recipe.parallel.tp=1") from None
 
 
 def _check_logits(recipe: RecipeConfig, model: nn.Module) -> None:

@@ -256,6 +256,9 @@ def test_a_planted_fault_makes_each_layout_non_repeatable(tmp_path: Path) -> Non
     (["layouts=[dp2, pp2.qq2]"], "layout 'pp2.qq2': 'qq2' is not a factor"),
     (["layouts=[dp2,", "dp4]"], "layout dp4 needs pp*tp*dp = 1*1*4 = 4 ranks, but the world size is 2"),  # unquoted
     (["layouts=[dp2, dp2.ep2]"], "layout dp2.ep2: recipe.parallel.ep=2 needs an MoE model"),
+    (["layouts=[dp2, tp2]", "recipe.model.kind=custom",
+      "++recipe.model.factory={_target_: torch.nn.Embedding, num_embeddings: 256, embedding_dim: 256}"],
+     "layout tp2: recipe.parallel.tp=2 shards taxbench's attention and MLP blocks"),  # before dp2 runs
     (["layouts=[dp2, pp2]", "policy=fast"], "policy='fast' is not an arm; choose one of ['baseline', 'deterministic']"),
 ])
 def test_a_bad_layout_is_one_line_exit_2(args: list[str], words: str, tmp_path: Path) -> None:

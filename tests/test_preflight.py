@@ -34,6 +34,9 @@ FACTORY = "++recipe.model.factory={_target_: torch.nn.Embedding, num_embeddings:
          "recipe.parallel.ep=2 needs an MoE model, but recipe.model.kind=dense"),
         (["+recipe=moe_1t_proxy", "recipe.parallel.pp=1", "recipe.model.kind=custom", FACTORY % 256],
          "recipe.parallel.ep=2 needs an MoE model, but recipe.model.kind=custom"),
+        (["recipe.model.kind=custom", FACTORY % 256, "recipe.parallel.tp=2"],
+         "recipe.parallel.tp=2 shards taxbench's attention and MLP blocks, and recipe.model.factory._target_="
+         "'torch.nn.Embedding' (Embedding) has none; set recipe.parallel.tp=1"),
         (["cluster.master_port=99999"], "cluster.master_port=99999 must be a TCP port"),
         (["experiment.name=../../x"], "experiment.name='../../x' must be a plain folder name"),
         (["experiment.name=/tmp/elsewhere"], "experiment.name='/tmp/elsewhere' must be a plain folder name"),
