@@ -95,16 +95,23 @@ def test_clean_pair_has_no_origin_and_records_align(tmp_path: Path) -> None:
     assert all(r["step"] == 2 for r in records)
 
 
-def test_flip_param_bit_between_steps_is_outside_the_capture(tmp_path: Path) -> None:
-    # the fault corrupts a parameter after the optimizer step: no traced record of step 2 produces it, and at step 3
-    # the parameters are inputs that already differ
-    overrides = ["experiment.trace.enabled=true", "experiment.trace.rung=2", "experiment.trace.steps=[2,3]",
+def test_a_parameter_flipped_after_the_optimizer_step_is_named_at_rung_1(tmp_path: Path) -> None:
+    # The fault corrupts a parameter after the optimizer step, inside the traced step: each parameter's record at the
+    # step's end (its input: the parameter as the optimizer step left it) names it. At step 3 the parameters are
+    # inputs that already differ.
+    overrides = ["experiment.trace.enabled=true", "experiment.trace.rung=1", "experiment.trace.steps=[2,3]",
                  "experiment.fault.enabled=true", "experiment.fault.step=2"]
     cfg = _cfg(overrides)
     run_a = _run_in_process(cfg, tmp_path / "a", 3, faulty=False)
     run_b = _run_in_process(cfg, tmp_path / "b", 3, faulty=True)
-    assert diff_runs(run_a, run_b, steps=[2]).verdict == IDENTICAL
+    report = diff_runs(run_a, run_b, steps=[2])
+    assert report.verdict == ORIGIN and report.primary is not None
+    assert (report.primary.kind, report.primary.name, report.primary.step) == ("parameter", "embed.weight", 2)
     assert diff_runs(run_a, run_b, steps=[3]).verdict == OUTSIDE
+    # a clean pair's parameter records agree
+    clean = _run_in_process(cfg, tmp_path / "c", 3, faulty=False)
+    assert diff_runs(run_a, clean).verdict == IDENTICAL
+    assert {r["kind"] for r in read_trace(run_a)[0]} >= {"optimizer", "parameter"}
 
 
 def test_scope_filters_op_filter_and_max_numel(tmp_path: Path) -> None:
@@ -308,6 +315,16 @@ def test_localize_names_a_perturbed_collective_on_its_rank(tmp_path: Path) -> No
     assert result.origin is not None
     assert (result.origin.kind, result.origin.name, result.origin.rank) == ("collective", "c10d.allreduce", 1)
     assert [step.rung for step in result.path] == [1]
+
+
+@pytest.mark.slow
+def test_localize_names_a_flipped_parameter_at_rung_1(tmp_path: Path) -> None:
+    root = _experiment(tmp_path, ["experiment.fault.kind=flip_param_bit"])
+    result = localize(root / "deterministic-0", root / "deterministic-1", tmp_path / "work")
+    assert result.verdict == NAMED and [step.rung for step in result.path] == [1]
+    assert result.origin is not None
+    assert (result.origin.kind, result.origin.name, result.origin.rank, result.origin.step) == (
+        "parameter", "embed.weight", 1, 2)
 
 
 @pytest.mark.slow

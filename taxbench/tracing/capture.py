@@ -58,6 +58,7 @@ class TracedStep(Protocol):
 
 BACKWARD = "/backward"
 OPTIMIZER_SCOPE = "optimizer"
+PARAMETERS_SCOPE = "end of step"  # rung 1: each parameter as the step leaves it
 PIPELINE_SCOPE = "pipeline/stage"  # + the stage index
 SKIPPED_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_dtensor", "profiler"})
 SKIPPED_OP_PREFIXES = ("aten.empty", "aten.new_empty", "aten._local_scalar_dense", "aten.set_.")
@@ -197,6 +198,7 @@ class Tracer:
         self._local = threading.local()  # per-thread: the quiet flag
         self.modules = ModuleScope()
         self._trainer: TracedStep | None = None
+        self._after_optimizer: dict[str, tuple[dict[str, Any], int | None]] = {}  # per parameter, this step
 
     # -- wiring -------------------------------------------------------------------------------------------------
     def attach(self, trainer: TracedStep) -> None:
@@ -216,6 +218,7 @@ class Tracer:
             return
         self.step, self.active, self.past_optimizer = step, True, False
         self._occurrences.clear()
+        self._after_optimizer = {}
         handles = self._install_hooks(trainer)
         mode = OpCapture(self) if self.scope.rung >= 3 else None
         try:
@@ -224,11 +227,24 @@ class Tracer:
             else:
                 with mode:
                     yield
+            self._parameters_at_step_end(trainer)
         finally:
             for handle in handles:
                 handle.remove()
             self.active = False
             self.flush()
+
+    def _parameters_at_step_end(self, trainer: TracedStep) -> None:
+        """Rung 1: each parameter at the end of the step (after the trainer's bookkeeping, where an injected weight
+        flip lands), its input the same parameter as the optimizer step left it. A parameter changed between the two
+        is an origin named by its name; one the optimizer step already changed is downstream of that step."""
+        if not self._after_optimizer:
+            return  # no optimizer step was captured: nothing to tell a later change from the step's own
+        with self.quieted():
+            for name, param in trainer.raw_model.named_parameters():
+                before = self._after_optimizer.get(name)
+                if before is not None:
+                    self.record("parameter", name, PARAMETERS_SCOPE, [before], self.summaries([param]))
 
     def checkpoint_loaded(self, trainer: TracedStep) -> None:
         """Rung 1: the state a checkpoint load produced, attributed to the step that follows it."""
@@ -356,6 +372,8 @@ class Tracer:
             outputs = [self.labelled("params", list(trainer.raw_model.parameters())),
                        self.labelled("state", list(trainer.optimizer_tensors()))]
             self.record("optimizer", "optimizer.step", OPTIMIZER_SCOPE, self._optimizer_inputs, outputs)
+            self._after_optimizer = {name: self.summaries([param])[0]
+                                     for name, param in trainer.raw_model.named_parameters()}
         self.past_optimizer = True
 
     # called by the collective probe (possibly on a communication thread)

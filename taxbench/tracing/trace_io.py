@@ -16,7 +16,7 @@ from typing import Any
 TRACE_SCHEMA_VERSION = 2  # 2: digests of fingerprint format 2 (shape in the header, any dtype), not comparable to 1
 TRACE_DIR = "trace"
 RECORD_KEYS = ("schema_version", "seq", "rank", "step", "kind", "name", "id", "scope", "in", "out")
-KINDS = ("collective", "pipeline", "optimizer", "checkpoint", "module", "op")
+KINDS = ("collective", "pipeline", "optimizer", "parameter", "checkpoint", "module", "op")
 
 
 class TraceError(ValueError):
