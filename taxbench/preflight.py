@@ -34,6 +34,7 @@ from taxbench.config.schema import (
     validate,
     world_size,
 )
+from taxbench.config.shape import ParallelShape
 from taxbench.datasets.shards import ShardError
 from taxbench.datasets.source import check_shard_recipe
 from taxbench.diagnostics import logger
@@ -105,7 +106,7 @@ def _check_cpu_can_hold_a_replica(cfg: TaxbenchConfig) -> None:
     """A recipe whose model replica spans more ranks (tp*pp) than this machine has cores is for a GPU cluster: there
     the fix is a plan or a Slurm job, not another cluster.cpu_ranks."""
     recipe, ranks = cfg.recipe, cfg.cluster.cpu_ranks
-    replica, cores = recipe.parallel.tp * recipe.parallel.pp, os.cpu_count() or 1
+    replica, cores = ParallelShape.of(recipe.parallel, ranks).model_parallel, os.cpu_count() or 1
     if replica <= cores or not layout_problems(recipe, ranks):
         return
     raise ConfigError(f"recipe {recipe.name} is a GPU-cluster recipe: one model replica spans tp*pp = {replica} "
@@ -119,7 +120,7 @@ def check_data(recipe: RecipeConfig, world: int) -> None:
     data = recipe.data
     if data.kind != DataKind.shards:
         return
-    dp = max(world // (recipe.parallel.tp * recipe.parallel.pp), 1)
+    dp = max(ParallelShape.of(recipe.parallel, world).dp, 1)
     try:
         check_shard_recipe(data, recipe.model.vocab_size, recipe.model.seq_len, recipe.micro_batch_size, dp)
     except (ShardError, ImportError) as exc:

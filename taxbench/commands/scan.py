@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from taxbench import exit_codes
 from taxbench.config.schema import ConfigError, FaultKind, TaxbenchConfig, TraceConfig
+from taxbench.config.shape import ParallelShape
 from taxbench.launchers.worker import rank_process
 from taxbench.parallel.distributed import free_port
 from taxbench.progress import StepProgress, step_progress
@@ -73,9 +74,10 @@ def check_scan(cfg: TaxbenchConfig, settings: ScanSettings) -> None:
     if settings.repeats < 1:
         raise ConfigError(f"scan.repeats={settings.repeats} must be >= 1 (replays per op; default {DEFAULT_REPEATS})")
     parallel = cfg.recipe.parallel
-    if parallel.tp * parallel.pp > 1:
+    replica = ParallelShape.of(parallel, 1).model_parallel
+    if replica > 1:
         raise ConfigError(f"taxbench scan runs one rank, but recipe {cfg.recipe.name} needs tp*pp = "
-                          f"{parallel.tp * parallel.pp} ranks per replica; scan it with recipe.parallel.tp=1 "
+                          f"{replica} ranks per replica; scan it with recipe.parallel.tp=1 "
                           "recipe.parallel.pp=1")
     if parallel.ep > 1:
         raise ConfigError(f"taxbench scan runs one rank, but recipe {cfg.recipe.name} has recipe.parallel.ep="

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 
 from taxbench.config.schema import ConfigError, DataParallel, ParallelConfig, RecipeConfig, layout_problems
+from taxbench.config.shape import ParallelShape
 
 _FACTOR = re.compile(r"(pp|tp|dp|ep|v)(\d+)")
 FACTOR_HELP = "pp<N>, tp<N>, dp<N>, ep<N>, v<N> (virtual stages) and ddp or fsdp, joined by dots, e.g. pp2.dp2.ep2"
@@ -65,9 +66,10 @@ def parse_layout_name(text: str) -> LayoutName:
 def check_layout(layout: LayoutName, recipe: RecipeConfig, world: int, world_key: str) -> RecipeConfig:
     """The recipe under this layout on `world` ranks; ConfigError with the fix when it does not fit them or the
     model."""
-    model_parallel = layout.pp * layout.tp
+    shape = ParallelShape(world, layout.tp, layout.pp, layout.ep)
+    model_parallel = shape.model_parallel
     if layout.dp is not None and model_parallel * layout.dp != world:
-        fitting = world // model_parallel if world % model_parallel == 0 else None
+        fitting = shape.dp if shape.fits_world else None
         fix = (f"write dp{fitting} (or leave dp out)" if fitting else
                f"choose pp*tp dividing {world}")
         raise ConfigError(f"layout {layout.name} needs pp*tp*dp = {layout.pp}*{layout.tp}*{layout.dp} = "

@@ -22,6 +22,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+from taxbench.config.shape import ParallelShape
+
 
 class ConfigError(ValueError):
     """A user-facing configuration problem; the message says what is wrong and how to fix it."""
@@ -416,9 +418,9 @@ def layout_problems(recipe: RecipeConfig, world: int, world_key: str = "cluster.
                 if v < 1]
     if problems:
         return problems
-    model_parallel = par.tp * par.pp
-    dp = world // model_parallel
-    if world % model_parallel:
+    shape = ParallelShape.of(par, world)
+    model_parallel, dp = shape.model_parallel, shape.dp
+    if not shape.fits_world:
         problems.append(
             f"world size {world} is not divisible by tp*pp = {par.tp}*{par.pp} = {model_parallel}; change {world_key} "
             "or the recipe's parallel layout"
@@ -444,13 +446,12 @@ def layout_problems(recipe: RecipeConfig, world: int, world_key: str = "cluster.
                 problems.append(f"recipe.model.{key}={value} is not divisible by recipe.parallel.tp={par.tp}")
         if model.n_shared_experts and (model.moe_d_ff or model.d_ff) * model.n_shared_experts % par.tp:
             problems.append(f"the shared-expert width is not divisible by recipe.parallel.tp={par.tp}")
-    batch_fits = dp and not world % model_parallel and not recipe.global_batch_size % (recipe.micro_batch_size * dp)
-    if dp and not world % model_parallel and not batch_fits:
+    micro_batches = shape.micro_batches(recipe.global_batch_size, recipe.micro_batch_size)
+    if dp and shape.fits_world and micro_batches is None:
         problems.append(
             f"recipe.global_batch_size={recipe.global_batch_size} is not divisible by micro_batch_size*dp = "
             f"{recipe.micro_batch_size}*{dp}; pick a global batch that is a multiple of {recipe.micro_batch_size * dp}"
         )
-    micro_batches = recipe.global_batch_size // (recipe.micro_batch_size * dp) if batch_fits else None
     return problems + pipeline_problems(recipe, micro_batches)
 
 

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from taxbench.config.policy import arm_environment
 from taxbench.config.schema import ConfigError, DataParallel, ParallelConfig, PolicyConfig, RecipeConfig
+from taxbench.config.shape import ParallelShape
 from taxbench.parallel.distributed import DistContext
 from taxbench.parallel.pipeline import StagePlaceholder, join_stages
 from taxbench.workloads.dense import MLP, CausalSelfAttention
@@ -54,16 +55,16 @@ class Layout:
 
 def layout_for(par: ParallelConfig, world_size: int, rank: int) -> Layout:
     """The trainer's layout for this rank (the recipe was checked by config.validate)."""
-    if world_size % (par.tp * par.pp) or (world_size // (par.tp * par.pp)) % par.ep:
+    parallel_shape = ParallelShape.of(par, world_size)
+    if not parallel_shape.fits:
         raise ConfigError(
             f"world size {world_size} does not factor as pp*dp*tp with ep | dp for pp={par.pp}, tp={par.tp}, "
             f"ep={par.ep}; change cluster.cpu_ranks / cluster.gpus or recipe.parallel"
         )
-    stage_world = world_size // par.pp
-    dp = stage_world // par.tp
+    stage_world, dp = parallel_shape.stage_world, parallel_shape.dp
     dp_rank = (rank % stage_world) // par.tp
     data_parallel = par.data_parallel.value if world_size > 1 else "none"
-    shape, dims = (dp // par.ep, par.ep, par.tp), ("edp", "ep", "tp")
+    shape, dims = (parallel_shape.edp, par.ep, par.tp), ("edp", "ep", "tp")
     if par.pp > 1:
         shape, dims = (par.pp, *shape), ("pp", *dims)
     return Layout(

@@ -38,6 +38,7 @@ from taxbench.config.schema import (
     TaxbenchConfig,
     layout_problems,
 )
+from taxbench.config.shape import ParallelShape
 from taxbench.design import MODELS_HELD
 from taxbench.parallel.layout import expert_modules, tensor_parallel_plan
 from taxbench.workloads import build_model
@@ -183,11 +184,13 @@ def make_plan(cfg: TaxbenchConfig) -> Plan:
         return plan
 
     par = recipe.parallel
-    dp = gpus // (par.tp * par.pp)
+    shape = ParallelShape.of(par, gpus)
+    dp = shape.dp
     layers_per_stage = m.n_layers // par.pp
-    micro_batches = recipe.global_batch_size // (recipe.micro_batch_size * dp)
+    micro_batches = shape.micro_batches(recipe.global_batch_size, recipe.micro_batch_size)
+    assert micro_batches is not None  # layout_problems found the batch to split evenly
     plan.layout = {
-        "tp": par.tp, "pp": par.pp, "ep": par.ep, "dp": dp, "edp": dp // par.ep,
+        "tp": par.tp, "pp": par.pp, "ep": par.ep, "dp": dp, "edp": shape.edp,
         "data_parallel": par.data_parallel.value, "layers_per_stage": layers_per_stage,
         "experts_per_rank": m.n_experts // par.ep if m.n_experts else 0, "micro_batches_per_step": micro_batches,
     }

@@ -49,6 +49,7 @@ from taxbench.config.schema import (
     PolicyConfig,
     RecipeConfig,
 )
+from taxbench.config.shape import ParallelShape
 from taxbench.parallel.distributed import DistContext
 from taxbench.parallel.layout import ParallelModel, layout_for
 from taxbench.train.build import RankModel, build_optimizer
@@ -206,7 +207,7 @@ def _trainer_config(recipe: RecipeConfig, options: TitanOptions, spec: Any, dete
     from torchtitan.trainer import Trainer
 
     par = recipe.parallel
-    dp = world // (par.tp * par.pp)
+    dp = ParallelShape.of(par, world).dp
     ddp = par.data_parallel is DataParallel.ddp or str(par.data_parallel) == DataParallel.ddp.value
     parallelism = ParallelismConfig(
         data_parallel_replicate_degree=dp if ddp else 1, data_parallel_shard_degree=1 if ddp else -1,
