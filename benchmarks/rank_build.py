@@ -35,13 +35,12 @@ import torch
 import xxhash
 from hydra import compose, initialize_config_module
 from hydra.errors import HydraException
-from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch.distributed.tensor import DTensor
 
 from taxbench.checkpoint import state
 from taxbench.checkpoint.store import RunCheckpoints
-from taxbench.config.schema import ConfigError, TaxbenchConfig, register_configs, to_typed
+from taxbench.config.schema import ConfigError, TaxbenchConfig, load_config, register_configs
 from taxbench.parallel import distributed
 from taxbench.parallel.layout import ParallelModel, layout_for
 from taxbench.parallel.plan import make_plan
@@ -55,7 +54,7 @@ def compose_config(overrides: list[str]) -> TaxbenchConfig:
     register_configs()
     with initialize_config_module("taxbench.conf", version_base="1.3"):
         raw = compose("config", overrides=overrides)
-    return to_typed(OmegaConf.to_container(raw, resolve=True))  # type: ignore[arg-type]
+    return load_config(raw)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from taxbench.config.schema import register_configs, to_typed
+from taxbench.config.schema import load_config, register_configs
 from taxbench.parallel.distributed import DistContext
 from taxbench.train.trainer import RunSpec, Trainer
 
@@ -46,7 +46,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         trainers = {}
         for name, rung in ARMS.items():
-            cfg = to_typed(base)
+            cfg = load_config(base)
             if rung is not None:
                 cfg.experiment.trace.enabled = True
                 cfg.experiment.trace.rung = rung

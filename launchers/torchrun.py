@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from taxbench import exit_codes
 from taxbench.analysis.publish import report
 from taxbench.checkpoint.store import CheckpointError
-from taxbench.config.schema import ConfigError, TaxbenchConfig, layout_problems, to_typed
+from taxbench.config.schema import ConfigError, TaxbenchConfig, layout_problems, load_config
 from taxbench.launchers.local import rank_failed
 from taxbench.launchers.worker import rank_process, run_schedule
 from taxbench.parallel.distributed import DistContext
@@ -180,7 +180,7 @@ def sized_for_environment(raw: DictConfig, ranks: RankEnvironment) -> None:
     elif configured != ranks.world_size:
         raise ConfigError(f"cluster.{key}={configured} but the launcher started {variable}={ranks.world_size} ranks; "
                           f"drop cluster.{key} (0 takes {variable}) or start {configured} ranks")
-    problems = layout_problems(to_typed(raw).recipe, ranks.world_size, f"cluster.{key}")
+    problems = layout_problems(load_config(raw).recipe, ranks.world_size, f"cluster.{key}")
     if problems:
         raise ConfigError(f"{variable}={ranks.world_size} does not fit recipe {raw.recipe.name}'s parallel layout: "
                           f"{'; '.join(problems)}; start a world size that fits (torchrun --nnodes x "
@@ -219,7 +219,7 @@ def run_started_rank(raw: DictConfig, env: Mapping[str, str] = os.environ) -> in
         ranks = rank_environment(env, int(raw.cluster.master_port))
         rank = ranks.rank
         sized_for_environment(raw, ranks)
-        local_cfg = to_typed(OmegaConf.to_container(raw, resolve=True))  # type: ignore[arg-type]
+        local_cfg = load_config(raw)
     except ConfigError:
         if rank:
             return exit_codes.CONFIG_ERROR

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import hydra
 import yaml
 from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from taxbench import exit_codes
@@ -44,8 +44,8 @@ from taxbench.config.schema import (
     Launcher,
     ReportConfig,
     TaxbenchConfig,
+    load_config,
     register_configs,
-    to_typed,
     unknown_key_message,
     world_size,
 )
@@ -95,7 +95,7 @@ def run_plan(raw: DictConfig) -> int:
     from taxbench.parallel.plan import make_plan, render_plan
 
     try:
-        cfg = to_typed(OmegaConf.to_container(raw, resolve=True))  # type: ignore[arg-type]
+        cfg = load_config(raw)
         plan = make_plan(cfg)
     except ConfigError as exc:
         fail(str(exc))
@@ -443,7 +443,7 @@ def run_layouts_command(argv: list[str]) -> int:
     given = {_override_key(o) for o in overrides}
     with _one_line_input_errors(RecordError):
         layouts = parse_layout_list(str(own["layouts"]))
-        cfg = to_typed(OmegaConf.to_container(_compose(overrides), resolve=True))  # type: ignore[arg-type]
+        cfg = load_config(_compose(overrides))
         if cfg.cluster.launcher is not Launcher.local:
             raise ConfigError(f"taxbench layouts launches the layouts on this machine; cluster={cfg.cluster.name} "
                               "is not supported yet, use cluster=local")
@@ -492,7 +492,7 @@ def run_scan_command(argv: list[str]) -> int:
             overrides.append(arg)
     with _one_line_input_errors():
         settings = _scan_settings(own)
-        cfg = to_typed(OmegaConf.to_container(_compose(overrides), resolve=True))  # type: ignore[arg-type]
+        cfg = load_config(_compose(overrides))
         check_scan(cfg, settings)
         check_before_launch(cfg)
         scans, out = run_scan(cfg, settings)

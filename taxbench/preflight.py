@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 
 from taxbench.config.pairing import validate_pair
@@ -30,7 +30,7 @@ from taxbench.config.schema import (
     RecipeConfig,
     TaxbenchConfig,
     layout_problems,
-    to_typed,
+    load_config,
     validate,
     world_size,
 )
@@ -51,7 +51,7 @@ log = logger(__name__)
 def prepare(raw: DictConfig) -> TaxbenchConfig:
     """The one conversion of Hydra's config: resolved and typed once, then checked before anything launches. This
     typed config is what every launcher hands its ranks (pickled by spawn, submitit or torchrun's control group)."""
-    cfg = to_typed(OmegaConf.to_container(raw, resolve=True))  # type: ignore[arg-type]
+    cfg = load_config(raw)
     if cfg.cluster.dry_run and cfg.cluster.launcher is not Launcher.slurm:
         raise ConfigError(f"cluster.dry_run=true writes a Slurm job script without submitting it, but "
                           f"cluster={cfg.cluster.name} runs here; use cluster=slurm with it, or plan=true for the plan "

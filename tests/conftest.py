@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_module
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from taxbench.config.schema import TaxbenchConfig, register_configs, to_typed
+from taxbench.config.schema import TaxbenchConfig, load_config, register_configs
 from taxbench.launchers.worker import rank_process
 from taxbench.parallel.distributed import DistContext, free_port
 from taxbench.preflight import prepare
@@ -40,7 +40,7 @@ def compose_raw(*overrides: str) -> DictConfig:
 
 def compose_typed(*overrides: str) -> TaxbenchConfig:
     """Typed but not validated: for configs validate() refuses on purpose (a plan for more GPUs than local ranks)."""
-    return to_typed(OmegaConf.to_container(compose_raw(*overrides), resolve=True))
+    return load_config(compose_raw(*overrides))
 
 
 def compose_config(*overrides: str) -> TaxbenchConfig:

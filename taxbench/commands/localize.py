@@ -23,7 +23,7 @@ from typing import Any
 
 from taxbench.analysis.verdicts import compare_runs
 from taxbench.checkpoint.store import RunCheckpoints
-from taxbench.config.schema import to_typed
+from taxbench.config.schema import load_config
 from taxbench.launchers.local import die_with_parent
 from taxbench.launchers.worker import rank_process
 from taxbench.parallel.distributed import free_port
@@ -136,7 +136,7 @@ def _job(spec: RecordedRun, out_dir: Path, rung: int, step: int, modules: tuple[
 
 def run_replay_rank(rank: int, world: int, jobs: list[ReplayJob], addr: str, port: int) -> None:
     """One rank of a replay: both runs, one after the other (like the experiment schedule)."""
-    configs = [to_typed(job.config) for job in jobs]
+    configs = [load_config(job.config) for job in jobs]
     with rank_process(configs, rank, world, rank, addr, port) as ctx:
         for job, cfg in zip(jobs, configs, strict=True):
             applies = cfg.experiment.fault.applies_to(job.arm, job.replica)

@@ -64,7 +64,7 @@ def validate_pair(cfg: TaxbenchConfig) -> None:
     unknown_arms = sorted(set(cfg.arm_overrides) - set(ARM_NAMES))
     if unknown_arms:
         raise ConfigError(f"arm_overrides names unknown arms {unknown_arms}; arms are {list(ARM_NAMES)}")
-    # A calibration (A/A) pair runs the baseline policy on both arms (see config.to_typed).
+    # A calibration (A/A) pair runs the baseline policy on both arms (see config.schema.load_config).
     opposite = not cfg.arms["baseline"].deterministic and cfg.arms["deterministic"].deterministic
     if not cfg.experiment.calibration and not opposite:
         raise ConfigError(

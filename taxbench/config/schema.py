@@ -361,11 +361,14 @@ def unknown_key_message(key: str) -> str:
             "value")
 
 
-def to_typed(cfg: DictConfig | dict[str, Any]) -> TaxbenchConfig:
-    """Merge a plain or Hydra config onto the schema and return typed dataclasses.
+def load_config(source: DictConfig | dict[str, Any]) -> TaxbenchConfig:
+    """The one loader of the typed config: Hydra's composed config (resolved here) or a plain one (a manifest's
+    `config`, a replay job's), merged onto the schema and returned as typed dataclasses. Every entry point goes
+    through it: the experiment, the subcommands, torchrun's ranks, localize's replays.
 
     This also catches keys that Hydra's `+key=value` lets through (unknown fields of a structured node).
     """
+    cfg = OmegaConf.to_container(source, resolve=True) if isinstance(source, DictConfig) else source
     try:
         merged = OmegaConf.merge(OmegaConf.structured(TaxbenchConfig), cfg)
         typed = OmegaConf.to_object(merged)
