@@ -6,7 +6,8 @@
 - nondeterministic_op: flips the lowest bit of the first output of the first matching ATen op (`fault.op`, an
   fnmatch pattern such as "aten.mm.default") run inside module `fault.module` during the forward pass, like a kernel
   with a nondeterministic reduction order would.
-(flip_param_bit, which corrupts a parameter between steps, lives in the trainer.)
+- flip_param_bit: flips the lowest bit of the rank's first parameter (its local shard, when sharded) after the step's
+  optimizer step, where no computation of the step produced it (`flip_param_bit`, called by the trainer).
 A fault that acts reports where through its `fired(kind, step, where)` callback (the run's faults.rank<R>.jsonl), so
 a fault that never matched is visible as one that never fired.
 """
@@ -141,6 +142,18 @@ class StepFault:
             yield
         if mode.fired_op is not None:
             self.fired(str(self.fault.kind), step, f"{mode.fired_op} in {self.fault.module}")
+
+
+def flip_param_bit(fault: FaultConfig | None, rank: int, step: int,
+                   named_parameters: Iterator[tuple[str, nn.Parameter]], fired: Fired) -> None:
+    """The flip_param_bit fault, when it is this rank's and this step's: flip the first parameter's lowest bit."""
+    if fault is None or fault.kind in STEP_FAULT_KINDS or fault.step != step or fault.rank != rank:
+        return
+    name, first = next(named_parameters)
+    to_local = getattr(first, "to_local", None)  # a sharded parameter: flip this rank's shard
+    with torch.no_grad():
+        flip_lowest_bit(to_local() if callable(to_local) else first)
+    fired(str(fault.kind), step, name)
 
 
 def step_fault(fault: FaultConfig | None, rank: int, model: nn.Module, raw_model: Any,

@@ -31,7 +31,7 @@ from taxbench.parallel.distributed import DistContext
 from taxbench.parallel.layout import layout_for
 from taxbench.rundir.records import FaultLog, steps_file
 from taxbench.tracing.capture import tracer_for_run
-from taxbench.tracing.faults import STEP_FAULT_KINDS, flip_lowest_bit, step_fault
+from taxbench.tracing.faults import flip_param_bit, step_fault
 from taxbench.train.data import build_source
 from taxbench.train.planted import PlantedDelay
 from taxbench.train.recorder import StepRecorder
@@ -236,7 +236,7 @@ class Trainer:
         planted_s, planted_mark = (0.0, None) if lane.planted is None else lane.planted.apply(started)
         measured = self.timer.stop(started)
 
-        self._inject_fault()
+        flip_param_bit(self.fault, self.ctx.rank, self.step, self.raw_model.named_parameters(), self._fault_fired)
         fingerprint_started = self.timer.start()  # the gates' own cost, outside the timed step, shown beside it
         digests = self.recorder.fingerprints(loss_mean, (p.grad for p in params), grad_norm,
                                              self.raw_model.parameters(), self.optimizer_tensors())
@@ -297,16 +297,6 @@ class Trainer:
             for _, value in sorted(self.optimizer.state.get(param, {}).items()):
                 if isinstance(value, torch.Tensor):
                     yield value if value.device == param.device else value.to(param.device, non_blocking=True)
-
-    def _inject_fault(self) -> None:
-        fault = self.fault
-        if fault is None or fault.kind in STEP_FAULT_KINDS or fault.step != self.step or fault.rank != self.ctx.rank:
-            return
-        name, first = next(self.raw_model.named_parameters())
-        to_local = getattr(first, "to_local", None)  # a sharded parameter: flip this rank's shard
-        with torch.no_grad():
-            flip_lowest_bit(to_local() if callable(to_local) else first)
-        self._fault_fired(str(fault.kind), self.step, name)
 
     def _fault_fired(self, kind: str, step: int, where: str) -> None:
         if self.fault_log is not None:
