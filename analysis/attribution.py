@@ -1,5 +1,6 @@
 """Per-op attribution of the determinism tax: which ops grew between the baseline's and the deterministic arm's
-profiles (taxbench.train.op_profile), and what share of the measured step-time difference each growth explains."""
+profiles (taxbench.train.op_profile, stored as taxbench.rundir.op_table), and what share of the measured step-time
+difference each growth explains."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from pathlib import Path
 import pandas as pd
 
 from taxbench.design import PROFILE_REPLICA, run_name
+from taxbench.rundir.op_table import OP_COLUMNS, OpTable
 from taxbench.rundir.read import RecordError
 from taxbench.rundir.records import op_table_file
-from taxbench.train.op_profile import OP_COLUMNS, OpTable
 
 # Growths below this fraction of the baseline step's total self time are left out of the list (see attribute).
 NOISE_FLOOR_FRACTION = 0.001

@@ -13,8 +13,9 @@ from conftest import compose_config
 
 from taxbench.analysis.attribution import ATTRIBUTION_COLUMNS, attribute, mean_over_ranks
 from taxbench.parallel.distributed import DistContext
+from taxbench.rundir.op_table import OP_COLUMNS, OP_TABLE_SCHEMA_VERSION, OpTable
 from taxbench.rundir.read import RecordError
-from taxbench.train.op_profile import OP_COLUMNS, OP_TABLE_SCHEMA_VERSION, OpTable, profile_ops, profile_steps
+from taxbench.train.op_profile import profile_ops, profile_steps
 from taxbench.train.trainer import RunSpec, Trainer
 
 CTX = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")

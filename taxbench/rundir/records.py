@@ -69,7 +69,7 @@ def steps_file(run_dir: Path, rank: int) -> Path:
 
 
 def op_table_file(run_dir: Path, rank: int) -> Path:
-    """A profile run's op table (taxbench.train.op_profile.OpTable) of one rank."""
+    """A profile run's op table (taxbench.rundir.op_table.OpTable) of one rank."""
     return run_dir / f"ops.rank{rank}.json"
 
 
