@@ -10,13 +10,13 @@ from itertools import pairwise
 from pathlib import Path
 
 import pytest
+from helpers import compose_config, run_schedule, tiny_config
 
 from taxbench import exit_codes
 from taxbench.analysis.summary import analyse
 from taxbench.config.schema import ConfigError, Device
 from taxbench.design import KNOBS, MEASURED, RunRef, knob_of, knob_policies, plan_ablation, round_orders
 from taxbench.rundir.records import steps_file
-from tests.conftest import compose_config, run_schedule, tiny_config
 
 
 def pair_policies():

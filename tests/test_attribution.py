@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from conftest import compose_config
+from helpers import compose_config
 
 from taxbench.analysis.attribution import ATTRIBUTION_COLUMNS, attribute, mean_over_ranks
 from taxbench.parallel.distributed import DistContext

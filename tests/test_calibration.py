@@ -8,13 +8,13 @@ import statistics
 from pathlib import Path
 
 import pytest
+from helpers import Crash, compose_config, crash_after, run_schedule, step_records, tiny_config
 
 from taxbench import exit_codes
 from taxbench.analysis.summary import CALIBRATION, analyse, analyse_experiment
 from taxbench.config.schema import ConfigError
 from taxbench.rundir.records import STOP_FILE
 from taxbench.schedule.stopping import MIN_ROUNDS
-from tests.conftest import Crash, compose_config, crash_after, run_schedule, step_records, tiny_config
 
 CALIBRATED = ("experiment.calibration=true", "experiment.block_steps=1", "experiment.checkpoint_every_steps=10")
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from conftest import compose_config
+from helpers import compose_config
 
 from taxbench.launchers.worker import rank_process
 from taxbench.parallel.distributed import free_port

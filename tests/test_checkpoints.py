@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Crash, crash_after, fingerprints, run_schedule, tiny_config
+from helpers import Crash, crash_after, fingerprints, run_schedule, tiny_config
 
 from taxbench.checkpoint.store import PROGRESS_FILE, CheckpointError, RunCheckpoints, commit, resume_step
 from taxbench.design import ALL_RUNS

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import compose_config
+from helpers import compose_config
 
 from taxbench.config.schema import ConfigError, Device, Precision
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import compose_config
+from helpers import compose_config
 from hydra.errors import ConfigCompositionException
 
 from taxbench.config.schema import ConfigError, DataConfig

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import compose_config, compose_raw
+from helpers import compose_config, compose_raw
 
 from taxbench.config.schema import ConfigError, launch_stamp
 from taxbench.rundir.experiment_folder import LOCK_FILE, claimed, experiment_root
@@ -16,7 +16,7 @@ from taxbench.rundir.experiment_folder import LOCK_FILE, claimed, experiment_roo
 HOLD_THE_FOLDER = """
 import sys, time
 sys.path.insert(0, {tests!r})
-from conftest import compose_config
+from helpers import compose_config
 from taxbench.rundir.experiment_folder import claimed, experiment_root
 cfg = compose_config("experiment.name=busy", "experiment.out_dir={out}")
 with claimed(cfg, experiment_root(cfg)):
@@ -76,7 +76,7 @@ def test_refused_claim_removes_the_folder_it_created_and_keeps_results(tmp_path:
 
 
 def test_default_names_differ_between_launches_started_in_the_same_second() -> None:
-    show_name = ("import sys; sys.path.insert(0, 'tests'); from conftest import compose_raw; "
+    show_name = ("import sys; sys.path.insert(0, 'tests'); from helpers import compose_raw; "
                  "print(compose_raw().experiment.name)")
     started = time.time()
     launches = [subprocess.Popen([sys.executable, "-c", show_name], stdout=subprocess.PIPE, text=True,

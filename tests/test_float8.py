@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import compose_typed
+from helpers import compose_typed
 
 from taxbench.config.schema import ConfigError, Device
 from taxbench.preflight import check_model

@@ -4,18 +4,17 @@ its masks, which the meta device cannot answer, so preflight checks their logits
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from helpers import compose_config
 from torch import nn
 
 from taxbench.train.flops import flops_per_step
-from tests.conftest import compose_config
 
-HERE = Path(__file__).resolve().parent  # the factory's module, and the repository for its `tests.conftest` import
+HERE = Path(__file__).resolve().parent  # the factory's module and its `helpers` import
 SIZES = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "max_position_embeddings": 128}
 
@@ -58,7 +57,7 @@ def test_a_hugging_face_causal_lm_runs_an_experiment_and_passes_the_gates(tmp_pa
                           "experiment.warmup_steps=1", "experiment.resume_step=3",
                           "experiment.checkpoint_every_steps=3", "report.wandb=false",
                           f"experiment.out_dir={tmp_path}", "experiment.name=hf", cwd=tmp_path, timeout=300,
-                          env={"PYTHONPATH": os.pathsep.join((str(HERE), str(HERE.parent)))})
+                          env={"PYTHONPATH": str(HERE)})
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "hf" / "summary.json").read_text())
     assert summary["outcome"] == "passed"

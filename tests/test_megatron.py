@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from conftest import compose_typed
+from helpers import compose_typed
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from taxbench.checkpoint import state as checkpoint

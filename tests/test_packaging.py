@@ -9,7 +9,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_taxbench
+from helpers import REPO, run_taxbench
 
 pytestmark = pytest.mark.slow
 

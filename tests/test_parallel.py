@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from conftest import run_taxbench
+from helpers import run_taxbench
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard

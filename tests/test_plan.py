@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from conftest import compose_config, compose_typed, run_taxbench
+from helpers import compose_config, compose_typed, run_taxbench
 
 from taxbench.config.schema import ActivationCheckpointing, ConfigError
 from taxbench.parallel.plan import GIB, GPU_MEMORY, make_plan, render_plan

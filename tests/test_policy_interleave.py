@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Crash, crash_after, fingerprints, one_rank, run_schedule, step_records, tiny_config
+from helpers import Crash, crash_after, fingerprints, one_rank, run_schedule, step_records, tiny_config
 
 from analysis.summary import analyse
 from taxbench.checkpoint.store import RunCheckpoints

@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import compose_config
+from helpers import compose_config
 
 from taxbench.config.schema import ConfigError
 

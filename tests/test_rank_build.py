@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import compose_typed
+from helpers import compose_typed
 
 from taxbench.workloads import build_model
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_taxbench, run_taxbench_in_terminal
+from helpers import run_taxbench, run_taxbench_in_terminal
 
 from taxbench import exit_codes
 from taxbench.commands.scan import exit_code, render

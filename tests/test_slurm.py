@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import submitit
-from conftest import compose_config, run_taxbench
+from helpers import compose_config, run_taxbench
 from submitit.slurm.test_slurm import mocked_slurm
 
 from taxbench.analysis.summary import analyse

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import compose_config, run_schedule, tiny_config
+from helpers import compose_config, run_schedule, tiny_config
 
 from analysis.summary import analyse
 from taxbench import exit_codes

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import run_taxbench_in_terminal
+from helpers import run_taxbench_in_terminal
 
 
 @pytest.mark.slow

@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import compose_typed, run_schedule, tiny_config
 
 from taxbench.config.schema import Device, Precision
 from taxbench.train.flops import flops_per_step, peak_flops
-from tests.conftest import compose_typed, run_schedule, tiny_config
 
 
 def test_dense_flops_are_about_six_per_parameter_and_token() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_config, compose_raw, one_rank
+from helpers import compose_config, compose_raw, one_rank
 
 from taxbench.config import policy
 from taxbench.config.schema import ConfigError, Device

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, compose_raw, run_taxbench
+from helpers import REPO, compose_raw, run_taxbench
 
 from taxbench import exit_codes
 from taxbench.config.schema import ConfigError

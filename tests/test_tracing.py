@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_raw, compose_typed, run_taxbench
+from helpers import compose_raw, compose_typed, run_taxbench
 from omegaconf import DictConfig
 
 from taxbench.commands.localize import NAMED, localize

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import compose_config
+from helpers import compose_config
 from torch import nn
 
 from taxbench.checkpoint.store import CheckpointError

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from conftest import compose_typed
+from helpers import compose_typed
 from torch import nn
 
 from taxbench.config.schema import ConfigError, ModelConfig
