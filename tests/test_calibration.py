@@ -38,7 +38,9 @@ def test_a_planted_tax_is_recovered_by_an_a_a_pair_labelled_as_a_calibration(tmp
     # truth failed CI at +45.1% [43.1, 47.2] on a quiet machine.
     realized, unplanted_ratio = _what_the_plant_did(tmp_path, summary.tax.warmup_steps)
     assert abs(realized - 0.5) <= 0.02  # the plant delivered what was asked, overruns taken off later waits
-    assert abs(unplanted_ratio - 1) <= 0.10  # without the plant the arms train at the same speed
+    # Without the plant the arms train at about the same speed (14% apart was seen with eight other jobs on the two
+    # cores); a wait outside the timed step would read as 1/1.5 here.
+    assert 0.8 <= unplanted_ratio <= 1.25
     truth = (1 + realized) * unplanted_ratio - 1
     # Unbiased within its interval (twice the half-width: the benchmark, not a unit test, measures the coverage).
     assert abs(summary.tax.tax - truth) <= 2 * summary.tax.half_width
