@@ -53,6 +53,7 @@ from taxbench.rundir.provenance import capture_launch
 
 if TYPE_CHECKING:
     from taxbench.commands.scan import ScanSettings
+    from taxbench.launchers.local import RankMain
 
 log = logger(__name__)
 
@@ -62,15 +63,18 @@ def fail(message: str, code: int = exit_codes.CONFIG_ERROR) -> None:
     raise SystemExit(code)
 
 
-def launch(cfg: TaxbenchConfig, root: Path) -> bool:
-    """Run the experiment; False when there is nothing to report yet: only queued (Slurm points of a multirun: the
-    sweep report waits), or a Slurm dry run (cluster.dry_run=true: the job script is written, nothing submitted)."""
+def launch(cfg: TaxbenchConfig, root: Path, rank_main: RankMain | None = None) -> bool:
+    """Run the experiment (or what `rank_main` runs on every rank: taxbench verify's rerun); False when there is
+    nothing to report yet: only queued (Slurm points of a multirun: the sweep report waits), or a Slurm dry run
+    (cluster.dry_run=true: the job script is written, nothing submitted)."""
     from taxbench.launchers.local import launch_inprocess, launch_local
+    from taxbench.launchers.worker import run_rank
 
+    rank_main = rank_main or run_rank
     if cfg.cluster.launcher is Launcher.local:
-        launch_local(cfg, root)
+        launch_local(cfg, root, rank_main)
     elif cfg.cluster.launcher is Launcher.inprocess:
-        launch_inprocess(cfg, root)
+        launch_inprocess(cfg, root, rank_main)
     elif cfg.cluster.launcher is Launcher.slurm:
         try:
             from taxbench.launchers.slurm import dry_run_slurm, launch_slurm
@@ -80,7 +84,7 @@ def launch(cfg: TaxbenchConfig, root: Path) -> bool:
             if cfg.cluster.dry_run:
                 dry_run_slurm(cfg, root)
                 return False
-            return launch_slurm(cfg, root, block=not _is_multirun())
+            return launch_slurm(cfg, root, block=not _is_multirun(), rank_main=rank_main)
         except ConfigError as exc:
             fail(str(exc))
     else:
@@ -203,6 +207,12 @@ def _build_shards(args: argparse.Namespace) -> int:
     return build_shards_command(args.text_file, args.out_dir, args.tokens_per_shard, args.dtype)
 
 
+def _certificate(args: argparse.Namespace) -> int:
+    from taxbench.commands.verify import certificate_command
+
+    return certificate_command(args.experiment, args.out)
+
+
 def _tracing(args: argparse.Namespace) -> int:
     from taxbench.commands.tracing import run_tracing_command
 
@@ -239,6 +249,11 @@ def _parser() -> argparse.ArgumentParser:
     shards_cmd.add_argument("--tokens-per-shard", type=int, default=1 << 24)
     shards_cmd.add_argument("--dtype", choices=["uint16", "uint32"], default="uint16")
     shards_cmd.set_defaults(handler=_build_shards)
+    cert_cmd = sub.add_parser("certificate", help="write the portable reference of an experiment's deterministic run "
+                              "(per-step, per-rank fingerprints and the manifest's essentials) for taxbench verify")
+    cert_cmd.add_argument("experiment", type=Path, help="an experiment directory (runs/<experiment>)")
+    cert_cmd.add_argument("-o", "--out", type=Path, required=True, help="the certificate file to write")
+    cert_cmd.set_defaults(handler=_certificate)
     add_tracing_parsers(sub)
     for name in ("diff", "localize"):
         sub.choices[name].set_defaults(handler=_tracing)
@@ -254,11 +269,12 @@ def subcommand(argv: list[str]) -> int:
     return exit_codes.CONFIG_ERROR
 
 
-SUBCOMMANDS = ("analyse", "report", "build-shards", "diff", "localize")
+SUBCOMMANDS = ("analyse", "report", "build-shards", "diff", "localize", "certificate")
 # Subcommands that take Hydra overrides like an experiment, plus keys of their own.
 LAYOUTS = "layouts"
 SCAN = "scan"
-HYDRA_SUBCOMMANDS = (LAYOUTS, SCAN)
+VERIFY = "verify"
+HYDRA_SUBCOMMANDS = (LAYOUTS, SCAN, VERIFY)
 LAYOUTS_USAGE = """usage: taxbench layouts [hydra overrides] 'layouts=[L1, L2, ...]' [policy=deterministic|baseline]
 
 Runs the recipe under each layout, two runs of one arm's policy per layout (default: the deterministic arm), and
@@ -381,6 +397,50 @@ def run_scan_command(argv: list[str]) -> int:
     return _print_to_a_pipe(render(scans, out), exit_code(scans))
 
 
+VERIFY_USAGE = """usage: taxbench verify EXPERIMENT_DIR|CERTIFICATE [overrides] [verify.avoid_reference_nodes=true]
+
+Reruns the reference's deterministic recipe once (its deterministic-0, from the config in its manifest or certificate)
+and compares every step's fingerprints bit for bit with the reference's, over the steps both have. Only where and how
+the rerun runs may be overridden (cluster launcher/profile, partition, account, qos, time limit, threads_per_rank,
+nodes, setup, sbatch_args, experiment.out_dir/name/steps); any other difference is refused naming the keys. With
+verify.avoid_reference_nodes=true a Slurm rerun excludes the reference's hostnames (sbatch --exclude). Writes
+verify.json beside the rerun. Exit 0 identical, 3 a fingerprint differs (first step, rank, metric; the manifests'
+differences as suspects; the localize command), 4 evidence missing, 2 bad input (a damaged or edited certificate).
+
+  python -m taxbench verify runs/ref
+  taxbench certificate runs/ref -o ref.cert && python -m taxbench verify ref.cert cluster=slurm_cpu
+"""
+
+
+def run_verify_command(argv: list[str]) -> int:
+    """`taxbench verify`: rerun a stored deterministic run and compare it bitwise (taxbench.commands.verify)."""
+    if not argv or any(arg in ("-h", "--help") for arg in argv):
+        return _print_to_a_pipe(VERIFY_USAGE, exit_codes.OK if argv else exit_codes.CONFIG_ERROR)
+    from taxbench.commands.verify import OWN_KEYS, conclude, load_reference, plan_rerun, render, settings_of
+    from taxbench.launchers.local import RankFailed
+    from taxbench.launchers.worker import run_rerun_rank
+    from taxbench.rundir.read import RecordError
+
+    own = {arg.partition("=")[0]: arg.partition("=")[2] for arg in argv[1:] if arg.startswith("verify.")}
+    unknown = sorted(set(own) - set(OWN_KEYS))
+    if unknown:
+        fail(f"unknown verify setting {unknown[0]!r}; verify takes {', '.join(OWN_KEYS)}")
+    overrides = [arg for arg in argv[1:] if not arg.startswith("verify.")]
+    with _one_line_input_errors(RecordError):
+        reference = load_reference(Path(argv[0]))
+        cfg = plan_rerun(reference, _compose(overrides), overrides, settings_of(own))
+        with claimed(cfg, experiment_root(cfg)) as root:
+            capture_launch()
+            try:
+                if not launch(cfg, root, run_rerun_rank):
+                    return exit_codes.OK
+            except RankFailed as exc:
+                fail(str(exc), exit_codes.FAILED)
+            result = conclude(reference, root)
+        return _print_to_a_pipe(render(result), result.exit_code)
+    return exit_codes.CONFIG_ERROR
+
+
 def _print_to_a_pipe(text: str, code: int) -> int:
     """Print `text` and return `code`, also when stdout's reader went away (`taxbench scan | head -3`): the verdict
     does not depend on who read it."""
@@ -499,6 +559,8 @@ def main() -> None:
         raise SystemExit(run_layouts_command(argv[1:]))
     if argv and argv[0] == SCAN:
         raise SystemExit(run_scan_command(argv[1:]))
+    if argv and argv[0] == VERIFY:
+        raise SystemExit(run_verify_command(argv[1:]))
     word = _unknown_word(argv)
     if word is not None:
         close = difflib.get_close_matches(word, SUBCOMMANDS + HYDRA_SUBCOMMANDS, n=1)
