@@ -164,8 +164,11 @@ def _assign(node: dict[str, Any], path: str, value: Any) -> None:
     node[last] = value
 
 
-def _may_change(key: str) -> bool:
-    return any(key == allowed or key.startswith(allowed + ".") for allowed in RERUN_MAY_CHANGE)
+def _may_change(key: str, config: dict[str, Any]) -> bool:
+    """Whether a rerun may differ from its reference in `key`: where and how it runs, or the world-size key of the
+    other device (cluster.gpus on CPU ranks: the device itself may not change)."""
+    unused = "cluster.gpus" if config["cluster"]["device"] == "cpu" else "cluster.cpu_ranks"
+    return key == unused or any(key == allowed or key.startswith(allowed + ".") for allowed in RERUN_MAY_CHANGE)
 
 
 def rerun_config(reference: Reference, composed: DictConfig, overrides: list[str],
@@ -185,7 +188,7 @@ def rerun_config(reference: Reference, composed: DictConfig, overrides: list[str
         rerun["experiment"]["steps"] = reference.steps
     if settings.avoid_reference_nodes:
         _exclude_reference_nodes(rerun, reference)
-    refused = [(key, a, b) for key, a, b in differences(stored, rerun) if not _may_change(key)]
+    refused = [(key, a, b) for key, a, b in differences(stored, rerun) if not _may_change(key, stored)]
     if refused:
         shown = "; ".join(f"{key}: {redact(a)!r} in the reference, {redact(b)!r} here" for key, a, b in refused)
         raise VerifyError(f"verify reruns the reference's recipe as recorded; only where and how it runs may change "
