@@ -56,8 +56,8 @@ RERUN_MAY_CHANGE = (
     "cluster.gpus_per_node", "cluster.threads_per_rank", "cluster.partition", "cluster.account", "cluster.qos",
     "cluster.constraint", "cluster.time_min", "cluster.setup", "cluster.sbatch_args", "cluster.submitit_dir",
     "cluster.dry_run", "cluster.peak_tflops",
-    "experiment.name", "experiment.out_dir", "experiment.steps", "experiment.checkpoint_every_steps",
-    "experiment.continue_existing", "report",
+    "experiment.name", "experiment.out_dir", "experiment.steps", "experiment.block_steps",
+    "experiment.checkpoint_every_steps", "experiment.continue_existing", "report",
 )
 OWN_KEYS = ("verify.avoid_reference_nodes",)
 
@@ -194,6 +194,9 @@ def rerun_config(reference: Reference, composed: DictConfig, overrides: list[str
         raise VerifyError(f"verify reruns the reference's recipe as recorded; only where and how it runs may change "
                           f"(cluster launcher, partition, time limit, threads, out_dir, ...), but these differ: "
                           f"{shown}; drop those overrides")
+    # The experiment's other runs' settings (warmup, the resumed replica, a precision target) do not apply to the
+    # rerun's one whole run; neutral values keep a shorter rerun valid.
+    rerun["experiment"].update(warmup_steps=0, resume_step=1, target_half_width=0.0, max_steps=0)
     return rerun
 
 
@@ -221,8 +224,8 @@ def plan_rerun(reference: Reference, composed: DictConfig, overrides: list[str],
     if cfg.cluster.launcher is Launcher.torchrun:
         raise VerifyError("verify starts its rerun itself; cluster=torchrun is started by someone else: use "
                           "cluster=local, cluster=inprocess or cluster=slurm")
-    if cfg.experiment.steps < 1:
-        raise VerifyError(f"experiment.steps={cfg.experiment.steps}: verify compares at least one step")
+    if cfg.experiment.steps < 2:
+        raise VerifyError(f"experiment.steps={cfg.experiment.steps}: verify reruns at least 2 steps")
     check_before_launch(cfg)
     return cfg
 
