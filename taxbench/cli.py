@@ -414,8 +414,11 @@ differences as suspects; the localize command), 4 evidence missing, 2 bad input 
 
 def run_verify_command(argv: list[str]) -> int:
     """`taxbench verify`: rerun a stored deterministic run and compare it bitwise (taxbench.commands.verify)."""
-    if not argv or any(arg in ("-h", "--help") for arg in argv):
-        return _print_to_a_pipe(VERIFY_USAGE, exit_codes.OK if argv else exit_codes.CONFIG_ERROR)
+    if any(arg in ("-h", "--help") for arg in argv):
+        return _print_to_a_pipe(VERIFY_USAGE, exit_codes.OK)
+    if not argv:
+        fail("taxbench verify needs a reference: an experiment folder (runs/<experiment>) or a certificate file "
+             "(taxbench verify --help)")
     from taxbench.commands.verify import OWN_KEYS, conclude, load_reference, plan_rerun, render, settings_of
     from taxbench.launchers.local import RankFailed
     from taxbench.launchers.worker import run_rerun_rank
