@@ -112,11 +112,17 @@ def test_an_edit_with_a_recomputed_hash_fails_at_the_edited_step(reference: Path
 def test_a_different_step_names_step_rank_and_metric(reference: Path, tmp_path: Path) -> None:
     rerun = as_rerun(reference, tmp_path)
     edit_record(rerun / "deterministic-0", 5, "optim", "f" * 16)
+    manifest_path = rerun / "deterministic-0" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["stack"]["packages"]["torchtitan"] = "9.9.9"  # as if the rerun's environment had upgraded it
+    manifest_path.write_text(json.dumps(manifest))
     result = conclude(load_reference(reference), rerun)
     assert result.exit_code == exit_codes.NOT_DETERMINISTIC
     first = result.verdict.first_mismatch
     assert first is not None and (first.step, first.rank, first.metric) == (5, 0, "optim")
-    assert "localize" in (result.localize_command() or "")
+    assert [key for key, _, _ in result.suspects] == ["stack.packages.torchtitan"]
+    assert result.localize_command() == (f"python -m taxbench localize {reference / 'deterministic-0'} "
+                                         f"{rerun / 'deterministic-0'}")
 
 
 def test_a_missing_record_is_incomplete_not_identical(reference: Path, tmp_path: Path) -> None:

@@ -34,7 +34,7 @@ HASH_KEY = "content_sha256"
 # The manifest's sections (and keys within them) that say where and on what a run executed: a rerun that differs
 # from its reference is traced back to what differs here. Per-rank detail is summed up by stack.hostnames.
 ESSENTIAL_SECTIONS: dict[str, tuple[str, ...] | None] = {
-    "stack": None,  # torch, CUDA, cuDNN, NCCL, driver, GPU model, hostnames, CPU threads, Python, platform
+    "stack": None,  # torch, CUDA, cuDNN, NCCL, driver, GPU model, hostnames, CPU threads, Python, stack packages
     "policy_applied": None,  # the determinism switches and environment variables as the process had them
     "stack_switch": None,  # a training stack's own determinism switch (torchtitan, Megatron-Core, ...)
     "timing": ("torch_threads", "interop_threads"),
