@@ -79,9 +79,9 @@ def start_ranks(cfg: TaxbenchConfig, root: Path, rank_main: RankMain = run_rank)
         raise RankFailed(rank_failure(exc)) from None
 
 
-def launch_local(cfg: TaxbenchConfig, root: Path) -> None:
+def launch_local(cfg: TaxbenchConfig, root: Path, rank_main: RankMain = run_rank) -> None:
     try:
-        start_ranks(cfg, root)
+        start_ranks(cfg, root, rank_main)
     except RankFailed as exc:
         raise rank_failed(str(exc), cfg.experiment.name) from None
 
@@ -131,9 +131,9 @@ def _hydra_value(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def launch_inprocess(cfg: TaxbenchConfig, root: Path) -> None:
+def launch_inprocess(cfg: TaxbenchConfig, root: Path, rank_main: RankMain = run_rank) -> None:
     addr = cfg.cluster.master_addr
     try:
-        run_rank(0, 1, 0, cfg, str(root), addr, cfg.cluster.master_port or free_port(addr))
+        rank_main(0, 1, 0, cfg, str(root), addr, cfg.cluster.master_port or free_port(addr))
     except (RunWriteError, CheckpointError) as exc:  # one-line errors of the run itself, as from a spawned rank
         raise rank_failed(f"rank 0 failed: {exc}", cfg.experiment.name) from None

@@ -37,6 +37,7 @@ from submitit.core.utils import FailedJobError, UncompletedJobError
 
 from taxbench.config.schema import ClusterConfig, ConfigError, Device, TaxbenchConfig, world_size
 from taxbench.diagnostics import logger
+from taxbench.launchers.local import RankMain
 from taxbench.launchers.worker import run_rank
 from taxbench.parallel.plan import make_plan, render_plan
 from taxbench.redaction import redact, redact_text
@@ -183,9 +184,11 @@ def make_executor(cfg: TaxbenchConfig, root: Path,
 class SlurmExperiment(submitit.helpers.Checkpointable):
     """What each Slurm task runs. Stateless: requeueing resubmits it as is and the experiment resumes from disk."""
 
-    def __init__(self, cfg: TaxbenchConfig, root: str, master_addr: str, master_port: int) -> None:
+    def __init__(self, cfg: TaxbenchConfig, root: str, master_addr: str, master_port: int,
+                 rank_main: RankMain = run_rank) -> None:
         self.cfg, self.root = cfg, root
         self.master_addr, self.master_port = master_addr, master_port
+        self.rank_main = rank_main  # what each task runs: the experiment schedule, or taxbench verify's rerun
 
     def __call__(self) -> dict[str, Any]:
         env = submitit.helpers.TorchDistributedEnvironment()
@@ -201,7 +204,7 @@ class SlurmExperiment(submitit.helpers.Checkpointable):
         # export() refuses to overwrite variables a requeued or nested job already has.
         addr = env.master_addr if self.master_addr == ALLOCATION_MASTER else self.master_addr
         port = self.master_port or env.master_port
-        run_rank(env.rank, env.world_size, env.local_rank, self.cfg, self.root, addr, port)
+        self.rank_main(env.rank, env.world_size, env.local_rank, self.cfg, self.root, addr, port)
         return {
             "rank": env.rank,
             "host": socket.gethostname(),
@@ -228,11 +231,11 @@ def make_job_files_private(job: submitit.Job[Any]) -> None:
             pass
 
 
-def submit(cfg: TaxbenchConfig, root: Path) -> submitit.Job[Any]:
+def submit(cfg: TaxbenchConfig, root: Path, rank_main: RankMain = run_rank) -> submitit.Job[Any]:
     preflight(cfg)
     executor = make_executor(cfg, root)
     make_private_folder(cfg, root)
-    task = SlurmExperiment(job_config(cfg), str(root), cfg.cluster.master_addr, cfg.cluster.master_port)
+    task = SlurmExperiment(job_config(cfg), str(root), cfg.cluster.master_addr, cfg.cluster.master_port, rank_main)
     try:
         job = executor.submit(task)
     except FailedJobError as exc:  # sbatch refused the job (controller down, bad partition, ...); it printed why
@@ -261,9 +264,10 @@ def wait(job: submitit.Job[Any], root: Path) -> list[dict[str, Any]]:
         ) from exc
 
 
-def launch_slurm(cfg: TaxbenchConfig, root: Path, block: bool = True) -> bool:
-    """Submit the experiment; True once it has finished, False when it was queued without waiting (multirun)."""
-    job = submit(cfg, root)
+def launch_slurm(cfg: TaxbenchConfig, root: Path, block: bool = True, rank_main: RankMain = run_rank) -> bool:
+    """Submit the experiment (or what `rank_main` runs on every task); True once it has finished, False when it was
+    queued without waiting (multirun)."""
+    job = submit(cfg, root, rank_main)
     print(f"taxbench: submitted Slurm job {job.job_id} ({root}); logs in {job.paths.folder}", flush=True)
     if not block:
         SUBMITTED.append((root, job))

@@ -16,6 +16,7 @@ from taxbench.parallel.distributed import DistContext
 from taxbench.progress import step_progress
 from taxbench.schedule.experiment import Experiment, total_steps
 from taxbench.schedule.repeats import REPLICAS, RepeatedRuns
+from taxbench.schedule.rerun import Rerun
 
 
 @contextmanager
@@ -52,3 +53,11 @@ def run_repeats_rank(rank: int, world_size: int, local_rank: int, cfg: TaxbenchC
     with rank_process([cfg], rank, world_size, local_rank, master_addr, master_port) as ctx, \
             step_progress(len(REPLICAS) * cfg.experiment.steps, Path(root).name, enabled=rank == 0) as progress:
         RepeatedRuns(cfg, ctx, Path(root), arm, progress).run()
+
+
+def run_rerun_rank(rank: int, world_size: int, local_rank: int, cfg: TaxbenchConfig, root: str,
+                   master_addr: str, master_port: int) -> None:
+    """This rank's share of one run of the deterministic arm (taxbench verify's rerun)."""
+    with rank_process([cfg], rank, world_size, local_rank, master_addr, master_port) as ctx, \
+            step_progress(cfg.experiment.steps, Path(root).name, enabled=rank == 0) as progress:
+        Rerun(cfg, ctx, Path(root), progress).run()

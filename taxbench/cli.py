@@ -55,6 +55,7 @@ from taxbench.rundir.provenance import capture_launch
 
 if TYPE_CHECKING:
     from taxbench.commands.scan import ScanSettings
+    from taxbench.launchers.local import RankMain
 
 log = logger(__name__)
 
@@ -64,15 +65,18 @@ def fail(message: str, code: int = exit_codes.CONFIG_ERROR) -> None:
     raise SystemExit(code)
 
 
-def launch(cfg: TaxbenchConfig, root: Path) -> bool:
-    """Run the experiment; False when there is nothing to report yet: only queued (Slurm points of a multirun: the
-    sweep report waits), or a Slurm dry run (cluster.dry_run=true: the job script is written, nothing submitted)."""
+def launch(cfg: TaxbenchConfig, root: Path, rank_main: RankMain | None = None) -> bool:
+    """Run the experiment (or what `rank_main` runs on every rank: taxbench verify's rerun); False when there is
+    nothing to report yet: only queued (Slurm points of a multirun: the sweep report waits), or a Slurm dry run
+    (cluster.dry_run=true: the job script is written, nothing submitted)."""
     from taxbench.launchers.local import launch_inprocess, launch_local
+    from taxbench.launchers.worker import run_rank
 
+    rank_main = rank_main or run_rank
     if cfg.cluster.launcher is Launcher.local:
-        launch_local(cfg, root)
+        launch_local(cfg, root, rank_main)
     elif cfg.cluster.launcher is Launcher.inprocess:
-        launch_inprocess(cfg, root)
+        launch_inprocess(cfg, root, rank_main)
     elif cfg.cluster.launcher is Launcher.slurm:
         try:
             from taxbench.launchers.slurm import dry_run_slurm, launch_slurm
@@ -82,7 +86,7 @@ def launch(cfg: TaxbenchConfig, root: Path) -> bool:
             if cfg.cluster.dry_run:
                 dry_run_slurm(cfg, root)
                 return False
-            return launch_slurm(cfg, root, block=not _is_multirun())
+            return launch_slurm(cfg, root, block=not _is_multirun(), rank_main=rank_main)
         except ConfigError as exc:
             fail(str(exc))
     else:
@@ -205,6 +209,12 @@ def _build_shards(args: argparse.Namespace) -> int:
     return build_shards_command(args.text_file, args.out_dir, args.tokens_per_shard, args.dtype)
 
 
+def _certificate(args: argparse.Namespace) -> int:
+    from taxbench.commands.verify import certificate_command
+
+    return certificate_command(args.experiment, args.out)
+
+
 def _tracing(args: argparse.Namespace) -> int:
     from taxbench.commands.tracing import run_tracing_command
 
@@ -294,6 +304,14 @@ def _parser() -> argparse.ArgumentParser:
                          help="record larger tensors by shape only (bounds rung-3 cost); 0 = no limit")
     loc_cmd.add_argument("--json", action="store_true", help="print the result as JSON")
     loc_cmd.set_defaults(handler=_tracing)
+    cert_cmd = _subparser(
+        sub, "certificate", "write an experiment's portable reference",
+        "Write the portable reference of an experiment's deterministic run (its per-step, per-rank fingerprints "
+        "and the manifest's essentials, hash-sealed), small enough to commit, for taxbench verify.",
+        "exit codes: 0 written, 2 bad input, 4 incomplete evidence (records missing or unreadable)")
+    cert_cmd.add_argument("experiment", type=Path, help="an experiment folder (runs/<experiment>)")
+    cert_cmd.add_argument("-o", "--out", type=Path, required=True, help="the certificate file to write")
+    cert_cmd.set_defaults(handler=_certificate)
     return parser
 
 
@@ -306,11 +324,12 @@ def subcommand(argv: list[str]) -> int:
     return exit_codes.CONFIG_ERROR
 
 
-SUBCOMMANDS = ("analyse", "report", "build-shards", "diff", "localize")
+SUBCOMMANDS = ("analyse", "report", "build-shards", "diff", "localize", "certificate")
 # Subcommands that take Hydra overrides like an experiment, plus keys of their own.
 LAYOUTS = "layouts"
 SCAN = "scan"
-HYDRA_SUBCOMMANDS = (LAYOUTS, SCAN)
+VERIFY = "verify"
+HYDRA_SUBCOMMANDS = (LAYOUTS, SCAN, VERIFY)
 LAYOUTS_USAGE = """\
 usage: taxbench layouts [hydra overrides] 'layouts=[L1, L2, ...]'
                         [policy=deterministic|baseline]
@@ -357,6 +376,10 @@ Work on results (taxbench SUBCOMMAND --help for each):
   layouts [overrides] 'layouts=[pp1.dp4, pp2.dp2]'
                              one recipe under several parallel layouts
   scan [overrides]           replay every op of one step per policy
+  verify EXPERIMENT|CERT [overrides]
+                             rerun a stored deterministic run, compare bits
+  certificate EXPERIMENT -o FILE
+                             an experiment's portable reference, for verify
   build-shards TEXT OUT_DIR  tokenize a text file into token shards
 
 Shell completion: eval "$(taxbench -sc install=bash)"
@@ -499,6 +522,61 @@ def run_scan_command(argv: list[str]) -> int:
     return _print_to_a_pipe(render(scans, out), exit_code(scans))
 
 
+VERIFY_USAGE = """\
+usage: taxbench verify EXPERIMENT|CERTIFICATE [overrides]
+                       [verify.avoid_reference_nodes=true]
+
+Reruns the reference's deterministic recipe once (its deterministic-0, from the
+config in its manifest or certificate) and compares every step's fingerprints
+bit for bit with the reference's, over the steps both have. Only where and how
+the rerun runs may be overridden (cluster launcher/profile, partition, account,
+qos, time limit, threads_per_rank, nodes, setup, sbatch_args,
+experiment.out_dir/name/steps); any other difference is refused naming the
+keys. With verify.avoid_reference_nodes=true a Slurm rerun excludes the
+reference's hostnames (sbatch --exclude). Writes verify.json beside the rerun.
+
+  python -m taxbench verify runs/ref
+  taxbench certificate runs/ref -o ref.cert
+  python -m taxbench verify ref.cert cluster=slurm_cpu
+
+exit codes: 0 identical, 2 bad input (a damaged or edited certificate), 3 a
+fingerprint differs (first step, rank and metric; the manifests' differences as
+suspects; the localize command), 4 evidence missing
+"""
+
+
+def run_verify_command(argv: list[str]) -> int:
+    """`taxbench verify`: rerun a stored deterministic run and compare it bitwise (taxbench.commands.verify)."""
+    if any(arg in ("-h", "--help") for arg in argv):
+        return _print_to_a_pipe(VERIFY_USAGE, exit_codes.OK)
+    if not argv:
+        fail("taxbench verify needs a reference: an experiment folder (runs/<experiment>) or a certificate file "
+             "(taxbench verify --help)")
+    from taxbench.commands.verify import OWN_KEYS, conclude, load_reference, plan_rerun, render, settings_of
+    from taxbench.launchers.local import RankFailed
+    from taxbench.launchers.worker import run_rerun_rank
+    from taxbench.rundir.read import RecordError
+
+    own = {arg.partition("=")[0]: arg.partition("=")[2] for arg in argv[1:] if arg.startswith("verify.")}
+    unknown = sorted(set(own) - set(OWN_KEYS))
+    if unknown:
+        fail(f"unknown verify setting {unknown[0]!r}; verify takes {', '.join(OWN_KEYS)}")
+    overrides = [arg for arg in argv[1:] if not arg.startswith("verify.")]
+    with _one_line_input_errors(RecordError):
+        reference = load_reference(Path(argv[0]))
+        cfg = plan_rerun(reference, _compose(overrides), overrides, settings_of(own))
+        with claimed(cfg, experiment_root(cfg)) as root:
+            capture_launch()
+            try:
+                if not launch(cfg, root, run_rerun_rank):
+                    return exit_codes.OK
+            except RankFailed as exc:
+                fail(str(exc), exit_codes.FAILED)
+            result = conclude(reference, root)
+        return _print_to_a_pipe(render(result), result.exit_code)
+    return exit_codes.CONFIG_ERROR
+
+
 def _print_to_a_pipe(text: str, code: int) -> int:
     """Print `text` and return `code`, also when stdout's reader went away (`taxbench scan | head -3`): the verdict
     does not depend on who read it."""
@@ -617,6 +695,8 @@ def main() -> None:
         raise SystemExit(run_layouts_command(argv[1:]))
     if argv and argv[0] == SCAN:
         raise SystemExit(run_scan_command(argv[1:]))
+    if argv and argv[0] == VERIFY:
+        raise SystemExit(run_verify_command(argv[1:]))
     if "--help" in argv or "-h" in argv:
         raise SystemExit(_print_to_a_pipe(main_help(), exit_codes.OK))
     word = _unknown_word(argv)

@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from taxbench.cli import HYDRA_SUBCOMMANDS, LAYOUTS_USAGE, SCAN_USAGE, SUBCOMMANDS, _parser, main_help
+from taxbench.cli import (
+    HYDRA_SUBCOMMANDS,
+    LAYOUTS_USAGE,
+    SCAN_USAGE,
+    SUBCOMMANDS,
+    VERIFY_USAGE,
+    _parser,
+    main_help,
+)
 
 
 @pytest.fixture
@@ -114,7 +122,7 @@ def test_every_help_fits_80_columns_and_names_the_exit_codes(monkeypatch: pytest
     monkeypatch.setenv("COLUMNS", "200")  # a wide terminal: the help is still wrapped for 80
     parser = _parser()
     subcommands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
-    texts = {"--help": main_help(), "layouts": LAYOUTS_USAGE, "scan": SCAN_USAGE,
+    texts = {"--help": main_help(), "layouts": LAYOUTS_USAGE, "scan": SCAN_USAGE, "verify": VERIFY_USAGE,
              **{name: subcommands.choices[name].format_help() for name in SUBCOMMANDS}}
     assert set(texts) == {"--help", *SUBCOMMANDS, *HYDRA_SUBCOMMANDS}
     for name, text in texts.items():

@@ -6,12 +6,28 @@ import platform
 import socket
 import subprocess
 from functools import cache
+from importlib import metadata
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from taxbench.parallel.distributed import DistContext
+
+# Training stacks and kernel libraries whose version changes what a step computes: recorded where installed, so that
+# `taxbench verify` can name an upgrade among the suspects.
+STACK_PACKAGES = ("torchtitan", "megatron-core", "deepspeed", "transformer-engine", "torchao", "triton")
+
+
+@cache
+def package_versions() -> dict[str, str]:
+    versions = {}
+    for name in STACK_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return versions
 
 
 @cache
@@ -39,6 +55,7 @@ def local_stack(device: torch.device) -> dict[str, Any]:
         "gpu": None,
         "driver": None,
         "cpu_threads": torch.get_num_threads(),
+        "packages": package_versions(),
     }
     if device.type == "cuda":
         stack["nccl"] = ".".join(str(v) for v in torch.cuda.nccl.version())

@@ -1,0 +1,344 @@
+"""`taxbench verify` and `taxbench certificate`: check a later rerun of a recipe bitwise against a stored run.
+
+The gates compare runs inside one launch. verify answers the question across launches: rerun today, on other nodes or
+after an upgrade, does the deterministic recipe still give the bits of the run we trust? The reference is an experiment
+folder (its deterministic-0) or a certificate made from one (taxbench.rundir.certificate). The rerun is one run of the
+deterministic arm (taxbench.schedule.rerun) with the reference's recorded config; only where and how it runs may be
+overridden (RERUN_MAY_CHANGE). Its fingerprints are compared with the reference's by the gates' comparer
+(analysis.verdicts.compare_runs) over the steps both have. On a difference, what differs between the two runs'
+manifests is listed as suspects (taxbench.rundir.certificate.essentials), with the `localize` command that replays both.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from omegaconf import DictConfig, OmegaConf
+
+from taxbench import exit_codes
+from taxbench.analysis.summary import expected_steps
+from taxbench.analysis.verdicts import DIFFERS, IDENTICAL, Verdict, compare_runs
+from taxbench.config.pairing import differences
+from taxbench.config.schema import ConfigError, Launcher, TaxbenchConfig, launch_stamp, load_config
+from taxbench.preflight import check_before_launch
+from taxbench.redaction import redact
+from taxbench.rundir.certificate import (
+    Certificate,
+    essentials,
+    hostnames,
+    make_certificate,
+    read_certificate,
+    write_certificate,
+)
+from taxbench.rundir.read import (
+    RecordError,
+    check_run,
+    config_problems,
+    identity_problems,
+    load_checked_run,
+    load_manifest,
+    load_run,
+    manifest_value,
+)
+from taxbench.rundir.records import MANIFEST, write_text_atomically
+from taxbench.schedule.rerun import RERUN
+
+SUMMARY_FILE = "verify.json"  # in the rerun's experiment folder
+# Settings a rerun may change: where and how it runs, never what it computes. A key matches itself and its children.
+RERUN_MAY_CHANGE = (
+    "cluster.name", "cluster.launcher", "cluster.master_addr", "cluster.master_port", "cluster.nodes",
+    "cluster.gpus_per_node", "cluster.threads_per_rank", "cluster.partition", "cluster.account", "cluster.qos",
+    "cluster.constraint", "cluster.time_min", "cluster.setup", "cluster.sbatch_args", "cluster.submitit_dir",
+    "cluster.dry_run", "cluster.peak_tflops",
+    "experiment.name", "experiment.out_dir", "experiment.steps", "experiment.block_steps",
+    "experiment.checkpoint_every_steps", "experiment.continue_existing", "report",
+)
+OWN_KEYS = ("verify.avoid_reference_nodes",)
+
+
+class VerifyError(ConfigError):
+    """verify cannot run as asked; the message names the settings and the fix."""
+
+
+@dataclass(frozen=True)
+class Reference:
+    """What a rerun is checked against: a run folder's deterministic-0 or a certificate."""
+
+    source: str  # as the user named it
+    run_dir: Path | None  # the reference run folder, where it exists here (localize replays it)
+    made_from: str  # the run folder the reference describes
+    experiment: str
+    config: dict[str, Any]
+    steps: int
+    world_size: int
+    essentials: dict[str, Any]
+    frame: pd.DataFrame
+    problems: tuple[str, ...] = ()  # why a run folder's evidence is not its own or its length unknown
+    certificate: bool = False
+
+    def grid_problems(self, steps: int) -> list[str]:
+        """What keeps the reference from holding steps 1..`steps` of every rank once (a certificate always does)."""
+        if self.certificate or self.run_dir is None:
+            return []
+        return check_run(self.run_dir.name, self.run_dir, _up_to(self.frame, steps), steps, self.world_size)
+
+
+def _run_dir_of(path: Path) -> Path:
+    """An experiment folder's deterministic-0, or the run folder itself."""
+    if (path / MANIFEST).exists():
+        return path
+    if (path / RERUN.name).is_dir():
+        return path / RERUN.name
+    raise RecordError(f"{path}: neither an experiment folder with {RERUN.name}/ nor a run folder with {MANIFEST}; "
+                      "name the experiment (runs/<experiment>) or a certificate file")
+
+
+def load_reference(path: Path) -> Reference:
+    """The reference named on the command line: a certificate file, or an experiment (or run) folder."""
+    if path.is_file():
+        return _from_certificate(read_certificate(path))
+    if not path.exists():
+        raise RecordError(f"{path}: no such experiment folder or certificate")
+    run_dir = _run_dir_of(path)
+    manifest = load_manifest(run_dir)
+    config = manifest.get("config")
+    if not isinstance(config, dict) or f"{manifest.get('arm')}-{manifest.get('replica')}" != RERUN.name:
+        raise RecordError(f"{run_dir / MANIFEST}: not the manifest of a {RERUN.name} run with its config; verify "
+                          "checks against an experiment's deterministic-0")
+    steps, _, problems = expected_steps(run_dir.parent, config["experiment"])
+    frame = load_run(run_dir, empty_ok=True)
+    problems += identity_problems(run_dir, manifest, frame) + config_problems(run_dir, manifest, config)
+    world = int(manifest_value(manifest, run_dir, "layout.world_size"))
+    return Reference(str(path), run_dir, str(run_dir), str(manifest.get("experiment")), config, steps, world,
+                     essentials(manifest), frame, tuple(problems))
+
+
+def _from_certificate(cert: Certificate) -> Reference:
+    made_from = Path(cert.made_from)
+    here = made_from if (made_from / MANIFEST).exists() else None
+    return Reference(str(cert.path), here, cert.made_from, cert.experiment, cert.config, cert.steps, cert.world_size,
+                     cert.essentials, cert.frame(), certificate=True)
+
+
+# --------------------------------------------------------------------------------------------------- the rerun
+@dataclass(frozen=True)
+class VerifySettings:
+    avoid_reference_nodes: bool = False
+
+
+def settings_of(own: dict[str, str]) -> VerifySettings:
+    value = own.get("verify.avoid_reference_nodes", "false").lower()
+    if value not in ("true", "false"):
+        raise VerifyError(f"verify.avoid_reference_nodes={value!r}; use true or false")
+    return VerifySettings(avoid_reference_nodes=value == "true")
+
+
+def _override_path(override: str) -> str | None:
+    """The config path an override sets (`cluster=slurm` sets the node cluster, `mode@arms.x=m` the node arms.x),
+    None for Hydra's own settings."""
+    key = override.lstrip("+~").partition("=")[0]
+    if key.startswith("hydra.") or key == "hydra":
+        return None
+    return key.partition("@")[2] or key
+
+
+def _lookup(node: Any, path: str) -> Any:
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise VerifyError(f"{path} is not a config key the rerun can take (`python -m taxbench --cfg job` prints "
+                              "every valid key)")
+        node = node[part]
+    return copy.deepcopy(node)
+
+
+def _assign(node: dict[str, Any], path: str, value: Any) -> None:
+    *parents, last = path.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[last] = value
+
+
+def _may_change(key: str, config: dict[str, Any]) -> bool:
+    """Whether a rerun may differ from its reference in `key`: where and how it runs, or the world-size key of the
+    other device (cluster.gpus on CPU ranks: the device itself may not change)."""
+    unused = "cluster.gpus" if config["cluster"]["device"] == "cpu" else "cluster.cpu_ranks"
+    return key == unused or any(key == allowed or key.startswith(allowed + ".") for allowed in RERUN_MAY_CHANGE)
+
+
+def rerun_config(reference: Reference, composed: DictConfig, overrides: list[str],
+                 settings: VerifySettings) -> dict[str, Any]:
+    """The reference's config with what the overrides set (a group choice such as cluster=slurm sets its whole node)
+    and the rerun's own name and length; VerifyError naming every setting the overrides change that is not where or
+    how the run executes."""
+    given = OmegaConf.to_container(composed, resolve=True, enum_to_str=True)
+    stored = reference.config
+    rerun = copy.deepcopy(stored)
+    paths = [p for p in map(_override_path, overrides) if p is not None]
+    for path in sorted(paths, key=lambda p: p.count(".")):  # a group's node first, then keys inside it
+        _assign(rerun, path, _lookup(given, path))
+    if "experiment.name" not in paths:
+        rerun["experiment"]["name"] = f"verify-{reference.experiment}-{launch_stamp()}"
+    if "experiment.steps" not in paths:
+        rerun["experiment"]["steps"] = reference.steps
+    if settings.avoid_reference_nodes:
+        _exclude_reference_nodes(rerun, reference)
+    refused = [(key, a, b) for key, a, b in differences(stored, rerun) if not _may_change(key, stored)]
+    if refused:
+        shown = "; ".join(f"{key}: {redact(a)!r} in the reference, {redact(b)!r} here" for key, a, b in refused)
+        raise VerifyError(f"verify reruns the reference's recipe as recorded; only where and how it runs may change "
+                          f"(cluster launcher, partition, time limit, threads, out_dir, ...), but these differ: "
+                          f"{shown}; drop those overrides")
+    # The experiment's other runs' settings (warmup, the resumed replica, a precision target) do not apply to the
+    # rerun's one whole run; neutral values keep a shorter rerun valid.
+    rerun["experiment"].update(warmup_steps=0, resume_step=1, target_half_width=0.0, max_steps=0)
+    return rerun
+
+
+def _exclude_reference_nodes(rerun: dict[str, Any], reference: Reference) -> None:
+    """sbatch --exclude the reference's hosts, so the rerun really runs on other nodes."""
+    if rerun["cluster"]["launcher"] != Launcher.slurm.value:
+        raise VerifyError(f"verify.avoid_reference_nodes=true excludes the reference's nodes from a Slurm job, but "
+                          f"the rerun runs on cluster={rerun['cluster']['name']}; add cluster=slurm (or drop it)")
+    hosts = _reference_hosts(reference)
+    if not hosts:
+        raise VerifyError(f"verify.avoid_reference_nodes=true: {reference.source} records no hostnames to exclude")
+    args = rerun["cluster"].setdefault("sbatch_args", {})
+    already = [h for h in str(args.get("exclude") or "").split(",") if h]
+    args["exclude"] = ",".join(dict.fromkeys([*already, *hosts]))
+
+
+def _reference_hosts(reference: Reference) -> list[str]:
+    return hostnames(reference.essentials)
+
+
+def plan_rerun(reference: Reference, composed: DictConfig, overrides: list[str],
+               settings: VerifySettings) -> TaxbenchConfig:
+    """The rerun's typed config, checked as an experiment's would be before anything launches."""
+    cfg = load_config(rerun_config(reference, composed, overrides, settings))
+    if cfg.cluster.launcher is Launcher.torchrun:
+        raise VerifyError("verify starts its rerun itself; cluster=torchrun is started by someone else: use "
+                          "cluster=local, cluster=inprocess or cluster=slurm")
+    if cfg.experiment.steps < 2:
+        raise VerifyError(f"experiment.steps={cfg.experiment.steps}: verify reruns at least 2 steps")
+    check_before_launch(cfg)
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------------- the verdict
+@dataclass
+class VerifyResult:
+    reference: Reference
+    rerun_dir: Path
+    verdict: Verdict
+    compared_steps: int
+    rerun_steps: int
+    suspects: list[tuple[str, Any, Any]] = field(default_factory=list)
+    rerun_hosts: list[str] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        return {IDENTICAL: exit_codes.OK, DIFFERS: exit_codes.NOT_DETERMINISTIC}.get(self.verdict.outcome,
+                                                                                     exit_codes.INCOMPLETE)
+
+    def localize_command(self) -> str | None:
+        if self.verdict.outcome != DIFFERS:
+            return None
+        return shlex.join(["python", "-m", "taxbench", "localize", self.reference.made_from, str(self.rerun_dir)])
+
+    def to_dict(self) -> dict[str, Any]:
+        ref = self.reference
+        return {
+            "reference": {"source": ref.source, "run": ref.made_from, "experiment": ref.experiment,
+                          "steps": ref.steps, "hostnames": _reference_hosts(ref), "problems": list(ref.problems)},
+            "rerun": {"run": str(self.rerun_dir), "steps": self.rerun_steps, "hostnames": self.rerun_hosts},
+            "compared_steps": self.compared_steps,
+            "outcome": self.verdict.outcome,
+            "verdict": self.verdict.to_dict(),
+            "suspects": [{"key": key, "reference": redact(a), "rerun": redact(b)} for key, a, b in self.suspects],
+            "localize": self.localize_command(),
+            "exit_code": self.exit_code,
+        }
+
+
+def conclude(reference: Reference, root: Path) -> VerifyResult:
+    """Compare the rerun in experiment folder `root` with the reference over the steps both have; write verify.json."""
+    run_dir = root / RERUN.name
+    manifest = load_manifest(run_dir)
+    config = manifest["config"]
+    steps = int(config["experiment"]["steps"])
+    frame, problems = load_checked_run(run_dir, manifest, steps, config)
+    common = min(steps, reference.steps)
+    ref_problems = [*reference.problems, *reference.grid_problems(common)]  # gaps within the common steps only
+    verdict = compare_runs("verify", reference.source, _up_to(reference.frame, common), str(run_dir),
+                           _up_to(frame, common), 0, tuple(ref_problems + problems))
+    rerun_essentials = essentials(manifest)
+    result = VerifyResult(reference, run_dir, verdict, common, steps,
+                          differences(reference.essentials, rerun_essentials), hostnames(rerun_essentials))
+    write_text_atomically(root / SUMMARY_FILE, json.dumps(result.to_dict(), indent=2, default=str))
+    return result
+
+
+def _up_to(frame: pd.DataFrame, step: int) -> pd.DataFrame:
+    keep = frame["step"].to_numpy() <= step
+    return frame if keep.all() else frame[keep].reset_index(drop=True)
+
+
+def render(result: VerifyResult) -> str:
+    ref, verdict = result.reference, result.verdict
+    world = ref.world_size
+    lines = [f"verify {ref.source} ({RERUN.name} of experiment {ref.experiment}, {ref.steps} steps x {world} ranks) "
+             f"against the rerun {result.rerun_dir}"]
+    if result.rerun_steps != ref.steps:
+        lines.append(f"the reference has {ref.steps} steps and the rerun {result.rerun_steps}: compared the "
+                     f"{result.compared_steps} steps both have (1-{result.compared_steps})")
+    lines.append(f"hostnames: reference {', '.join(_reference_hosts(ref)) or 'unknown'}; rerun "
+                 f"{', '.join(result.rerun_hosts) or 'unknown'}")
+    if verdict.outcome == IDENTICAL:
+        lines.append(f"identical: every fingerprint of {verdict.compared_steps} steps x {world} ranks agrees bit for "
+                     "bit")
+    elif verdict.outcome == DIFFERS:
+        first = verdict.first_mismatch
+        assert first is not None
+        lines.append(f"differs: first at step {first.step}, rank {first.rank}, metric {first.metric} "
+                     f"(reference {first.expected}, rerun {first.actual})")
+    else:
+        lines.append(f"incomplete: no verdict over {verdict.compared_steps} compared steps; evidence is missing:")
+    lines += [f"  {problem}" for problem in verdict.problems]
+    if verdict.outcome != IDENTICAL:
+        if result.suspects:
+            lines.append("suspects (what differs between the reference's manifest and the rerun's):")
+            lines += [f"  {key}: {redact(a)!r} -> {redact(b)!r}" for key, a, b in result.suspects]
+        else:
+            lines.append("suspects: none; the two manifests agree on stack, policy, threads and provenance")
+    command = result.localize_command()
+    if command:
+        where = "" if ref.run_dir is not None else " (needs the reference run folder, which is not here)"
+        lines.append(f"localize the first difference{where}: {command}")
+    lines.append(f"summary: {result.rerun_dir.parent / SUMMARY_FILE}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ certificates
+def certificate_command(experiment: Path, out: Path) -> int:
+    """Write the certificate of an experiment's deterministic-0; exit 4 (nothing written) when the run is incomplete."""
+    reference = load_reference(experiment)
+    if reference.certificate or reference.run_dir is None:
+        raise RecordError(f"{experiment}: a certificate is made from an experiment folder, not from a certificate")
+    problems = [*reference.problems, *reference.grid_problems(reference.steps)]
+    if problems:
+        print(f"taxbench: error: {reference.run_dir} is incomplete, so no certificate was written:")
+        for problem in problems:
+            print(f"  {problem}")
+        return exit_codes.INCOMPLETE
+    manifest = load_manifest(reference.run_dir)
+    certificate = make_certificate(manifest, reference.frame, reference.steps, str(reference.run_dir))
+    write_certificate(out, certificate)
+    print(f"taxbench: certificate of {reference.run_dir} ({reference.steps} steps x {reference.world_size} ranks, "
+          f"{out.stat().st_size / 1024:.1f} KiB): {out}")
+    return exit_codes.OK
