@@ -62,6 +62,7 @@ class ModelKind(StrEnum):
     custom = "custom"  # recipe.model.factory = {_target_: my_pkg.build, ...}
     titan = "titan"  # torchtitan's model, parallelize function and loss (taxbench[titan]); recipe.model.stack
     megatron = "megatron"  # Megatron-Core's GPTModel (taxbench[megatron], CUDA only); recipe.model.stack
+    deepspeed = "deepspeed"  # taxbench's GPT (DeepSpeed's MoE layer) in DeepSpeed's engine (taxbench[deepspeed])
 
 
 class DataKind(StrEnum):
@@ -97,7 +98,7 @@ class ModelConfig:
     moe_d_ff: int = 0
     aux_loss_coef: float = 0.01
     n_shared_experts: int = 0  # MoE: always-active experts of width moe_d_ff each (DeepSeek/Nemotron style)
-    # kind=titan|megatron: the foreign stack's own model selection and switches (taxbench.train.stack)
+    # kind=titan|megatron|deepspeed: the foreign stack's own model selection and switches (taxbench.train.stack)
     stack: dict[str, Any] = field(default_factory=dict)
 
 
@@ -428,7 +429,7 @@ def layout_problems(recipe: RecipeConfig, world: int, world_key: str = "cluster.
             f"data-parallel size dp = world/(tp*pp) = {world}/{model_parallel} = {dp} is not divisible by "
             f"recipe.parallel.ep={par.ep} (expert parallelism is carved out of data parallelism); pick ep dividing {dp}"
         )
-    if par.ep > 1 and model.kind != ModelKind.moe:
+    if par.ep > 1 and model.kind not in (ModelKind.moe, ModelKind.deepspeed):
         problems.append(f"recipe.parallel.ep={par.ep} needs an MoE model, but recipe.model.kind={model.kind}; set "
                         "recipe.parallel.ep=1 (or recipe.model.kind=moe)")
     elif par.ep > 1 and (model.n_experts == 0 or model.n_experts % par.ep):
