@@ -163,6 +163,10 @@ class PolicyConfig:
     fill_uninitialized_memory: bool = False
     # Fast paths of custom kernels (e.g. MoE combine via index_put_(accumulate=True)) are used unless this is set.
     deterministic_kernels: bool = False
+    # mode=stack_native: the arm is the training stack's own determinism switch and nothing else; the fields above
+    # are then what that switch sets (filled in by taxbench.preflight from the stack), recorded and audited against
+    # taxbench's full policy, not validated as taxbench's.
+    stack_native: bool = False
 
 
 @dataclass

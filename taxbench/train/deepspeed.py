@@ -284,10 +284,16 @@ class DeepSpeedStack:
                    else "DeepSpeed's deterministic_mode raises off NVIDIA CUDA")
             applied = f"documented equivalent ({why}): {_equivalent_text()}"
         return {"stack": self.name, "version": _version(), "zero_stage": options.zero_stage,
-                "deterministic_mode": applied, "moe": "deepspeed.moe.layer.MoE" if recipe.model.n_experts else None,
+                "deterministic_mode": applied,
+                "arm": ("the stack's own switch only (stack-native)" if arm_policy.stack_native
+                        else "under taxbench's full policy, which the switch agrees with"), "moe": "deepspeed.moe.layer.MoE" if recipe.model.n_experts else None,
                 "checkpoint": "deepspeed save_checkpoint/load_checkpoint (tag deepspeed); RNG streams and data "
                               "position per rank in rank<R>.pt beside it",
                 "config": engine_config(recipe, options, key)}
+
+    def native_policy(self, recipe: RecipeConfig, name: str) -> PolicyConfig:
+        del recipe
+        return switch_policy(name)
 
     def meta_model(self, recipe: RecipeConfig) -> nn.Module:
         require_deepspeed()

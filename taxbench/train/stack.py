@@ -16,6 +16,7 @@ A stack (taxbench's own GPT/MoE trainer, torchtitan, Megatron-Core) gives the ha
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Protocol
 
 import torch
@@ -46,6 +47,11 @@ class TrainingStack(Protocol):
         """The whole model on the meta device, with the module paths the trained model has."""
         ...
 
+    def native_policy(self, recipe: RecipeConfig, name: str) -> PolicyConfig:
+        """What the stack's own determinism switch sets, as policy fields: a stack-native arm runs this and nothing
+        else (ConfigError where the stack's switch is not wired as one)."""
+        ...
+
 
 class HarnessStack:
     """taxbench's own GPT/MoE workloads (and custom `_target_` models) on its own layout, step and optimizer."""
@@ -65,6 +71,16 @@ class HarnessStack:
     def meta_model(self, recipe: RecipeConfig) -> nn.Module:
         with torch.device("meta"):
             return build_model(recipe.model, deterministic_kernels=True)
+
+    def native_policy(self, recipe: RecipeConfig, name: str) -> PolicyConfig:
+        del recipe  # taxbench's own switch is its full policy
+        return replace(policy.full_policy(), name=name)
+
+
+def not_wired_native(stack: str, switch: str) -> ConfigError:
+    """A stack whose switch is not wired as a stack-native arm yet (it runs under taxbench's full policy)."""
+    return ConfigError(f"mode@arms.deterministic=stack_native is wired for DeepSpeed and taxbench's own stack; "
+                       f"{stack}'s {switch} runs under taxbench's policy: use mode@arms.deterministic=deterministic")
 
 
 def refuse_conflicts(stack: str, arm_policy: PolicyConfig, stack_env: dict[str, str | None]) -> None:

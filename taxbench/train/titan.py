@@ -53,7 +53,7 @@ from taxbench.parallel.distributed import DistContext
 from taxbench.parallel.layout import ParallelModel, layout_for
 from taxbench.train.build import RankModel, build_optimizer
 from taxbench.train.rng import RngSnapshot
-from taxbench.train.stack import refuse_conflicts
+from taxbench.train.stack import not_wired_native, refuse_conflicts
 from taxbench.train.step import Batch
 
 TESTED_VERSION = "0.3.0"
@@ -264,6 +264,9 @@ class TitanStack:
                 "debug.deterministic_warn_only": options.deterministic_warn_only, "debug.seed": recipe.seed,
                 "env": SWITCH_ENV if on else {}, "attn_backend": options.attn_backend,
                 "spmd_backend": options.spmd_backend}
+
+    def native_policy(self, recipe: RecipeConfig, name: str) -> PolicyConfig:
+        raise not_wired_native(self.name, "debug.deterministic")
 
     def meta_model(self, recipe: RecipeConfig) -> nn.Module:
         require_torchtitan()
