@@ -286,7 +286,8 @@ class DeepSpeedStack:
         return {"stack": self.name, "version": _version(), "zero_stage": options.zero_stage,
                 "deterministic_mode": applied,
                 "arm": ("the stack's own switch only (stack-native)" if arm_policy.stack_native
-                        else "under taxbench's full policy, which the switch agrees with"), "moe": "deepspeed.moe.layer.MoE" if recipe.model.n_experts else None,
+                        else "under taxbench's full policy, which the switch agrees with"),
+                "moe": "deepspeed.moe.layer.MoE" if recipe.model.n_experts else None,
                 "checkpoint": "deepspeed save_checkpoint/load_checkpoint (tag deepspeed); RNG streams and data "
                               "position per rank in rank<R>.pt beside it",
                 "config": engine_config(recipe, options, key)}

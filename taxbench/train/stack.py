@@ -1,7 +1,8 @@
 """The workload protocol: what one experiment needs from a training stack, and which stack a recipe names.
 
-A stack (taxbench's own GPT/MoE trainer, torchtitan, Megatron-Core) gives the harness five things; everything else
-(the step loop and its timer marks, fingerprints, records, checkpoints, gates, tracing, faults) stays the harness's:
+A stack (taxbench's own GPT/MoE trainer, torchtitan, Megatron-Core, DeepSpeed) gives the harness six things;
+everything else (the step loop and its timer marks, fingerprints, records, checkpoints, gates, tracing, faults) stays
+the harness's:
 - `build`: this rank's share of the model on the stack's DeviceMesh for one arm's policy, as a RankModel: its parts
   (what is fingerprinted and checkpointed: parameters, their gradients), and the executor whose `run` is the stack's
   forward and backward; the trainer times it, with gradient finishing, clipping and the optimizer step, between its
@@ -10,8 +11,12 @@ A stack (taxbench's own GPT/MoE trainer, torchtitan, Megatron-Core) gives the ha
 - `switch`: the stack's own determinism switch, applied for the arm and returned as the manifest records it; a
   switch that disagrees with taxbench's policy is refused (ConfigError, one line) rather than silently winning;
 - `meta_model`: the model on the meta device, so the preflight checks fault and trace module paths before launch;
+- `native_policy`: what the stack's own switch sets, as policy fields, for a stack-native arm (mode=stack_native:
+  the switch alone, recorded and audited against taxbench's full policy instead of refused where it disagrees);
 - the checkpoint is the harness's DCP state of the parts and optimizer, with the data-loader position and the RNG
-  streams beside it (taxbench.checkpoint.state): a stack only has to give DCP-readable parts.
+  streams beside it (taxbench.checkpoint.state): a stack only has to give DCP-readable parts. A stack whose engine
+  owns the optimizer step and the checkpoint (DeepSpeed) returns an OwnedStep (taxbench.train.step) in its
+  RankModel instead, and the trainer drives and fingerprints that.
 """
 
 from __future__ import annotations
