@@ -131,3 +131,10 @@ def test_a_deepspeed_recipe_runs_the_pair_end_to_end_and_passes_the_gates(recipe
     assert manifest["stack_switch"]["deterministic_mode"].startswith("documented equivalent")
     assert manifest["policy_applied"]["use_deterministic_algorithms"] is True
     assert len(step_records(tmp_path / "ds" / "deterministic-0")) == 6
+
+
+def test_one_engine_switching_policy_per_block_is_refused_for_deepspeed() -> None:
+    from taxbench.config.schema import validate
+
+    with pytest.raises(ConfigError, match="DeepSpeed's deterministic_mode is fixed when its engine is built"):
+        validate(compose_typed("+recipe=deepspeed_moe_debug", "experiment.interleave=policy"))

@@ -569,10 +569,11 @@ def validate(cfg: TaxbenchConfig) -> None:
     _require(not (exp.interleave == "policy" and exp.ablation),
              "experiment.interleave=policy with experiment.ablation=true: the knob arms are not timed on the shared "
              "model yet; use experiment.interleave=pair or all for an ablation")
-    _require(not (exp.interleave == "policy" and recipe.model.kind in (ModelKind.megatron, ModelKind.deepspeed)),
-             "experiment.interleave=policy trains one model whose policy switches per block, but Megatron-Core's and "
-             "DeepSpeed's deterministic_mode are fixed when their model or engine is built; use "
-             "experiment.interleave=all or pair")
+    fixed_at_build = {ModelKind.megatron: "Megatron-Core's deterministic_mode is fixed when its GPTModel is built",
+                      ModelKind.deepspeed: "DeepSpeed's deterministic_mode is fixed when its engine is built"}
+    _require(not (exp.interleave == "policy" and recipe.model.kind in fixed_at_build),
+             f"experiment.interleave=policy trains one model whose policy switches per block, but "
+             f"{fixed_at_build.get(recipe.model.kind)}; use experiment.interleave=all or pair")
     _require(0 <= exp.planted_tax < 10,
              f"experiment.planted_tax={exp.planted_tax} must be in [0, 10) (a fraction: 0.02 plants a 2% tax)")
     _require(0 <= exp.target_half_width < 1,

@@ -44,7 +44,7 @@ from taxbench.parallel.distributed import DistContext
 from taxbench.parallel.layout import ParallelModel, layout_for
 from taxbench.rundir.records import write_atomically
 from taxbench.train.build import RankModel
-from taxbench.train.stack import refuse_conflicts
+from taxbench.train.stack import refuse_conflicts, refuse_unknown_options
 from taxbench.train.step import Batch, cross_entropy
 from taxbench.workloads.dense import GPT, MLP
 
@@ -67,10 +67,7 @@ class DeepSpeedOptions:
 
     @classmethod
     def of(cls, model: ModelConfig) -> DeepSpeedOptions:
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(model.stack) - known)
-        if unknown:
-            raise ConfigError(f"recipe.model.stack.{unknown[0]} is not a DeepSpeed option; known: {sorted(known)}")
+        refuse_unknown_options("DeepSpeed", cls, model.stack)
         options = cls(**{k: (dict(v) if k == "config" else v) for k, v in model.stack.items()})
         if options.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"recipe.model.stack.zero_stage={options.zero_stage}: choose 0, 1, 2 or 3")

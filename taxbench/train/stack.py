@@ -88,6 +88,14 @@ def not_wired_native(stack: str, switch: str) -> ConfigError:
                        f"{stack}'s {switch} runs under taxbench's policy: use mode@arms.deterministic=deterministic")
 
 
+def refuse_unknown_options(stack: str, options: Any, given: dict[str, Any]) -> None:
+    """Refuse a recipe.model.stack key that the stack's options dataclass does not have (one line)."""
+    known = set(options.__dataclass_fields__)
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ConfigError(f"recipe.model.stack.{unknown[0]} is not a {stack} option; known: {sorted(known)}")
+
+
 def refuse_conflicts(stack: str, arm_policy: PolicyConfig, stack_env: dict[str, str | None]) -> None:
     """Refuse a stack switch that leaves torch's flags or the environment other than taxbench's policy has them.
 

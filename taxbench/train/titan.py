@@ -53,7 +53,7 @@ from taxbench.parallel.distributed import DistContext
 from taxbench.parallel.layout import ParallelModel, layout_for
 from taxbench.train.build import RankModel, build_optimizer
 from taxbench.train.rng import RngSnapshot
-from taxbench.train.stack import not_wired_native, refuse_conflicts
+from taxbench.train.stack import not_wired_native, refuse_conflicts, refuse_unknown_options
 from taxbench.train.step import Batch
 
 TESTED_VERSION = "0.3.0"
@@ -75,10 +75,7 @@ class TitanOptions:
 
     @classmethod
     def of(cls, model: ModelConfig) -> TitanOptions:
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(model.stack) - known)
-        if unknown:
-            raise ConfigError(f"recipe.model.stack.{unknown[0]} is not a torchtitan option; known: {sorted(known)}")
+        refuse_unknown_options("torchtitan", cls, model.stack)
         if "family" not in model.stack or "flavor" not in model.stack:
             raise ConfigError("recipe.model.kind=titan needs recipe.model.stack.family (one of "
                               f"{list(FAMILIES)}) and recipe.model.stack.flavor (e.g. debugmodel)")
