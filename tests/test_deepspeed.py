@@ -29,6 +29,7 @@ def _has_deepspeed() -> bool:
 needs_deepspeed = pytest.mark.skipif(not _has_deepspeed(), reason="needs taxbench[deepspeed]")
 
 
+@pytest.mark.slow  # a CLI process that imports the stacks: about 10 s
 def test_a_deepspeed_recipe_without_deepspeed_exits_2_with_the_install_line(tmp_path: Path, taxbench_cli) -> None:
     hidden = tmp_path / "no_deepspeed" / "deepspeed"  # an environment where `import deepspeed` fails
     hidden.mkdir(parents=True)
