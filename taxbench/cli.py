@@ -117,7 +117,7 @@ def run_experiment(raw: DictConfig) -> int:
         return run_plan(raw)
     from taxbench.analysis.publish import report
     from taxbench.launchers.local import RankFailed
-    from taxbench.preflight import prepare
+    from taxbench.preflight import prepare, stack_native_audits
     from taxbench.rundir.read import RecordError
 
     try:
@@ -132,10 +132,21 @@ def run_experiment(raw: DictConfig) -> int:
                     return exit_codes.OK
             except RankFailed as exc:
                 fail(str(exc), exit_codes.FAILED)
-            return report(root, cfg.report, group=root.parent.name if _is_multirun() else None)
+            code = report(root, cfg.report, group=root.parent.name if _is_multirun() else None)
+            print_audits(stack_native_audits(cfg))
+            return code
     except (ConfigError, RecordError) as exc:  # RecordError: results that cannot be read back or written
         fail(str(exc))
     return exit_codes.CONFIG_ERROR
+
+
+def print_audits(audits: dict[str, list[str]]) -> None:
+    """Beside the verdict: what taxbench's full policy would add or change over each stack-native arm's switch (the
+    gates above answered for the switch alone)."""
+    for arm, lines in audits.items():
+        print(f"audit            {arm} arm is the stack's own switch; taxbench's full policy would add or change:")
+        for line in lines or ["nothing (the switch sets everything taxbench's policy does)"]:
+            print(f"                 - {line}")
 
 
 def run_as_started_rank(raw: DictConfig) -> int:

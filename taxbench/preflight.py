@@ -11,6 +11,7 @@ from __future__ import annotations
 import fnmatch
 import os
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -18,7 +19,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from taxbench.config.pairing import validate_pair
-from taxbench.config.policy import validate_policy
+from taxbench.config.policy import audit, validate_policy
 from taxbench.config.schema import (
     ConfigError,
     DataKind,
@@ -51,13 +52,30 @@ log = logger(__name__)
 def prepare(raw: DictConfig) -> TaxbenchConfig:
     """The one conversion of Hydra's config: resolved and typed once, then checked before anything launches. This
     typed config is what every launcher hands its ranks (pickled by spawn, submitit or torchrun's control group)."""
-    cfg = load_config(raw)
+    cfg = with_stack_native_arms(load_config(raw))
     if cfg.cluster.dry_run and cfg.cluster.launcher is not Launcher.slurm:
         raise ConfigError(f"cluster.dry_run=true writes a Slurm job script without submitting it, but "
                           f"cluster={cfg.cluster.name} runs here; use cluster=slurm with it, or plan=true for the plan "
                           "without running")
     check_before_launch(cfg)
     return cfg
+
+
+def with_stack_native_arms(cfg: TaxbenchConfig) -> TaxbenchConfig:
+    """Each stack-native arm (mode=stack_native) as what the training stack's own switch sets, and nothing of
+    taxbench's policy (the stack's TrainingStack.native_policy)."""
+    if not any(p.stack_native for p in cfg.arms.values()):
+        return cfg
+    stack = stack_for(cfg.recipe.model)
+    arms = {name: replace(stack.native_policy(cfg.recipe, name), stack_native=True) if p.stack_native else p
+            for name, p in cfg.arms.items()}
+    return replace(cfg, arms=arms)
+
+
+def stack_native_audits(cfg: TaxbenchConfig) -> dict[str, list[str]]:
+    """Per stack-native arm: what taxbench's full policy would add or change over the stack's own switch."""
+    stack = stack_for(cfg.recipe.model).name
+    return {name: audit(p, stack) for name, p in cfg.arms.items() if p.stack_native}
 
 
 def check_before_launch(cfg: TaxbenchConfig) -> None:

@@ -164,5 +164,6 @@ def test_taxbench_own_workloads_are_the_harness_stack_and_stack_options_need_a_f
     stack = stack_for(cfg.recipe.model)
     assert isinstance(stack, HarnessStack)
     assert {name for name, _ in stack.meta_model(cfg.recipe).named_modules()} >= {"blocks.0", "blocks.1"}
-    with pytest.raises(ConfigError, match="recipe.model.stack is read for recipe.model.kind=titan or megatron only"):
+    with pytest.raises(ConfigError,
+                       match="recipe.model.stack is read for recipe.model.kind=titan, megatron or deepspeed only"):
         prepare(compose_raw("+recipe.model.stack={family: llama3}"))

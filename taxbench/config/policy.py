@@ -17,9 +17,11 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from importlib import resources
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
 from taxbench.config.schema import ConfigError, Device, PolicyConfig
 
@@ -94,8 +96,8 @@ def validate_policy_env(policy: PolicyConfig, device: Device, env: Mapping[str, 
 
 def validate_policy(policy: PolicyConfig, device: Device, env: Mapping[str, str] | None = None) -> None:
     """Refuse deterministic policies whose settings, or the environment (default os.environ) they would run in, are
-    known not to give bitwise determinism."""
-    if not policy.deterministic:
+    known not to give bitwise determinism. A stack-native arm is the stack's switch: audited (`audit`), not refused."""
+    if not policy.deterministic or policy.stack_native:
         return
     validate_policy_env(policy, device, env)
     if device is Device.cuda:
@@ -125,6 +127,49 @@ def validate_policy(policy: PolicyConfig, device: Device, env: Mapping[str, str]
                 f"mode {policy.name!r}: nvte_allow_nondeterministic_algo=true lets Transformer Engine pick "
                 "nondeterministic attention kernels; set it to false"
             )
+
+
+def full_policy() -> PolicyConfig:
+    """taxbench's full deterministic policy, as conf/mode/deterministic.yaml has it (what stack-native arms are
+    audited against)."""
+    node = OmegaConf.load(str(resources.files("taxbench.conf").joinpath("mode", "deterministic.yaml")))
+    fields = {k: v for k, v in OmegaConf.to_container(node).items() if k != "defaults"}  # type: ignore[union-attr]
+    return PolicyConfig(**fields)
+
+
+# What each policy field controls, as the audit of a stack-native arm names it.
+AUDITED = {
+    "deterministic": "torch.use_deterministic_algorithms and cudnn.deterministic",
+    "cudnn_benchmark": "cudnn.benchmark",
+    "allow_tf32": "TF32 (matmul and cuDNN)",
+    "cublas_workspace_config": "CUBLAS_WORKSPACE_CONFIG",
+    "nccl_algo": "NCCL_ALGO",
+    "nvte_allow_nondeterministic_algo": "NVTE_ALLOW_NONDETERMINISTIC_ALGO",
+    "fill_uninitialized_memory": "torch.utils.deterministic.fill_uninitialized_memory",
+    "deterministic_kernels": "taxbench's fixed-order kernels (its own workloads' MoE routing, dispatch and combine)",
+}
+
+
+def _shown(field: str, value: Any) -> str:
+    if field == "nvte_allow_nondeterministic_algo":
+        return "unset (Transformer Engine's default: 1)" if value else "0"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return "unset" if value is None else str(value)
+
+
+def audit(native: PolicyConfig, stack: str) -> list[str]:
+    """What taxbench's full policy would add or change over a stack's own switch, one line each."""
+    full = full_policy()
+    lines = []
+    for field, what in AUDITED.items():
+        theirs, ours = getattr(native, field), getattr(full, field)
+        if theirs != ours:
+            left = theirs is None or theirs is False or (field == "nvte_allow_nondeterministic_algo" and theirs)
+            verb = "leaves" if left else "sets"
+            lines.append(f"{stack}'s switch {verb} {what} {_shown(field, theirs)}; taxbench's policy sets "
+                         f"{_shown(field, ours)}")
+    return lines
 
 
 def _cuda_initialized() -> bool:

@@ -64,6 +64,7 @@ class ModelKind(StrEnum):
     custom = "custom"  # recipe.model.factory = {_target_: my_pkg.build, ...}
     titan = "titan"  # torchtitan's model, parallelize function and loss (taxbench[titan]); recipe.model.stack
     megatron = "megatron"  # Megatron-Core's GPTModel (taxbench[megatron], CUDA only); recipe.model.stack
+    deepspeed = "deepspeed"  # taxbench's GPT (DeepSpeed's MoE layer) in DeepSpeed's engine (taxbench[deepspeed])
 
 
 class DataKind(StrEnum):
@@ -99,7 +100,7 @@ class ModelConfig:
     moe_d_ff: int = 0
     aux_loss_coef: float = 0.01
     n_shared_experts: int = 0  # MoE: always-active experts of width moe_d_ff each (DeepSeek/Nemotron style)
-    # kind=titan|megatron: the foreign stack's own model selection and switches (taxbench.train.stack)
+    # kind=titan|megatron|deepspeed: the foreign stack's own model selection and switches (taxbench.train.stack)
     stack: dict[str, Any] = field(default_factory=dict)
 
 
@@ -164,6 +165,10 @@ class PolicyConfig:
     fill_uninitialized_memory: bool = False
     # Fast paths of custom kernels (e.g. MoE combine via index_put_(accumulate=True)) are used unless this is set.
     deterministic_kernels: bool = False
+    # mode=stack_native: the arm is the training stack's own determinism switch and nothing else; the fields above
+    # are then what that switch sets (filled in by taxbench.preflight from the stack), recorded and audited against
+    # taxbench's full policy, not validated as taxbench's.
+    stack_native: bool = False
 
 
 @dataclass
@@ -433,7 +438,7 @@ def layout_problems(recipe: RecipeConfig, world: int, world_key: str = "cluster.
             f"data-parallel size dp = world/(tp*pp) = {world}/{model_parallel} = {dp} is not divisible by "
             f"recipe.parallel.ep={par.ep} (expert parallelism is carved out of data parallelism); pick ep dividing {dp}"
         )
-    if par.ep > 1 and model.kind != ModelKind.moe:
+    if par.ep > 1 and model.kind not in (ModelKind.moe, ModelKind.deepspeed):
         problems.append(f"recipe.parallel.ep={par.ep} needs an MoE model, but recipe.model.kind={model.kind}; set "
                         "recipe.parallel.ep=1 (or recipe.model.kind=moe)")
     elif par.ep > 1 and (model.n_experts == 0 or model.n_experts % par.ep):
@@ -568,9 +573,11 @@ def validate(cfg: TaxbenchConfig) -> None:
     _require(not (exp.interleave == "policy" and exp.ablation),
              "experiment.interleave=policy with experiment.ablation=true: the knob arms are not timed on the shared "
              "model yet; use experiment.interleave=pair or all for an ablation")
-    _require(not (exp.interleave == "policy" and recipe.model.kind == ModelKind.megatron),
-             "experiment.interleave=policy trains one model whose policy switches per block, but Megatron-Core's "
-             "deterministic_mode is fixed when its GPTModel is built; use experiment.interleave=all or pair")
+    fixed_at_build = {ModelKind.megatron: "Megatron-Core's deterministic_mode is fixed when its GPTModel is built",
+                      ModelKind.deepspeed: "DeepSpeed's deterministic_mode is fixed when its engine is built"}
+    _require(not (exp.interleave == "policy" and recipe.model.kind in fixed_at_build),
+             f"experiment.interleave=policy trains one model whose policy switches per block, but "
+             f"{fixed_at_build.get(recipe.model.kind)}; use experiment.interleave=all or pair")
     _require(0 <= exp.planted_tax < 10,
              f"experiment.planted_tax={exp.planted_tax} must be in [0, 10) (a fraction: 0.02 plants a 2% tax)")
     _require(0 <= exp.target_half_width < 1,

@@ -131,6 +131,9 @@ class Experiment:
                 "policy_applied": applied,
                 # The training stack's own determinism switch for this arm (torchtitan's debug.deterministic, ...).
                 "stack_switch": stack_for(self.cfg.recipe.model).switch(self.cfg.recipe, arm_policy),
+                # A stack-native arm: what taxbench's full policy would add or change over the stack's switch.
+                "stack_native_audit": (policy.audit(arm_policy, stack_for(self.cfg.recipe.model).name)
+                                       if arm_policy.stack_native else None),
                 # Rank 0's view (world, dp/tp/ep sizes, mesh); fingerprints stay per rank in steps.rank<R>.jsonl.
                 "layout": {
                     **trainer.parallel.layout.manifest(),

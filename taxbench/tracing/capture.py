@@ -56,6 +56,10 @@ class TracedStep(Protocol):
 
     def optimizer_tensors(self) -> Iterator[torch.Tensor]: ...
 
+    def held_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The gradients and parameters this rank's optimizer steps (a stack's engine: its ZeRO partitions)."""
+        ...
+
 BACKWARD = "/backward"
 OPTIMIZER_SCOPE = "optimizer"
 PARAMETERS_SCOPE = "end of step"  # rung 1: each parameter as the step leaves it
@@ -359,8 +363,7 @@ class Tracer:
         assert trainer is not None
         self.modules.enter(OPTIMIZER_SCOPE)
         with self.quieted():
-            params = list(trainer.raw_model.parameters())
-            grads = [p.grad for p in params if p.grad is not None]
+            grads, params = trainer.held_tensors()
             self._optimizer_inputs = [self.labelled("params", params), self.labelled("grads", grads),
                                       self.labelled("state", list(trainer.optimizer_tensors()))]
 
@@ -369,7 +372,7 @@ class Tracer:
         assert trainer is not None
         self.modules.leave(OPTIMIZER_SCOPE)
         with self.quieted():
-            outputs = [self.labelled("params", list(trainer.raw_model.parameters())),
+            outputs = [self.labelled("params", trainer.held_tensors()[1]),
                        self.labelled("state", list(trainer.optimizer_tensors()))]
             self.record("optimizer", "optimizer.step", OPTIMIZER_SCOPE, self._optimizer_inputs, outputs)
             self._after_optimizer = {name: self.summaries([param])[0]

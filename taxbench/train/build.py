@@ -27,7 +27,7 @@ from taxbench.parallel.materialize import materialize
 from taxbench.parallel.pipeline import Boundary, StageSplit, boundaries, split_model, stage_split
 from taxbench.parallel.recompute import apply_activation_checkpointing
 from taxbench.train.float8 import convert_to_float8
-from taxbench.train.step import PipelineStep, PlainStep, StepExecutor
+from taxbench.train.step import OwnedStep, PipelineStep, PlainStep, StepExecutor
 from taxbench.workloads import build_model, own_workload
 
 
@@ -40,6 +40,7 @@ class RankModel:
     boundaries: list[Boundary]  # pipeline stage edges (faults, tracing)
     executor: StepExecutor  # plain forward/backward over the micro-batches, or the pipeline schedule
     pipeline: PipelineStep | None
+    engine: OwnedStep | None = None  # a stack whose engine owns the optimizer step and the checkpoint (DeepSpeed)
 
     @property
     def parts(self) -> ModelParts:

@@ -32,8 +32,13 @@ PEAK_TFLOPS = {
 def _counted_model(model: ModelConfig) -> ModelConfig:
     """The model whose FLOPs are counted: Megatron's GPTModel (local spec) does not run on the meta device, and
     taxbench's dense GPT of the same fields has the same matmuls (fused qkv, output projection, a GELU MLP of d_ff,
-    an untied output head), and the same attention."""
-    return replace(model, kind=ModelKind.dense, stack={}) if model.kind == ModelKind.megatron else model
+    an untied output head), and the same attention. DeepSpeed's model is taxbench's GPT, its MoE layer counted as
+    taxbench's MoE of the same fields (DeepSpeed's gate does not run on the meta device)."""
+    if model.kind == ModelKind.megatron:
+        return replace(model, kind=ModelKind.dense, stack={})
+    if model.kind == ModelKind.deepspeed:
+        return replace(model, kind=ModelKind.moe if model.n_experts else ModelKind.dense, stack={})
+    return model
 
 
 def _count(recipe: RecipeConfig, device: str) -> int:
@@ -58,7 +63,7 @@ def flops_per_step(recipe: RecipeConfig) -> tuple[float | None, str]:
         if foreign_stack(counted):
             flops, device = _count(recipe, "meta"), "meta"
         else:
-            flops, device = on_meta_or_host(recipe.model, lambda device: (_count(recipe, device), device))
+            flops, device = on_meta_or_host(counted, lambda device: (_count(recipe, device), device))
     except TooLargeForHost as exc:
         return None, f"not counted: {exc}"
     except Exception as exc:  # a foreign stack's model that cannot run on the meta device

@@ -49,7 +49,7 @@ from taxbench.config.schema import (
 from taxbench.parallel.distributed import DistContext
 from taxbench.parallel.layout import Layout, Meshes, ParallelModel, layout_for, meshes_for
 from taxbench.train.build import RankModel, build_optimizer
-from taxbench.train.stack import refuse_conflicts
+from taxbench.train.stack import not_wired_native, refuse_conflicts, refuse_unknown_options
 from taxbench.train.step import Batch
 
 SUPPORTED_VERSIONS = "0.16.1 (Python 3.11) or 0.19.x (Python 3.12)"
@@ -69,10 +69,7 @@ class MegatronOptions:
 
     @classmethod
     def of(cls, recipe: RecipeConfig) -> MegatronOptions:
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(recipe.model.stack) - known)
-        if unknown:
-            raise ConfigError(f"recipe.model.stack.{unknown[0]} is not a Megatron-Core option; known: {sorted(known)}")
+        refuse_unknown_options("Megatron-Core", cls, recipe.model.stack)
         options = cls(**recipe.model.stack)
         if options.spec not in SPECS:
             raise ConfigError(f"recipe.model.stack.spec={options.spec!r}: choose one of {list(SPECS)}")
@@ -304,6 +301,9 @@ class MegatronStack:
         return {"stack": self.name, "version": _version(), "deterministic_mode": on, "spec": options.spec,
                 "cross_entropy_loss_fusion": options.cross_entropy_loss_fusion,
                 "sequence_parallel": options.sequence_parallel, "env": SWITCH_ENV if on else {}}
+
+    def native_policy(self, recipe: RecipeConfig, name: str) -> PolicyConfig:
+        raise not_wired_native(self.name, "--deterministic-mode")
 
     def meta_model(self, recipe: RecipeConfig) -> nn.Module:
         require_megatron()

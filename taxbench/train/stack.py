@@ -1,7 +1,8 @@
 """The workload protocol: what one experiment needs from a training stack, and which stack a recipe names.
 
-A stack (taxbench's own GPT/MoE trainer, torchtitan, Megatron-Core) gives the harness five things; everything else
-(the step loop and its timer marks, fingerprints, records, checkpoints, gates, tracing, faults) stays the harness's:
+A stack (taxbench's own GPT/MoE trainer, torchtitan, Megatron-Core, DeepSpeed) gives the harness six things;
+everything else (the step loop and its timer marks, fingerprints, records, checkpoints, gates, tracing, faults) stays
+the harness's:
 - `build`: this rank's share of the model on the stack's DeviceMesh for one arm's policy, as a RankModel: its parts
   (what is fingerprinted and checkpointed: parameters, their gradients), and the executor whose `run` is the stack's
   forward and backward; the trainer times it, with gradient finishing, clipping and the optimizer step, between its
@@ -10,12 +11,17 @@ A stack (taxbench's own GPT/MoE trainer, torchtitan, Megatron-Core) gives the ha
 - `switch`: the stack's own determinism switch, applied for the arm and returned as the manifest records it; a
   switch that disagrees with taxbench's policy is refused (ConfigError, one line) rather than silently winning;
 - `meta_model`: the model on the meta device, so the preflight checks fault and trace module paths before launch;
+- `native_policy`: what the stack's own switch sets, as policy fields, for a stack-native arm (mode=stack_native:
+  the switch alone, recorded and audited against taxbench's full policy instead of refused where it disagrees);
 - the checkpoint is the harness's DCP state of the parts and optimizer, with the data-loader position and the RNG
-  streams beside it (taxbench.checkpoint.state): a stack only has to give DCP-readable parts.
+  streams beside it (taxbench.checkpoint.state): a stack only has to give DCP-readable parts. A stack whose engine
+  owns the optimizer step and the checkpoint (DeepSpeed) returns an OwnedStep (taxbench.train.step) in its
+  RankModel instead, and the trainer drives and fingerprints that.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Protocol
 
 import torch
@@ -46,6 +52,11 @@ class TrainingStack(Protocol):
         """The whole model on the meta device, with the module paths the trained model has."""
         ...
 
+    def native_policy(self, recipe: RecipeConfig, name: str) -> PolicyConfig:
+        """What the stack's own determinism switch sets, as policy fields: a stack-native arm runs this and nothing
+        else (ConfigError where the stack's switch is not wired as one)."""
+        ...
+
 
 class HarnessStack:
     """taxbench's own GPT/MoE workloads (and custom `_target_` models) on its own layout, step and optimizer."""
@@ -65,6 +76,24 @@ class HarnessStack:
     def meta_model(self, recipe: RecipeConfig) -> nn.Module:
         with torch.device("meta"):
             return build_model(recipe.model, deterministic_kernels=True)
+
+    def native_policy(self, recipe: RecipeConfig, name: str) -> PolicyConfig:
+        del recipe  # taxbench's own switch is its full policy
+        return replace(policy.full_policy(), name=name)
+
+
+def not_wired_native(stack: str, switch: str) -> ConfigError:
+    """A stack whose switch is not wired as a stack-native arm yet (it runs under taxbench's full policy)."""
+    return ConfigError(f"mode@arms.deterministic=stack_native is wired for DeepSpeed and taxbench's own stack; "
+                       f"{stack}'s {switch} runs under taxbench's policy: use mode@arms.deterministic=deterministic")
+
+
+def refuse_unknown_options(stack: str, options: Any, given: dict[str, Any]) -> None:
+    """Refuse a recipe.model.stack key that the stack's options dataclass does not have (one line)."""
+    known = set(options.__dataclass_fields__)
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ConfigError(f"recipe.model.stack.{unknown[0]} is not a {stack} option; known: {sorted(known)}")
 
 
 def refuse_conflicts(stack: str, arm_policy: PolicyConfig, stack_env: dict[str, str | None]) -> None:

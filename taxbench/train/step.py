@@ -7,8 +7,10 @@ finishing, clipping, fingerprints, checkpoints, tracing) iterates over the parts
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -24,6 +26,33 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets) of one micro-batc
 class StepExecutor(Protocol):
     def run(self, batches: list[Batch]) -> torch.Tensor:
         """Forward and backward over `batches`; the mean loss (a 0-d tensor, the same on every rank)."""
+        ...
+
+
+class OwnedStep(Protocol):
+    """What a stack whose engine owns the optimizer step and the checkpoint gives the trainer (DeepSpeed's engine):
+    the whole timed step, the tensors this rank holds (fingerprinted), and its own checkpoint."""
+
+    def optimize(self, batches: list[Batch], optimizer_step: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward, backward, reduction, clipping and the optimizer step; the mean loss and the gradient norm."""
+        ...
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The last step's gradients as this rank holds them (e.g. its ZeRO partition)."""
+        ...
+
+    def parameters(self) -> list[torch.Tensor]:
+        ...
+
+    def optimizer_tensors(self) -> Iterator[torch.Tensor]:
+        ...
+
+    def save(self, directory: Path, extras: dict[str, Any], rank: int) -> list[Path]:
+        """Write the stack's checkpoint and this rank's `extras` (a collective); the files this rank lists."""
+        ...
+
+    def load(self, directory: Path, rank: int, map_location: torch.device) -> dict[str, Any]:
+        """Restore the stack's checkpoint in place (a collective); this rank's extras."""
         ...
 
 

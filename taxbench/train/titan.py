@@ -54,7 +54,7 @@ from taxbench.parallel.distributed import DistContext
 from taxbench.parallel.layout import ParallelModel, layout_for
 from taxbench.train.build import RankModel, build_optimizer
 from taxbench.train.rng import RngSnapshot
-from taxbench.train.stack import refuse_conflicts
+from taxbench.train.stack import not_wired_native, refuse_conflicts, refuse_unknown_options
 from taxbench.train.step import Batch
 
 TESTED_VERSION = "0.3.0"
@@ -76,10 +76,7 @@ class TitanOptions:
 
     @classmethod
     def of(cls, model: ModelConfig) -> TitanOptions:
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(model.stack) - known)
-        if unknown:
-            raise ConfigError(f"recipe.model.stack.{unknown[0]} is not a torchtitan option; known: {sorted(known)}")
+        refuse_unknown_options("torchtitan", cls, model.stack)
         if "family" not in model.stack or "flavor" not in model.stack:
             raise ConfigError("recipe.model.kind=titan needs recipe.model.stack.family (one of "
                               f"{list(FAMILIES)}) and recipe.model.stack.flavor (e.g. debugmodel)")
@@ -265,6 +262,9 @@ class TitanStack:
                 "debug.deterministic_warn_only": options.deterministic_warn_only, "debug.seed": recipe.seed,
                 "env": SWITCH_ENV if on else {}, "attn_backend": options.attn_backend,
                 "spmd_backend": options.spmd_backend}
+
+    def native_policy(self, recipe: RecipeConfig, name: str) -> PolicyConfig:
+        raise not_wired_native(self.name, "debug.deterministic")
 
     def meta_model(self, recipe: RecipeConfig) -> nn.Module:
         require_torchtitan()

@@ -106,6 +106,7 @@ class Trainer:
         built = stack.build(recipe, arm_policy, ctx, self.grad_accum)
         self.parallel, self.split, self.boundaries = built.parallel, built.split, built.boundaries
         self.pipeline, self.executor = built.pipeline, built.executor
+        self.engine = built.engine  # a stack's engine that owns the optimizer step and checkpoint, if any
         self.raw_model = self.parallel.parts
         self.model: torch.nn.Module = self.parallel.module
         self.optimizer = stack.optimizer(recipe, built)
@@ -232,14 +233,13 @@ class Trainer:
 
         started = self.timer.start()
         loss_mean, grad_norm = self.optimize(batches)
-        params = [p for p in self.raw_model.parameters() if p.grad is not None]
+        grads, params = self.held_tensors()
         planted_s, planted_mark = (0.0, None) if lane.planted is None else lane.planted.apply(started)
         measured = self.timer.stop(started)
 
         flip_param_bit(self.fault, self.ctx.rank, self.step, self.raw_model.named_parameters(), self._fault_fired)
         fingerprint_started = self.timer.start()  # the gates' own cost, outside the timed step, shown beside it
-        digests = self.recorder.fingerprints(loss_mean, (p.grad for p in params), grad_norm,
-                                             self.raw_model.parameters(), self.optimizer_tensors())
+        digests = self.recorder.fingerprints(loss_mean, grads, grad_norm, params, self.optimizer_tensors())
         fingerprint_measured = self.timer.stop(fingerprint_started)
         record = {
             "arm": lane.arm,
@@ -267,6 +267,8 @@ class Trainer:
     def optimize(self, batches: list[Batch], optimizer_step: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's work on `batches` (what is timed): forward, backward, gradient reduction, clipping and, unless
         told not to, the optimizer step; the mean loss and the gradient norm."""
+        if self.engine is not None:
+            return self.engine.optimize(batches, optimizer_step)
         self.optimizer.zero_grad(set_to_none=True)
         loss_mean = self.executor.run(batches)
         self.parallel.finish_gradients()
@@ -291,8 +293,18 @@ class Trainer:
                 f"parameters got no gradient ({shown}); this layout or schedule would leave them untrained"
             )
 
+    def held_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The gradients and parameters this rank holds, as fingerprinted (a stack's engine: its partitions)."""
+        if self.engine is not None:
+            return self.engine.gradients(), self.engine.parameters()
+        params = list(self.raw_model.parameters())
+        return [p.grad for p in params if p.grad is not None], params
+
     def optimizer_tensors(self) -> Iterator[torch.Tensor]:
         """Optimizer state in a fixed order, on its parameter's device (Adam keeps `step` on the CPU)."""
+        if self.engine is not None:
+            yield from self.engine.optimizer_tensors()
+            return
         for param in self.raw_model.parameters():
             for _, value in sorted(self.optimizer.state.get(param, {}).items()):
                 if isinstance(value, torch.Tensor):
@@ -309,12 +321,15 @@ class Trainer:
             lane.recorder.sync()
         extras = {"step": self.step, "lane_steps": {name: lane.step for name, lane in self.lanes.items()},
                   "data": self.data.state_dict(), "rng": self.rng.state_dict()}
+        if self.engine is not None:
+            return self.engine.save(directory, extras, self.ctx.rank)
         return checkpoint_state.save(directory, self.parallel, self.optimizer, extras, self.ctx.rank)
 
     def load_checkpoint(self, directory: Path) -> None:
         """Restore the state saved in `directory`, then check it reproduces the step record written at that step."""
         try:
-            extras = checkpoint_state.load(directory, self.parallel, self.optimizer, self.ctx.rank, self.ctx.device)
+            extras = (self.engine.load(directory, self.ctx.rank, self.ctx.device) if self.engine is not None else
+                      checkpoint_state.load(directory, self.parallel, self.optimizer, self.ctx.rank, self.ctx.device))
             self.data.load_state_dict(extras["data"])
             self.rng = RngSnapshot.from_state_dict(extras["rng"])
             self.step = int(extras["step"])
@@ -326,7 +341,7 @@ class Trainer:
         except (OSError, RuntimeError, KeyError, TypeError, ValueError, EOFError, CheckpointException) as exc:
             raise CheckpointError(f"{directory}: unreadable checkpoint ({_first_line(exc)})") from exc
         for lane in self.lanes.values():
-            lane.recorder.check_restored(directory, lane.step, self.step, self.raw_model.parameters(),
+            lane.recorder.check_restored(directory, lane.step, self.step, self.held_tensors()[1],
                                          self.optimizer_tensors())
         self.drop_records_after(None)
         if self.tracer is not None:

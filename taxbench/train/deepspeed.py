@@ -1,0 +1,334 @@
+"""DeepSpeed as a training stack: its engine (ZeRO stage 0-3), its optimizer step with gradient accumulation and
+clipping, its MoE layer with expert parallelism, its checkpoint and its determinism switch.
+
+The model is taxbench's GPT (taxbench.workloads.dense) from the recipe's model fields; an MoE recipe (n_experts > 0)
+puts DeepSpeed's own `deepspeed.moe.layer.MoE` (top-k gate, expert parallelism over ep_size = recipe.parallel.ep)
+in every block's FFN, its load-balancing loss added with recipe.model.aux_loss_coef. `deepspeed.initialize` builds the
+engine from the recipe: `recipe.model.stack.zero_stage`, the micro-batch size and gradient accumulation the harness
+computes, gradient clipping (recipe.optimizer.grad_clip), AdamW (DeepSpeed's torch AdamW: the fused CPU Adam op is not
+built), bf16 or fp32. Initial values are torch's defaults from recipe.seed (not layout invariant).
+
+What DeepSpeed owns here (taxbench.train.step.OwnedStep): the step (`engine.backward` per micro-batch,
+`engine.step` reducing, clipping and stepping at the accumulation boundary) and the checkpoint (`save_checkpoint` /
+`load_checkpoint`, which is what a DeepSpeed user resumes with). DeepSpeed's client_state is read back from rank 0's
+file only, so each rank's RNG streams and data position go beside it in `rank<R>.pt`. Fingerprints cover what each
+rank holds under ZeRO: its fp32 partitions of the master weights, their gradients (as the optimizer receives them)
+and the optimizer state over them. What stays the harness's: the data, the timer marks, fingerprints, gates.
+
+The switch: DeepSpeed's `deterministic_mode` JSON key where the installed DeepSpeed's config knows it (read from its
+config class, not its version: no release up to 0.19.8 has it) and the device is CUDA (the key raises elsewhere by
+design); otherwise the equivalent DeepSpeed documents for it (strict deterministic algorithms, TF32 off, cuDNN
+deterministic with benchmark off, CUBLAS_WORKSPACE_CONFIG validated), applied as a policy. The manifest's
+stack_switch says which. Not driven: tensor and pipeline parallelism, DeepSpeed's launcher and its fused ops.
+On CPU DeepSpeed needs DS_ACCELERATOR=cpu before its import; it is set here when CUDA is absent.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from taxbench.checkpoint.state import extras_path
+from taxbench.config import policy
+from taxbench.config.schema import ConfigError, DataParallel, ModelConfig, PolicyConfig, Precision, RecipeConfig
+from taxbench.parallel.distributed import DistContext
+from taxbench.parallel.layout import ParallelModel, layout_for
+from taxbench.rundir.records import write_atomically
+from taxbench.train.build import RankModel
+from taxbench.train.stack import refuse_conflicts, refuse_unknown_options
+from taxbench.train.step import Batch, cross_entropy
+from taxbench.workloads.dense import GPT, MLP
+
+TESTED_VERSION = "0.19.8"
+INSTALL_HINT = "DS_BUILD_OPS=0 pip install 'taxbench[deepspeed]'"
+TAG = "deepspeed"  # the checkpoint's tag: <checkpoint dir>/deepspeed/
+# What DeepSpeed's deterministic_mode documents that it does (its tutorial "deterministic-mode"), as taxbench's policy
+# fields: the equivalent applied where the installed DeepSpeed lacks the key. It changes no NCCL algorithm and no
+# Transformer Engine setting, and fills no uninitialized memory.
+SWITCH_FIELDS = {"deterministic": True, "cudnn_benchmark": False, "allow_tf32": False,
+                 "cublas_workspace_config": ":4096:8", "nccl_algo": None, "nvte_allow_nondeterministic_algo": True,
+                 "fill_uninitialized_memory": False, "deterministic_kernels": False}
+
+
+@dataclass(frozen=True)
+class DeepSpeedOptions:
+    zero_stage: int = 2
+    capacity_factor: float = 1.0  # DeepSpeed MoE's token capacity per expert
+    config: dict[str, Any] = field(default_factory=dict)  # more DeepSpeed JSON config, merged over taxbench's
+
+    @classmethod
+    def of(cls, model: ModelConfig) -> DeepSpeedOptions:
+        refuse_unknown_options("DeepSpeed", cls, model.stack)
+        options = cls(**{k: (dict(v) if k == "config" else v) for k, v in model.stack.items()})
+        if options.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"recipe.model.stack.zero_stage={options.zero_stage}: choose 0, 1, 2 or 3")
+        return options
+
+
+def require_layout(recipe: RecipeConfig) -> None:
+    """Refuse, in one line, what this adapter does not drive (see the module docstring)."""
+    par, model = recipe.parallel, recipe.model
+    if par.pp > 1 or par.tp > 1:
+        raise ConfigError(f"recipe.model.kind=deepspeed runs ZeRO data parallelism and expert parallelism here "
+                          f"(recipe.parallel.tp={par.tp}, pp={par.pp}); set recipe.parallel.tp=1 and pp=1")
+    if str(par.data_parallel) == DataParallel.fsdp.value:
+        raise ConfigError("recipe.model.kind=deepspeed shards with ZeRO (recipe.model.stack.zero_stage); set "
+                          "recipe.parallel.data_parallel=ddp")
+    if par.ep > 1 and model.n_experts == 0:
+        raise ConfigError(f"recipe.parallel.ep={par.ep} needs an MoE model; set recipe.model.n_experts")
+    if model.n_experts and (model.top_k not in (1, 2) or model.n_experts % par.ep):
+        raise ConfigError(f"DeepSpeed's MoE takes top_k 1 or 2 and ep dividing n_experts (recipe.model.top_k="
+                          f"{model.top_k}, n_experts={model.n_experts}, recipe.parallel.ep={par.ep})")
+    if model.n_shared_experts:
+        raise ConfigError("recipe.model.n_shared_experts is not wired to DeepSpeed's MoE; set it to 0")
+    if str(recipe.precision) not in (Precision.fp32.value, Precision.bf16.value):
+        raise ConfigError(f"recipe.precision={recipe.precision} is not wired to DeepSpeed's stack; use fp32 or bf16")
+
+
+def require_deepspeed() -> Any:
+    """DeepSpeed, imported for this device (refused in one line with the install line when it is missing)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed
+    except ImportError as exc:
+        raise ConfigError(f"recipe.model.kind=deepspeed needs DeepSpeed (tested {TESTED_VERSION}): {INSTALL_HINT} "
+                          f"({exc})") from None
+    return deepspeed
+
+
+def knows_deterministic_mode() -> bool:
+    """Whether the installed DeepSpeed's config reads the `deterministic_mode` key (from its config class's code)."""
+    from deepspeed.runtime import config as ds_config
+
+    try:
+        return "deterministic_mode" in inspect.getsource(ds_config)
+    except (OSError, TypeError):  # no source shipped: the key cannot be vouched for
+        return False
+
+
+def switch_policy(name: str) -> PolicyConfig:
+    """DeepSpeed's deterministic_mode as taxbench's policy fields (what a stack-native arm runs)."""
+    return PolicyConfig(name=name, **SWITCH_FIELDS)
+
+
+def _version() -> str:
+    try:
+        return version("deepspeed")
+    except PackageNotFoundError:
+        return "not installed"
+
+
+class MoEFeedForward(nn.Module):
+    """DeepSpeed's MoE layer as a block's FFN: its experts are taxbench's MLP; the gate's load-balancing loss of the
+    last forward is kept for the step's loss."""
+
+    def __init__(self, model: ModelConfig, ep: int, capacity_factor: float) -> None:
+        super().__init__()
+        from deepspeed.moe.layer import MoE
+
+        self.moe = MoE(model.d_model, MLP(model.d_model, model.moe_d_ff or model.d_ff), num_experts=model.n_experts,
+                       ep_size=ep, k=model.top_k, capacity_factor=capacity_factor,
+                       eval_capacity_factor=capacity_factor)
+        self.aux: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, self.aux, _ = self.moe(x)
+        return out
+
+
+def build_gpt(recipe: RecipeConfig, options: DeepSpeedOptions) -> nn.Module:
+    model = recipe.model
+    if not model.n_experts:
+        return GPT(model)
+    return GPT(model, lambda: MoEFeedForward(model, recipe.parallel.ep, options.capacity_factor))
+
+
+def engine_config(recipe: RecipeConfig, options: DeepSpeedOptions, deterministic_key: bool) -> dict[str, Any]:
+    """DeepSpeed's JSON config for the recipe, without the batch sizes (`batch_config`)."""
+    opt = recipe.optimizer
+    config: dict[str, Any] = {
+        "gradient_clipping": opt.grad_clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": opt.lr, "betas": [opt.beta1, opt.beta2], "eps": opt.eps,
+                                                  "weight_decay": opt.weight_decay, "torch_adam": True}},
+        "zero_optimization": {"stage": options.zero_stage},
+        "bf16": {"enabled": str(recipe.precision) == Precision.bf16.value},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    if deterministic_key:
+        config["deterministic_mode"] = True
+    return {**config, **options.config}
+
+
+def batch_config(recipe: RecipeConfig, micro_batches: int, world: int) -> dict[str, int]:
+    """The harness's batch sizes as DeepSpeed's: its micro-batch per rank, accumulated over `micro_batches`."""
+    return {"train_micro_batch_size_per_gpu": recipe.micro_batch_size, "gradient_accumulation_steps": micro_batches,
+            "train_batch_size": recipe.micro_batch_size * micro_batches * world}
+
+
+def _init_distributed(ctx: DistContext) -> None:
+    """DeepSpeed's communication over the harness's process group (created at launch). Its engine reads the rank
+    from the environment as its own launcher sets it."""
+    import deepspeed
+
+    for name, value in (("RANK", ctx.rank), ("LOCAL_RANK", ctx.local_rank), ("WORLD_SIZE", ctx.world_size)):
+        os.environ.setdefault(name, str(value))
+    if not deepspeed.comm.is_initialized():
+        deepspeed.init_distributed(dist_backend=ctx.backend, rank=ctx.rank, world_size=ctx.world_size)
+
+
+class EngineStep:
+    """The DeepSpeed engine's step and checkpoint as the trainer drives them (taxbench.train.step.OwnedStep)."""
+
+    def __init__(self, engine: Any, model: nn.Module, aux_loss_coef: float, device: torch.device) -> None:
+        self.engine, self.model, self.device = engine, model, device
+        self.aux_loss_coef = aux_loss_coef
+        self.zero = engine.optimizer  # DeepSpeed's ZeRO optimizer around the torch one
+        self.inner: torch.optim.Optimizer = getattr(self.zero, "optimizer", self.zero)
+        self._grads: list[torch.Tensor] = []
+        self._moe = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+        # ZeRO 1/2 step one parameter group at a time: keep each group's gradients (references, no copy).
+        self.inner.register_step_pre_hook(self._keep_grads)
+
+    def _keep_grads(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        self._grads += [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+    def optimize(self, batches: list[Batch], optimizer_step: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        if not optimizer_step:
+            raise ConfigError("DeepSpeed's engine reduces gradients inside its step; a step without the optimizer "
+                              "step is not available for recipe.model.kind=deepspeed")
+        self._grads = []
+        total = torch.zeros((), device=self.device)
+        for inputs, targets in batches:
+            loss = cross_entropy(self.engine(inputs), targets)
+            for layer in self._moe:
+                if layer.aux is not None:
+                    loss = loss + self.aux_loss_coef * layer.aux.float()
+            self.engine.backward(loss)  # scaled by 1/gradient_accumulation_steps inside
+            self.engine.step()  # reduces, clips and steps at the accumulation boundary only
+            total += loss.detach().float()
+        norm = self.engine.get_global_grad_norm()
+        grad_norm = torch.as_tensor(norm if norm is not None else float("nan"), dtype=torch.float32)
+        return total / len(batches), grad_norm
+
+    def _partitions(self) -> list[torch.Tensor]:
+        groups = getattr(self.zero, "single_partition_of_fp32_groups", None)  # ZeRO 1 and 2
+        if groups is None:
+            groups = getattr(self.zero, "fp32_partitioned_groups_flat", None)  # ZeRO 3
+        if groups is None:  # ZeRO 0: the torch optimizer steps the model's own parameters
+            groups = [p for g in self.inner.param_groups for p in g["params"]]
+        return list(groups)
+
+    def gradients(self) -> list[torch.Tensor]:
+        return list(self._grads)
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._partitions()
+
+    def optimizer_tensors(self) -> Iterator[torch.Tensor]:
+        for param in self._partitions():
+            for _, value in sorted(self.inner.state.get(param, {}).items()):
+                if isinstance(value, torch.Tensor):
+                    yield value
+
+    def save(self, directory: Path, extras: dict[str, Any], rank: int) -> list[Path]:
+        """DeepSpeed's checkpoint in `directory`/deepspeed (a collective) and this rank's extras beside it; the files
+        this rank lists (rank 0 lists DeepSpeed's, every rank its own extras)."""
+        directory.mkdir(parents=True, exist_ok=True)
+        self.engine.save_checkpoint(str(directory), tag=TAG)
+        write_atomically(extras_path(directory, rank), lambda handle: torch.save(extras, handle))
+        if dist.is_initialized():
+            dist.barrier()
+        files = [extras_path(directory, rank)]
+        if rank == 0:
+            files += sorted(p for p in directory.rglob("*") if p.is_file() and not p.name.startswith("rank"))
+        return files
+
+    def load(self, directory: Path, rank: int, map_location: torch.device) -> dict[str, Any]:
+        path, _ = self.engine.load_checkpoint(str(directory), tag=TAG)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed found no checkpoint under {directory / TAG}")
+        extras: dict[str, Any] = torch.load(extras_path(directory, rank), map_location=map_location,
+                                            weights_only=False)
+        return extras
+
+
+class DeepSpeedStack:
+    name = "deepspeed"
+
+    def switch(self, recipe: RecipeConfig, arm_policy: PolicyConfig) -> dict[str, Any]:
+        require_deepspeed()
+        options = DeepSpeedOptions.of(recipe.model)
+        require_layout(recipe)
+        on = arm_policy.deterministic
+        key = on and knows_deterministic_mode() and torch.cuda.is_available()
+        if not on:
+            applied = None
+        elif key:
+            applied = "deepspeed deterministic_mode key"
+        else:
+            why = ("this DeepSpeed's config has no deterministic_mode key" if not knows_deterministic_mode()
+                   else "DeepSpeed's deterministic_mode raises off NVIDIA CUDA")
+            applied = f"documented equivalent ({why}): {_equivalent_text()}"
+        return {"stack": self.name, "version": _version(), "zero_stage": options.zero_stage,
+                "deterministic_mode": applied,
+                "arm": ("the stack's own switch only (stack-native)" if arm_policy.stack_native
+                        else "under taxbench's full policy, which the switch agrees with"),
+                "moe": "deepspeed.moe.layer.MoE" if recipe.model.n_experts else None,
+                "checkpoint": "deepspeed save_checkpoint/load_checkpoint (tag deepspeed); RNG streams and data "
+                              "position per rank in rank<R>.pt beside it",
+                "config": engine_config(recipe, options, key)}
+
+    def native_policy(self, recipe: RecipeConfig, name: str) -> PolicyConfig:
+        del recipe
+        return switch_policy(name)
+
+    def meta_model(self, recipe: RecipeConfig) -> nn.Module:
+        require_deepspeed()
+        options = DeepSpeedOptions.of(recipe.model)
+        require_layout(recipe)
+        with torch.device("meta"):
+            return build_gpt(recipe, options)
+
+    def build(self, recipe: RecipeConfig, arm_policy: PolicyConfig, ctx: DistContext, micro_batches: int) -> RankModel:
+        deepspeed = require_deepspeed()
+        options = DeepSpeedOptions.of(recipe.model)
+        require_layout(recipe)
+        _init_distributed(ctx)
+        key = arm_policy.deterministic and knows_deterministic_mode() and ctx.device.type == "cuda"
+        with policy.active(arm_policy):
+            refuse_conflicts(self.name, arm_policy, {})
+            torch.manual_seed(recipe.seed)
+            model = build_gpt(recipe, options).to(ctx.device)
+            params: Any = model.parameters()
+            if recipe.model.n_experts:
+                from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+                params = split_params_into_different_moe_groups_for_optimizer(
+                    {"params": list(model.parameters()), "name": "parameters"})
+            config = {**batch_config(recipe, micro_batches, ctx.world_size), **engine_config(recipe, options, key)}
+            engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
+        layout = layout_for(recipe.parallel, ctx.world_size, ctx.rank)
+        parallel = ParallelModel([model], [engine], layout, None, None, [])
+        step = EngineStep(engine, model, recipe.model.aux_loss_coef, ctx.device)
+        return RankModel(parallel, None, [], step, None, engine=step)
+
+    def optimizer(self, recipe: RecipeConfig, model: RankModel) -> torch.optim.Optimizer:
+        del recipe
+        assert isinstance(model.engine, EngineStep)
+        return model.engine.inner  # the torch optimizer inside DeepSpeed's (its state is what each rank holds)
+
+
+def _equivalent_text() -> str:
+    return ("use_deterministic_algorithms, TF32 off, cudnn.deterministic on and benchmark off, "
+            "CUBLAS_WORKSPACE_CONFIG validated")
