@@ -1,10 +1,13 @@
-"""Megatron-Core as a training stack. Without CUDA: the recipe is refused in one line, the switch's conflicts are
-refused, and (with megatron-core installed) the GPTModel is built by the stack's own code on real gloo ranks with each
-arm's process groups, its tensor-parallel weights checkpointed through the harness's DCP as the unsplit model. Its
-schedule, DDP buffers and gradient norm are CUDA only in Megatron-Core: the end-to-end pair runs in the gpu tier."""
+"""Megatron-Core as a training stack. Without CUDA: the recipe is refused in one line, the switch's and the layout's
+conflicts are refused, and (with megatron-core installed) the dense and MoE GPTModels are built by the stack's own code
+on real gloo ranks with each arm's process groups (tp, ep, pp, interleaved pp), each rank's share checked and
+checkpointed through the harness's DCP as the unsplit model. Its schedule, DDP buffers and gradient norm are CUDA only
+in Megatron-Core: one step runs here with those pieces pointed at the host (_megatron_on_the_host), and the end-to-end
+pair runs in the gpu tier."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -15,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from conftest import compose_typed
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.overrides import TorchFunctionMode
 
 from taxbench.checkpoint import state as checkpoint
 from taxbench.config.schema import ConfigError, TaxbenchConfig, validate
@@ -195,6 +199,103 @@ def test_megatrons_moe_builds_at_ep2_and_pp2_and_checkpoints_as_the_same_unsplit
     assert reference.keys() == {name for name in whole[0]["local"]}
     for tag in ("ep2", "pp2", "vpp2"):
         assert _same_model(reference, _saved_model(tmp_path / tag)) == [], tag
+
+
+class _HostDevice(TorchFunctionMode):
+    """Tensors Megatron creates on "cuda" (its schedule's token count, DDP's buffers) are made on the host."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's protocol)
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and (str(device).startswith("cuda") or isinstance(device, int)):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+class _NoStream:
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def wait_stream(self, *args: object) -> None:
+        pass
+
+
+def _megatron_on_the_host() -> None:
+    """What Megatron-Core 0.16.1's training step needs of CUDA, pointed at the host in this test process only (the
+    product trains Megatron on CUDA): the current device, streams, the RNG tracker's fork, Transformer Engine's router
+    GEMM (a NameError without it) and the clipping's CUDA type assert. Its batched P2P relies on
+    torch.cuda.synchronize, a no-op here, so the test turns batching off (received activations were read too early)."""
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.tensor_parallel import random as megatron_random
+    from megatron.core.transformer.moe import moe_utils
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.Stream = _NoStream
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    torch.cuda.default_stream = torch.cuda.current_stream = lambda *args: _NoStream()
+    torch.cuda.synchronize = lambda *args: None
+    megatron_random.get_cuda_rng_tracker().fork = lambda *args, **kwargs: contextlib.nullcontext()
+    moe_utils.te_general_gemm = None
+    clip_grads.clip_grad_by_total_norm_fp32 = lambda *args, **kwargs: None
+
+
+def _one_step(rank: int, world: int, overrides: tuple[str, ...], out: str, tag: str, port: int) -> None:
+    """One training step of MegatronStack.build's pieces on the host (Megatron's schedule, DDP, finalize_model_grads,
+    the stack's step and gradient norm) over 4 fixed micro-batches; the loss and the norm, written for the test."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    _megatron_on_the_host()
+    cfg = compose_typed(*overrides, f"cluster.cpu_ranks={world}")
+    recipe = cfg.recipe
+    with rank_process([cfg], rank, world, rank, "127.0.0.1", port) as ctx, _HostDevice():
+        arm = cfg.arms["deterministic"]
+        options = megatron.MegatronOptions.of(recipe)
+        layout = layout_for(recipe.parallel, world, rank)
+        meshes = meshes_for(layout, ctx, arm)
+        groups = megatron.process_groups(meshes)
+        megatron.ensure_parallel_state(recipe.parallel)
+        config = megatron.transformer_config(recipe, options, deterministic=True, on_device=False)
+        config.batch_p2p_comm = False
+        chunks = megatron.rank_chunks(recipe, options, config, groups, layout, torch.device("cpu"))
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False)
+        ddps = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=index > 0, pg_collection=groups)
+                for index, chunk in enumerate(chunks)]
+        config.no_sync_func = [ddp.no_sync for ddp in ddps] if len(ddps) > 1 else ddps[0].no_sync
+        config.finalize_model_grads_func = finalize_model_grads
+        parallel = megatron.MegatronParallel(chunks, ddps, layout, meshes, groups)
+        generator = torch.Generator().manual_seed(0)  # every data-parallel rank reads the same 4 micro-batches
+        tokens = [torch.randint(0, recipe.model.vocab_size, (recipe.micro_batch_size, recipe.model.seq_len + 1),
+                                generator=generator) for _ in range(4)]
+        loss = megatron.MegatronStep(ddps, recipe, config, groups).run([(t[:, :-1], t[:, 1:]) for t in tokens])
+        parallel.finish_gradients()
+        norm = parallel.clip_grad_norm_(1.0)
+        (Path(out) / f"{tag}.{rank}.json").write_text(json.dumps({"loss": loss.item(), "norm": norm.item()}))
+
+
+@needs_megatron
+@pytest.mark.slow
+def test_megatrons_step_gives_one_loss_and_norm_at_dp2_ep2_pp2_and_interleaved(tmp_path: Path) -> None:
+    """Megatron's schedules on the host (CUDA-only pieces pointed at the host: _megatron_on_the_host) over the same 4
+    micro-batches: the data-parallel, expert-parallel, 1F1B and interleaved layouts of the MoE model start from the
+    same weights, so they record the same loss and gradient norm on every rank (to float rounding)."""
+    moe = ("+recipe=megatron_moe_debug", "recipe.precision=fp32",
+           "+recipe.model.stack.position_embedding_type=learned_absolute")
+    layouts = {"dp2": ("recipe.global_batch_size=16",), "ep2": ("recipe.global_batch_size=16", "recipe.parallel.ep=2"),
+               "pp2": ("recipe.parallel.pp=2",),
+               "vpp2": ("recipe.parallel.pp=2", "recipe.parallel.pp_schedule=Interleaved1F1B",
+                        "recipe.parallel.virtual_stages=2")}
+    records = {}
+    for tag, overrides in layouts.items():
+        mp.start_processes(_one_step, args=(2, (*moe, *overrides), str(tmp_path), tag, free_port()), nprocs=2,
+                           join=True, start_method="spawn")
+        records[tag] = [json.loads((tmp_path / f"{tag}.{rank}.json").read_text()) for rank in range(2)]
+    reference = records["dp2"][0]
+    assert 7.0 < reference["loss"] < 8.5 and reference["norm"] > 0  # about ln(2048) at the start
+    for tag, ranks in records.items():
+        for record in ranks:
+            assert record["loss"] == pytest.approx(reference["loss"], rel=1e-6), tag
+            assert record["norm"] == pytest.approx(reference["norm"], rel=1e-5), tag
 
 
 def test_one_model_switching_policy_per_block_is_refused_for_megatron() -> None:

@@ -234,7 +234,8 @@ def _layer_spec(options: MegatronOptions, n_experts: int) -> Any:
 def process_groups(meshes: Meshes) -> Any:
     """Megatron's ProcessGroupCollection over one arm's DeviceMesh ([pp,] edp, ep, tp), whose rank order is Megatron's
     (tp innermost, ep carved out of data parallel, pp outermost): a group over several dimensions is the mesh's
-    flattened sub-mesh; context parallelism (not driven) gets a one-rank group. Call under the arm's environment."""
+    flattened sub-mesh; context parallelism (not driven) and the embedding groups get a one-rank group. Call under the
+    arm's environment."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     full = meshes.full
@@ -244,19 +245,17 @@ def process_groups(meshes: Meshes) -> Any:
         held = [dim for dim in dims if dim in present]
         if len(held) == 1:
             return full[held[0]].get_group()
-        name = "_".join(held)
-        try:
-            return full[name].get_group()  # flattened before, for this arm's mesh
-        except KeyError:
-            return full[tuple(held)]._flatten(name).get_group()
+        return full[tuple(held)]._flatten("_".join(held)).get_group()  # the same sub-mesh again on a second build
 
-    tp, edp, dp = over("tp"), over("edp"), meshes.dp.get_group()
+    tp, edp, dp, alone = over("tp"), over("edp"), meshes.dp.get_group(), _alone(full)
+    # The embedding groups only reduce embeddings shared across stages (tied input and output embeddings, which
+    # build_gpt does not make): one rank each. None would make finalize_model_grads fall back to parallel_state's.
     groups = ProcessGroupCollection()
-    for name, group in {"tp": tp, "tp_cp": tp, "expt_tp": tp, "pp": over("pp") if "pp" in present else _alone(full),
+    for name, group in {"tp": tp, "tp_cp": tp, "expt_tp": tp, "pp": over("pp") if "pp" in present else alone,
                         "ep": over("ep"), "mp": over("pp", "tp"), "tp_ep": over("ep", "tp"),
                         "tp_ep_pp": over("pp", "ep", "tp"), "dp": dp, "dp_cp": dp, "intra_dp_cp": dp,
                         "expt_dp": edp, "intra_expt_dp": edp, "tp_dp_cp": over("edp", "ep", "tp"),
-                        "cp": _alone(full), "embd": None, "pos_embd": None}.items():
+                        "cp": alone, "embd": alone, "pos_embd": alone}.items():
         setattr(groups, name, group)
     return groups
 
