@@ -58,9 +58,11 @@ fi
 if $PY -c "import megatron.core" 2>/dev/null; then
     step megatron_tests 200 $PY -m pytest -v -p no:cacheprovider tests/test_megatron.py
     step megatron_gpt 150 $PY -m taxbench "${EXP[@]}" +recipe=megatron_gpt_debug experiment.name=megatron_gpu
+    # Megatron's MoE layers (top-2 of 4, allgather dispatcher, sequential experts) on one GPU: never run on a GPU yet.
+    step megatron_moe_debug 200 $PY -m taxbench "${EXP[@]}" +recipe=megatron_moe_debug experiment.name=megatron_moe_gpu
 else
-    echo "megatron-core not installed: megatron_gpt_debug not run" | tee -a "$OUT/steps.txt"
+    echo "megatron-core not installed: megatron_gpt_debug and megatron_moe_debug not run" | tee -a "$OUT/steps.txt"
 fi
 grep -h -E "tax|deterministic:|planted" "$OUT"/moe_tiny_bf16.log "$OUT"/interleave_policy.log "$OUT"/planted_5pct.log \
-    "$OUT"/megatron_gpt.log 2>/dev/null | head -40
+    "$OUT"/megatron_gpt.log "$OUT"/megatron_moe_debug.log 2>/dev/null | head -40
 exit $failed

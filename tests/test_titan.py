@@ -54,6 +54,19 @@ def test_torchtitans_switch_conflicting_with_the_policy_is_refused_before_launch
 
 
 @needs_titan
+@pytest.mark.parametrize(("overrides", "refusal"), [
+    (("recipe.model.n_layers=4", "recipe.parallel.pp_schedule=Interleaved1F1B", "recipe.parallel.virtual_stages=2"),
+     "recipe.parallel.virtual_stages=2: torchtitan's pipeline_llm is driven with one stage per rank"),
+    (("recipe.model.stack.attn_backend=flex",), "attn_backend=flex needs attention masks"),
+])
+def test_what_torchtitans_pipeline_is_not_driven_with_is_refused_before_launch(overrides: tuple[str, ...],
+                                                                              refusal: str) -> None:
+    with pytest.raises(ConfigError, match=refusal) as info:
+        prepare(compose_raw("+recipe=titan_llama3_pp", "cluster.cpu_ranks=2", *overrides))
+    assert "\n" not in str(info.value)
+
+
+@needs_titan
 def test_activation_checkpointing_is_refused_for_torchtitan_rather_than_ignored() -> None:
     with pytest.raises(ConfigError, match="recipe.activation_checkpointing=full is not wired to torchtitan"):
         prepare(compose_raw("+recipe=titan_llama3_debug", "recipe.activation_checkpointing=full"))
@@ -118,21 +131,41 @@ def test_the_layouts_weights_digest_holds_torchtitans_moe_router_bias() -> None:
     assert moved is not None and moved.model != digest.model and moved.parameters == digest.parameters
 
 
+def _six_step_pair(taxbench_cli, tmp_path: Path, recipe: str, name: str) -> dict[str, str]:
+    """The recipe's pair end to end, 6 steps with a restart at step 3: the gates' outcomes (it passed)."""
+    result = taxbench_cli(f"+recipe={recipe}", "experiment.steps=6", "experiment.warmup_steps=1",
+                          "experiment.resume_step=3", "experiment.checkpoint_every_steps=3", "report.wandb=false",
+                          f"experiment.out_dir={tmp_path}", f"experiment.name={name}", cwd=tmp_path, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / name / "summary.json").read_text())
+    assert summary["outcome"] == "passed"
+    return {v["gate"]: v["outcome"] for v in summary["verdicts"]}
+
+
 @needs_titan
 @pytest.mark.slow
 def test_titan_llama3_runs_the_pair_end_to_end_and_passes_the_gates(tmp_path: Path, taxbench_cli) -> None:
-    result = taxbench_cli("+recipe=titan_llama3_debug", "experiment.steps=6", "experiment.warmup_steps=1",
-                          "experiment.resume_step=3", "experiment.checkpoint_every_steps=3", "report.wandb=false",
-                          f"experiment.out_dir={tmp_path}", "experiment.name=titan", cwd=tmp_path, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.loads((tmp_path / "titan" / "summary.json").read_text())
-    assert summary["outcome"] == "passed"
-    assert {v["gate"]: v["outcome"] for v in summary["verdicts"]}["repeatability"] == "identical"
-    assert {v["gate"]: v["outcome"] for v in summary["verdicts"]}["restart_replay"] == "identical"
+    outcomes = _six_step_pair(taxbench_cli, tmp_path, "titan_llama3_debug", "titan")
+    assert outcomes["repeatability"] == outcomes["restart_replay"] == "identical"
     manifest = json.loads((tmp_path / "titan" / "deterministic-0" / "manifest.json").read_text())
     assert manifest["stack_switch"]["stack"] == "torchtitan"
     assert manifest["stack_switch"]["debug.deterministic"] is True
     assert manifest["policy_applied"]["use_deterministic_algorithms"] is True
+
+
+@needs_titan
+@pytest.mark.slow
+def test_titan_llama3_split_by_pipeline_llm_runs_end_to_end_and_passes_the_gates(tmp_path: Path, taxbench_cli) -> None:
+    """torchtitan's own pipeline_llm splits llama3 debugmodel into 2 stages on 2 gloo ranks, torch's 1F1B schedule
+    runs them: every gate identical, each rank holds (and fingerprints) a different stage, both record the same loss."""
+    outcomes = _six_step_pair(taxbench_cli, tmp_path, "titan_llama3_pp", "titanpp")
+    assert outcomes["repeatability"] == outcomes["restart_replay"] == outcomes["baseline_sanity"] == "identical"
+    run = tmp_path / "titanpp" / "deterministic-0"
+    assert json.loads((run / "manifest.json").read_text())["layout"]["pp"] == 2
+    first, second = ([json.loads(line) for line in (run / f"steps.rank{rank}.jsonl").read_text().splitlines()]
+                     for rank in (0, 1))
+    assert [r["loss_bits"] for r in first] == [r["loss_bits"] for r in second]
+    assert all(a["params"] != b["params"] for a, b in zip(first, second, strict=True))  # two different stages
 
 
 @needs_titan

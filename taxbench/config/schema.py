@@ -438,7 +438,7 @@ def layout_problems(recipe: RecipeConfig, world: int, world_key: str = "cluster.
             f"data-parallel size dp = world/(tp*pp) = {world}/{model_parallel} = {dp} is not divisible by "
             f"recipe.parallel.ep={par.ep} (expert parallelism is carved out of data parallelism); pick ep dividing {dp}"
         )
-    if par.ep > 1 and model.kind not in (ModelKind.moe, ModelKind.deepspeed):
+    if par.ep > 1 and model.kind not in (ModelKind.moe, ModelKind.megatron, ModelKind.deepspeed):
         problems.append(f"recipe.parallel.ep={par.ep} needs an MoE model, but recipe.model.kind={model.kind}; set "
                         "recipe.parallel.ep=1 (or recipe.model.kind=moe)")
     elif par.ep > 1 and (model.n_experts == 0 or model.n_experts % par.ep):
@@ -578,6 +578,10 @@ def validate(cfg: TaxbenchConfig) -> None:
     _require(not (exp.interleave == "policy" and recipe.model.kind in fixed_at_build),
              f"experiment.interleave=policy trains one model whose policy switches per block, but "
              f"{fixed_at_build.get(recipe.model.kind)}; use experiment.interleave=all or pair")
+    _require(not (recipe.model.kind == ModelKind.megatron and cluster.device == Device.cpu),
+             "recipe.model.kind=megatron needs a CUDA GPU (Megatron-Core's schedule, gradient buffers and norms are "
+             "CUDA only) but cluster.device=cpu; run it with cluster.device=cuda on a GPU node or cluster=slurm, "
+             "after pip install 'taxbench[megatron]'")
     _require(0 <= exp.planted_tax < 10,
              f"experiment.planted_tax={exp.planted_tax} must be in [0, 10) (a fraction: 0.02 plants a 2% tax)")
     _require(0 <= exp.target_half_width < 1,

@@ -23,7 +23,7 @@ heaviest stage is reported. Not counted: the CUDA context, communication buffers
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -32,6 +32,8 @@ from taxbench.config.schema import (
     ActivationCheckpointing,
     ConfigError,
     DataParallel,
+    ModelConfig,
+    ModelKind,
     ParallelConfig,
     Precision,
     RecipeConfig,
@@ -166,13 +168,33 @@ def _rank_share(shape: tuple[int, ...], experts: bool, tp_split: bool, par: Para
     return rows * rest
 
 
+def planned_model(model: ModelConfig) -> ModelConfig:
+    """The model whose parameters (and FLOPs) are counted: for Megatron-Core's GPTModel, taxbench's GPT of the same
+    fields (MoE when it has experts), which holds the same matrices: fused qkv and output projection, a GELU MLP or
+    the router, the experts and shared experts without biases (the Megatron MoE recipes' add_bias_linear=false),
+    layer norms, untied embeddings and head. Megatron's GPTModel does not need the GPU to build, but the planner
+    imports no training stack. DeepSpeed's model is taxbench's GPT, its MoE layer counted as taxbench's MoE of the
+    same fields (DeepSpeed's gate does not run on the meta device)."""
+    if str(model.kind) not in (ModelKind.megatron.value, ModelKind.deepspeed.value):
+        return model
+    return replace(model, kind=ModelKind.moe if model.n_experts else ModelKind.dense, stack={})
+
+
+def _learned_positions(model: ModelConfig) -> bool:
+    """Whether the model holds a learned position table (Megatron's default position embedding is RoPE: none)."""
+    return str(model.kind) != ModelKind.megatron.value or model.stack.get("position_embedding_type") == \
+        "learned_absolute"
+
+
 def make_plan(cfg: TaxbenchConfig) -> Plan:
     recipe, gpus = cfg.recipe, cfg.cluster.gpus
     with torch.device("meta"):
-        model = build_model(recipe.model, deterministic_kernels=True)
+        model = build_model(planned_model(recipe.model), deterministic_kernels=True)
     kinds, tp_split = _param_kinds(model)
-    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    numels = {name: p.numel() for name, p in model.named_parameters()}
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()
+              if _learned_positions(recipe.model) or not name.startswith("pos.")}
+    kinds = {name: kind for name, kind in kinds.items() if name in shapes}
+    numels = {name: math.prod(shape) for name, shape in shapes.items()}
     by_kind = {kind: sum(n for name, n in numels.items() if kinds[name] == kind) for kind in ("embeddings", "dense",
                                                                                              "experts")}
     total = sum(numels.values())

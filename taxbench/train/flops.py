@@ -8,14 +8,14 @@ otherwise.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from taxbench.config.schema import ClusterConfig, ModelConfig, ModelKind, Precision, RecipeConfig
+from taxbench.config.schema import ClusterConfig, Precision, RecipeConfig
+from taxbench.parallel.plan import planned_model
 from taxbench.train.stacks import foreign_stack, stack_for
 from taxbench.workloads import TooLargeForHost, build_model, on_meta_or_host
 
@@ -29,20 +29,8 @@ PEAK_TFLOPS = {
 }
 
 
-def _counted_model(model: ModelConfig) -> ModelConfig:
-    """The model whose FLOPs are counted: Megatron's GPTModel (local spec) does not run on the meta device, and
-    taxbench's dense GPT of the same fields has the same matmuls (fused qkv, output projection, a GELU MLP of d_ff,
-    an untied output head), and the same attention. DeepSpeed's model is taxbench's GPT, its MoE layer counted as
-    taxbench's MoE of the same fields (DeepSpeed's gate does not run on the meta device)."""
-    if model.kind == ModelKind.megatron:
-        return replace(model, kind=ModelKind.dense, stack={})
-    if model.kind == ModelKind.deepspeed:
-        return replace(model, kind=ModelKind.moe if model.n_experts else ModelKind.dense, stack={})
-    return model
-
-
 def _count(recipe: RecipeConfig, device: str) -> int:
-    counted = _counted_model(recipe.model)
+    counted = planned_model(recipe.model)
     if foreign_stack(counted):  # a foreign stack's model: on meta
         model = stack_for(counted).meta_model(recipe)
     else:
@@ -58,7 +46,7 @@ def _count(recipe: RecipeConfig, device: str) -> int:
 def flops_per_step(recipe: RecipeConfig) -> tuple[float | None, str]:
     """Model FLOPs of one training step of the whole job, and how they were counted (or why not)."""
     micro_batches = recipe.global_batch_size // recipe.micro_batch_size
-    counted = _counted_model(recipe.model)
+    counted = planned_model(recipe.model)
     try:
         if foreign_stack(counted):
             flops, device = _count(recipe, "meta"), "meta"

@@ -1,33 +1,40 @@
-"""Megatron-Core as a training stack: its GPTModel, forward-backward schedule, DDP, gradient norm and determinism
-switch; CUDA only (without CUDA a megatron recipe is refused in one line before anything is built).
+"""Megatron-Core as a training stack: its GPTModel (dense or with its MoE layers), forward-backward schedules, DDP,
+gradient norm and determinism switch; CUDA only (without CUDA a megatron recipe is refused in one line before
+anything is built; its model on the meta device, for the checks before launch, needs no GPU).
 
-The recipe's model fields (n_layers, d_model, n_heads, d_ff, vocab_size, seq_len) become a Megatron TransformerConfig;
-`recipe.model.stack` picks the layer spec (`spec`: local, or transformer_engine where Transformer Engine is installed),
-the position embedding and sequence parallelism. What runs is Megatron's own: GPTModel (its tensor-parallel layers,
-vocab-parallel cross entropy), `get_forward_backward_func`'s schedule over the harness's micro-batches, its
-DistributedDataParallel (fp32 gradient buffers, reduced by `finalize_model_grads` at the end of the schedule) and its
-model-parallel gradient norm and clipping. What stays the harness's: the data (the same tokens as every stack), the
+The recipe's model fields (n_layers, d_model, n_heads, d_ff, vocab_size, seq_len; n_experts, top_k, moe_d_ff,
+n_shared_experts, aux_loss_coef) become a Megatron TransformerConfig; `recipe.model.stack` picks the layer spec
+(`spec`: local, or transformer_engine where Transformer Engine is installed), the position embedding, sequence
+parallelism and, for MoE, the token dispatcher (allgather or alltoall), grouped GEMM (Transformer Engine's) or
+sequential local experts, and the router's load balancing. What runs is Megatron's own: GPTModel (its tensor-parallel
+layers, its router, dispatcher and experts, vocab-parallel cross entropy), `get_forward_backward_func`'s schedule over
+the harness's micro-batches (no pipeline, 1F1B, or interleaved 1F1B over recipe.parallel.virtual_stages), one
+DistributedDataParallel per model chunk (fp32 gradient buffers, experts reduced over the expert-data-parallel group,
+all reduced by `finalize_model_grads` at the end of the schedule), its recompute (recipe.activation_checkpointing) and
+its model-parallel gradient norm and clipping. What stays the harness's: the data (the same tokens as every stack), the
 timer marks, AdamW over fp32 parameters (as Megatron's FP32Optimizer, the gradients are the DDP buffers'), bf16 as
-autocast (Megatron's `enable_autocast`), fingerprints and DCP checkpoints (tensor-parallel weights saved as DTensors
-over the tensor-parallel mesh).
+autocast (Megatron's `enable_autocast`), the initial weights (drawn per global parameter name and expert id:
+taxbench.train.megatron_chunks, so every tp/pp/ep layout starts from the same model), fingerprints and DCP checkpoints
+of the unsplit model (tensor-parallel weights saved as DTensors over the tensor-parallel mesh).
 
-Process groups: each arm's model gets its own (a ProcessGroupCollection over the harness's per-arm DeviceMesh, so
-its NCCL_ALGO is the arm's). Megatron also reads some groups from its global parallel_state (the pipeline rank, the
-global memory buffer, the vocab-parallel cross entropy's rank): parallel_state is initialised once per process, with
-the same rank order (tensor parallel innermost), under the first arm built.
+Process groups: each arm's model gets its own (a ProcessGroupCollection over the harness's per-arm DeviceMesh, whose
+rank order is Megatron's, so its NCCL_ALGO is the arm's). Megatron also reads some groups from its global
+parallel_state (the global memory buffer, the vocab-parallel cross entropy's rank): parallel_state is initialised
+once per process, with the same rank order, under the first arm built.
 
 The deterministic arm turns on Megatron's `deterministic_mode` (TransformerConfig) and its environment
 (NCCL_ALGO=Ring, NVTE_ALLOW_NONDETERMINISTIC_ALGO=0, CUBLAS_WORKSPACE_CONFIG), which must agree with taxbench's
-policy; like Megatron's `--deterministic-mode`, it refuses cross-entropy loss fusion (not deterministic).
-Not driven here: pipeline parallelism (Megatron's interleaved schedules), expert parallelism, FSDP, context
-parallelism, Megatron's distributed optimizer and its dist_checkpointing.
+policy; like Megatron's `--deterministic-mode`, it refuses cross-entropy loss fusion (not deterministic). Its MoE
+unpermute takes Megatron's index_add path when torch's deterministic algorithms are on (the arm's policy).
+Not driven here (refused in one line): FSDP, context parallelism, Megatron's distributed optimizer (its own optimizer
+state and checkpoint format), its dist_checkpointing, pipeline schedules other than 1F1B and interleaved 1F1B, fp8.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -42,12 +49,14 @@ from taxbench.config.schema import (
     ActivationCheckpointing,
     ConfigError,
     DataParallel,
+    ParallelConfig,
     PolicyConfig,
     Precision,
     RecipeConfig,
 )
 from taxbench.parallel.distributed import DistContext
 from taxbench.parallel.layout import Layout, Meshes, ParallelModel, layout_for, meshes_for
+from taxbench.train import megatron_chunks
 from taxbench.train.build import RankModel, build_optimizer
 from taxbench.train.stack import not_wired_native, refuse_conflicts, refuse_unknown_options
 from taxbench.train.step import Batch
@@ -58,6 +67,10 @@ INSTALL_HINT = "pip install 'taxbench[megatron]'"
 SWITCH_ENV = {"NCCL_ALGO": "Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 SPECS = ("local", "transformer_engine")
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")
+DISPATCHERS = ("allgather", "alltoall")
+LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
+# Megatron's pipeline schedules (get_forward_backward_func): 1F1B, and 1F1B over virtual stages (interleaved).
+SCHEDULES = {"1f1b": "1F1B", "interleaved1f1b": "Interleaved1F1B"}
 
 
 @dataclass(frozen=True)
@@ -66,6 +79,12 @@ class MegatronOptions:
     position_embedding_type: str = "rope"
     sequence_parallel: bool = False
     cross_entropy_loss_fusion: bool = False
+    # MoE (recipe.model.n_experts > 0): Megatron's token dispatcher, grouped or sequential local experts, the router's
+    # load balancing (its loss weighted by recipe.model.aux_loss_coef)
+    moe_token_dispatcher_type: str = "allgather"
+    moe_grouped_gemm: bool = False
+    moe_router_load_balancing_type: str = "aux_loss"
+    use_distributed_optimizer: bool = False
 
     @classmethod
     def of(cls, recipe: RecipeConfig) -> MegatronOptions:
@@ -78,16 +97,34 @@ class MegatronOptions:
                               f"choose one of {list(POSITION_EMBEDDINGS)}")
         if options.sequence_parallel and recipe.parallel.tp == 1:
             raise ConfigError("recipe.model.stack.sequence_parallel=true needs recipe.parallel.tp > 1")
+        if options.moe_token_dispatcher_type not in DISPATCHERS:
+            raise ConfigError(f"recipe.model.stack.moe_token_dispatcher_type={options.moe_token_dispatcher_type!r}: "
+                              f"choose one of {list(DISPATCHERS)}")
+        if options.moe_router_load_balancing_type not in LOAD_BALANCING:
+            raise ConfigError(f"recipe.model.stack.moe_router_load_balancing_type="
+                              f"{options.moe_router_load_balancing_type!r}: choose one of {list(LOAD_BALANCING)}")
+        if options.moe_grouped_gemm and options.spec != "transformer_engine":
+            raise ConfigError("recipe.model.stack.moe_grouped_gemm=true needs recipe.model.stack.spec="
+                              "transformer_engine (Transformer Engine's grouped GEMM; the local spec runs Megatron's "
+                              "SequentialMLP)")
+        if options.use_distributed_optimizer:
+            raise ConfigError("recipe.model.stack.use_distributed_optimizer=true is not driven: Megatron's "
+                              "DistributedOptimizer keeps its own state and checkpoint format, and the harness "
+                              "fingerprints and checkpoints the optimizer it steps (AdamW over the DDP buffers); set "
+                              "it to false")
         return options
 
 
 def require_layout(recipe: RecipeConfig) -> None:
     """Refuse, in one line, what this adapter does not drive (see the module docstring)."""
-    par = recipe.parallel
-    if par.pp > 1 or par.ep > 1:
-        raise ConfigError(f"recipe.model.kind=megatron runs tensor and data parallelism here (recipe.parallel.pp="
-                          f"{par.pp}, ep={par.ep}: Megatron's pipeline and expert parallelism are not driven yet); "
-                          "set recipe.parallel.pp=1 and ep=1")
+    par, model = recipe.parallel, recipe.model
+    if par.pp > 1 and par.pp_schedule.lower() not in SCHEDULES:
+        raise ConfigError(f"recipe.parallel.pp_schedule={par.pp_schedule} is not one of Megatron's schedules; choose "
+                          f"one of {list(SCHEDULES.values())} (Interleaved1F1B with recipe.parallel.virtual_stages>=2)")
+    if par.ep > 1 and model.n_experts == 0:
+        raise ConfigError(f"recipe.parallel.ep={par.ep} needs MoE layers: set recipe.model.n_experts (and top_k)")
+    if model.n_experts and model.n_experts % par.ep:
+        raise ConfigError(f"recipe.parallel.ep={par.ep} must divide recipe.model.n_experts={model.n_experts}")
     if par.data_parallel is DataParallel.fsdp or str(par.data_parallel) == DataParallel.fsdp.value:
         raise ConfigError("recipe.model.kind=megatron uses Megatron's DistributedDataParallel; set "
                           "recipe.parallel.data_parallel=ddp")
@@ -102,9 +139,10 @@ def require_layout(recipe: RecipeConfig) -> None:
                           f"recipe.model.vocab_size={recipe.model.vocab_size} (Megatron splits heads and vocabulary)")
 
 
-def require_megatron() -> None:
-    """Refuse in one line: Megatron-Core needs CUDA, and the package from the extra."""
-    if not torch.cuda.is_available():
+def require_megatron(cuda: bool = True) -> None:
+    """Refuse in one line: Megatron-Core needs the package from the extra and, to train (`cuda`), CUDA. Its model on
+    the meta device needs no GPU (a Slurm job is checked on the submitting machine)."""
+    if cuda and not torch.cuda.is_available():
         raise ConfigError(f"recipe.model.kind=megatron needs a CUDA GPU (Megatron-Core's schedule, gradient buffers "
                           f"and norms are CUDA only; torch {torch.__version__} sees none); on a GPU node: "
                           f"{INSTALL_HINT}")
@@ -130,7 +168,8 @@ def transformer_config(recipe: RecipeConfig, options: MegatronOptions, determini
 
     model, tp = recipe.model, recipe.parallel.tp
     bf16 = str(recipe.precision) == Precision.bf16.value
-    return TransformerConfig(**_recompute(recipe.activation_checkpointing),
+    return TransformerConfig(**_recompute(recipe.activation_checkpointing), **_moe(recipe, options),
+        **_pipeline(recipe.parallel),
         num_layers=model.n_layers, hidden_size=model.d_model, num_attention_heads=model.n_heads,
         ffn_hidden_size=model.d_ff, tensor_model_parallel_size=tp, sequence_parallel=options.sequence_parallel,
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, pipeline_dtype=torch.float32,
@@ -138,6 +177,32 @@ def transformer_config(recipe: RecipeConfig, options: MegatronOptions, determini
         deterministic_mode=deterministic, cross_entropy_loss_fusion=options.cross_entropy_loss_fusion,
         gradient_accumulation_fusion=False, use_cpu_initialization=not on_device, init_method_std=0.02,
     )
+
+
+def _moe(recipe: RecipeConfig, options: MegatronOptions) -> dict[str, Any]:
+    """The recipe's MoE fields as Megatron's: top-k routing with its load-balancing loss, local experts of width
+    moe_d_ff (GELU, no biases, as Megatron's MoE recipes), shared experts, expert parallelism over recipe.parallel.ep.
+    The deterministic arm's unpermute is Megatron's index_add path (taken when torch's deterministic algorithms are
+    on, which the arm's policy switches)."""
+    model = recipe.model
+    if not model.n_experts:
+        return {}
+    width = model.moe_d_ff or model.d_ff
+    return {"num_moe_experts": model.n_experts, "moe_router_topk": model.top_k, "moe_ffn_hidden_size": width,
+            "moe_aux_loss_coeff": model.aux_loss_coef, "moe_router_load_balancing_type":
+            options.moe_router_load_balancing_type, "moe_token_dispatcher_type": options.moe_token_dispatcher_type,
+            "moe_grouped_gemm": options.moe_grouped_gemm, "expert_model_parallel_size": recipe.parallel.ep,
+            "moe_shared_expert_intermediate_size": width * model.n_shared_experts or None,
+            "add_bias_linear": False}
+
+
+def _pipeline(par: ParallelConfig) -> dict[str, Any]:
+    """Megatron's pipeline fields: pp stages, and virtual stages per rank for its interleaved schedule."""
+    if par.pp == 1:
+        return {}
+    virtual = par.virtual_stages if par.pp_schedule.lower() == "interleaved1f1b" else 1
+    return {"pipeline_model_parallel_size": par.pp,
+            "virtual_pipeline_model_parallel_size": virtual if virtual > 1 else None}
 
 
 def _recompute(mode: ActivationCheckpointing) -> dict[str, Any]:
@@ -149,58 +214,112 @@ def _recompute(mode: ActivationCheckpointing) -> dict[str, Any]:
     return {}
 
 
-def _layer_spec(options: MegatronOptions) -> Any:
+def _layer_spec(options: MegatronOptions, n_experts: int) -> Any:
     from megatron.core.models.gpt import gpt_layer_specs
 
+    moe = {"num_experts": n_experts or None, "moe_grouped_gemm": options.moe_grouped_gemm}
     if options.spec == "local":
-        return gpt_layer_specs.get_gpt_layer_local_spec()
+        return gpt_layer_specs.get_gpt_layer_local_spec(**moe)
     try:
         import transformer_engine  # noqa: F401
     except ImportError as exc:
         raise ConfigError(f"recipe.model.stack.spec=transformer_engine needs Transformer Engine ({exc}); install "
                           "it or use recipe.model.stack.spec=local") from None
-    return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**moe)
 
 
-def process_groups(meshes: Meshes, world: dist.ProcessGroup) -> Any:
-    """Megatron's ProcessGroupCollection for tensor x data parallelism over one arm's DeviceMesh ((edp, ep, tp) with
-    ep=1): the size-1 ep dimension's group serves every dimension of size 1 (pipeline, context, expert)."""
+def process_groups(meshes: Meshes) -> Any:
+    """Megatron's ProcessGroupCollection over one arm's DeviceMesh ([pp,] edp, ep, tp), whose rank order is Megatron's
+    (tp innermost, ep carved out of data parallel, pp outermost): a group over several dimensions is the mesh's
+    flattened sub-mesh; context parallelism (not driven) and the embedding groups get a one-rank group. Call under the
+    arm's environment."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    tp, dp, alone = meshes.full["tp"].get_group(), meshes.dp.get_group(), meshes.full["ep"].get_group()
+    full = meshes.full
+    present = tuple(full.mesh_dim_names or ())
+
+    def over(*dims: str) -> dist.ProcessGroup:
+        held = [dim for dim in dims if dim in present]
+        if len(held) == 1:
+            return full[held[0]].get_group()
+        return full[tuple(held)]._flatten("_".join(held)).get_group()  # the same sub-mesh again on a second build
+
+    tp, edp, dp, alone = over("tp"), over("edp"), meshes.dp.get_group(), _alone(full)
+    # The embedding groups only reduce embeddings shared across stages (tied input and output embeddings, which
+    # build_gpt does not make): one rank each. None would make finalize_model_grads fall back to parallel_state's.
     groups = ProcessGroupCollection()
-    for name, group in {"tp": tp, "mp": tp, "tp_cp": tp, "tp_ep": tp, "tp_ep_pp": tp, "expt_tp": tp,
-                        "dp": dp, "dp_cp": dp, "intra_dp_cp": dp, "expt_dp": dp, "intra_expt_dp": dp,
-                        "tp_dp_cp": world, "pp": alone, "cp": alone, "ep": alone,
-                        "embd": None, "pos_embd": None}.items():
+    for name, group in {"tp": tp, "tp_cp": tp, "expt_tp": tp, "pp": over("pp") if "pp" in present else alone,
+                        "ep": over("ep"), "mp": over("pp", "tp"), "tp_ep": over("ep", "tp"),
+                        "tp_ep_pp": over("pp", "ep", "tp"), "dp": dp, "dp_cp": dp, "intra_dp_cp": dp,
+                        "expt_dp": edp, "intra_expt_dp": edp, "tp_dp_cp": over("edp", "ep", "tp"),
+                        "cp": alone, "embd": alone, "pos_embd": alone}.items():
         setattr(groups, name, group)
     return groups
 
 
-def ensure_parallel_state(tp: int) -> None:
+def _alone(full: Any) -> dist.ProcessGroup:
+    """A one-rank group: a size-1 dimension of the mesh where there is one, else one of torch's one-rank subgroups."""
+    for dim in full.mesh_dim_names or ():
+        if full[dim].size() == 1:
+            return full[dim].get_group()
+    group, _ = dist.new_subgroups(group_size=1)
+    return group
+
+
+def ensure_parallel_state(par: ParallelConfig) -> None:
     """Megatron's global parallel_state, for what its code still reads from there (see the module docstring)."""
     from megatron.core import parallel_state
 
+    sizes = {"tp": par.tp, "pp": par.pp, "ep": par.ep}
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    elif parallel_state.get_tensor_model_parallel_world_size() != tp:
-        raise ConfigError(f"Megatron-Core's parallel_state is set up for tp="
-                          f"{parallel_state.get_tensor_model_parallel_world_size()} in this process; one process "
-                          f"trains one layout (recipe.parallel.tp={tp})")
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=par.tp,
+                                                 pipeline_model_parallel_size=par.pp,
+                                                 virtual_pipeline_model_parallel_size=_virtual_stages(par),
+                                                 expert_model_parallel_size=par.ep)
+        return
+    held = {"tp": parallel_state.get_tensor_model_parallel_world_size(),
+            "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+            "ep": parallel_state.get_expert_model_parallel_world_size()}
+    if held != sizes:
+        raise ConfigError(f"Megatron-Core's parallel_state is set up for {held} in this process; one process trains "
+                          f"one layout (recipe.parallel: {sizes})")
 
 
-def build_gpt(recipe: RecipeConfig, options: MegatronOptions, config: Any, groups: Any) -> nn.Module:
-    """Megatron's GPTModel for the recipe (on the current default device; fp32 parameters)."""
+def _virtual_stages(par: ParallelConfig) -> int | None:
+    return _pipeline(par).get("virtual_pipeline_model_parallel_size")
+
+
+def build_gpt(recipe: RecipeConfig, options: MegatronOptions, config: Any, groups: Any, first: bool = True,
+              last: bool = True, vp_stage: int | None = None) -> nn.Module:
+    """Megatron's GPTModel for the recipe, or one pipeline chunk of it (on the current default device; fp32
+    parameters): `first` holds the embeddings, `last` the final norm and the output layer."""
     from megatron.core.models.gpt import GPTModel
 
     model = recipe.model
-    return GPTModel(config=config, transformer_layer_spec=_layer_spec(options), vocab_size=model.vocab_size,
-                    max_sequence_length=model.seq_len, position_embedding_type=options.position_embedding_type,
-                    share_embeddings_and_output_weights=False, pg_collection=groups)
+    return GPTModel(config=config, transformer_layer_spec=_layer_spec(options, model.n_experts),
+                    vocab_size=model.vocab_size, max_sequence_length=model.seq_len,
+                    position_embedding_type=options.position_embedding_type, pre_process=first, post_process=last,
+                    share_embeddings_and_output_weights=False, pg_collection=groups, vp_stage=vp_stage)
+
+
+def rank_chunks(recipe: RecipeConfig, options: MegatronOptions, config: Any, groups: Any, layout: Layout,
+                device: torch.device) -> list[nn.Module]:
+    """This rank's model chunks, as Megatron's get_model builds them (one per virtual pipeline stage, in order; its
+    layers and experts only), moved to `device` and filled by global name (taxbench.train.megatron_chunks)."""
+    virtual = config.virtual_pipeline_model_parallel_size or 1
+    pp, pp_rank = layout.pp, layout.pp_rank
+    chunks = [build_gpt(recipe, options, config, groups, first=pp_rank == 0 and v == 0,
+                        last=pp_rank == pp - 1 and v == virtual - 1, vp_stage=v if virtual > 1 else None)
+              for v in range(virtual)]
+    # As Megatron's get_model: its parallel layers allocate on the GPU, torch's norms on the host.
+    chunks = [chunk.to(device) for chunk in chunks]
+    megatron_chunks.initialize(chunks, recipe.seed, layout.tp, layout.tp_rank)
+    return chunks
 
 
 def gpt_forward(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """GPTModel's per-token loss [batch, seq] (its vocab-parallel cross entropy, fp32); causal attention, no mask."""
+    """GPTModel's per-token loss [batch, seq] (its vocab-parallel cross entropy, fp32) on the last pipeline stage, its
+    hidden states on the others; causal attention, no mask."""
     positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
     return model(inputs, positions, None, labels=targets)
 
@@ -213,23 +332,36 @@ def mean_token_loss(per_token: torch.Tensor) -> tuple[torch.Tensor, dict[str, to
 
 
 def meta_gpt(recipe: RecipeConfig) -> nn.Module:
-    """The GPTModel on the meta device, built before launch in a one-rank world (its module paths do not depend on
-    the tensor-parallel degree)."""
+    """The whole GPTModel (every layer and expert) on the meta device, built before launch in a one-rank world (its
+    module paths are the unsplit model's, whatever the recipe's pp and ep)."""
     options = MegatronOptions.of(recipe)
     require_layout(recipe)
-    config = transformer_config(recipe, options, deterministic=False, on_device=False)
+    whole = replace(recipe, parallel=replace(recipe.parallel, pp=1, ep=1, virtual_stages=1))
+    # The alltoall dispatcher creates CUDA streams when built; dispatchers hold no parameters, so the module paths
+    # are those of the allgather one.
+    options = replace(options, moe_token_dispatcher_type="allgather")
+    config = transformer_config(whole, options, deterministic=False, on_device=False)
     config.perform_initialization = False
     with _one_rank_world() as groups, torch.device("meta"):
-        return build_gpt(recipe, options, config, groups)
+        return build_gpt(whole, options, config, groups)
 
 
 class MegatronStep:
-    """Megatron's forward-backward schedule over the harness's micro-batches (gradients in DDP's buffers, reduced by
-    finalize_model_grads at its end)."""
+    """Megatron's forward-backward schedule over the harness's micro-batches: without pipeline parallelism its plain
+    loop, with it 1F1B or, over virtual stages, its interleaved 1F1B (stage-to-stage sends by its P2PCommunicator on
+    the arm's pipeline group). Gradients land in DDP's buffers, reduced by finalize_model_grads at the schedule's end.
+    The loss exists on the last stage; the recorded loss is summed over the pipeline group so that every rank records
+    the same bits (the cross entropy: Megatron applies the MoE load-balancing loss in the backward only)."""
 
-    def __init__(self, ddp: nn.Module, recipe: RecipeConfig, groups: Any) -> None:
-        self.ddp, self.groups = ddp, groups
+    def __init__(self, ddps: list[nn.Module], recipe: RecipeConfig, config: Any, groups: Any) -> None:
+        self.ddps, self.groups = ddps, groups
         self.seq_len, self.micro_batch = recipe.model.seq_len, recipe.micro_batch_size
+        self.pp, self.virtual = recipe.parallel.pp, config.virtual_pipeline_model_parallel_size
+        self.p2p: Any = None
+        if self.pp > 1:
+            from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+            self.p2p = P2PCommunicator(pp_group=groups.pp, config=config)
 
     def _forward_step(self, data: Iterator[Batch], model: nn.Module) -> tuple[torch.Tensor, Any]:
         inputs, targets = next(data)
@@ -238,25 +370,41 @@ class MegatronStep:
     def run(self, batches: list[Batch]) -> torch.Tensor:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        self.ddp.zero_grad_buffer()
-        forward_backward = get_forward_backward_func(pp_size=1)
-        records = forward_backward(forward_step_func=self._forward_step, data_iterator=iter(batches),
-                                   model=[self.ddp], num_microbatches=len(batches), seq_length=self.seq_len,
-                                   micro_batch_size=self.micro_batch, forward_only=False, pg_collection=self.groups)
-        return torch.stack([r["loss"] for r in records]).mean()  # this rank's mean token loss, as the harness's
+        for ddp in self.ddps:
+            ddp.zero_grad_buffer()
+        forward_backward = get_forward_backward_func(pp_size=self.pp, vp_size=self.virtual)
+        # Every chunk reads the micro-batches in order (the interleaved schedule takes one iterator per chunk).
+        data: Any = [iter(batches) for _ in self.ddps] if len(self.ddps) > 1 else iter(batches)
+        pipeline = {"p2p_communicator": self.p2p} if self.p2p is not None else {}
+        records = forward_backward(forward_step_func=self._forward_step, data_iterator=data, model=self.ddps,
+                                   num_microbatches=len(batches), seq_length=self.seq_len,
+                                   micro_batch_size=self.micro_batch, forward_only=False, pg_collection=self.groups,
+                                   **pipeline)
+        device = next(self.ddps[0].parameters()).device
+        total = torch.zeros((), device=device)
+        for record in records:  # the last stage's, in micro-batch order
+            total = total + record["loss"].float()
+        if self.pp > 1:
+            dist.all_reduce(total, group=self.groups.pp)
+        return total / len(batches)  # this rank's mean token loss, as the harness's
 
 
 class MegatronParallel(ParallelModel):
-    """The GPTModel in Megatron's DDP, as the trainer drives it: gradients come from DDP's buffers, the norm and the
-    clipping are Megatron's (tensor-parallel shards counted once, over the model-parallel group), and the
-    tensor-parallel weights are checkpointed as DTensors over the arm's tensor-parallel mesh. Gradient sync across
-    micro-batches is the schedule's (config.no_sync_func)."""
+    """The rank's GPTModel chunks in Megatron's DDP, as the trainer drives them: one part, the chunks under the unsplit
+    model's names (megatron_chunks.unsplit_view: what fingerprints, the optimizer's state keys and checkpoints read);
+    gradients come from DDP's buffers; the norm and the clipping are Megatron's (tensor-parallel shards counted once;
+    dense parameters over the model-parallel group, experts over tensor x expert x pipeline, as its chained optimizer
+    counts them), and the tensor-parallel weights are checkpointed as DTensors over the arm's tensor-parallel mesh.
+    Gradient sync across micro-batches is the schedule's (config.no_sync_func)."""
 
-    def __init__(self, gpt: nn.Module, ddp: nn.Module, layout: Layout, meshes: Meshes, groups: Any) -> None:
-        super().__init__([gpt], [ddp], layout, meshes, groups.tp_dp_cp, [])
+    def __init__(self, chunks: list[nn.Module], ddps: list[nn.Module], layout: Layout, meshes: Meshes,
+                 groups: Any) -> None:
+        view = megatron_chunks.unsplit_view(chunks)
+        super().__init__([view], ddps, layout, meshes, groups.tp_dp_cp, [])
         self.groups = groups
         self._tp_mesh = meshes.full["tp"]
-        self._sliced = {name: p for name, p in gpt.named_parameters() if getattr(p, "tensor_model_parallel", False)}
+        self._sliced = {name: p for name, p in view.named_parameters() if getattr(p, "tensor_model_parallel", False)}
+        self._experts = any(not getattr(p, "allreduce", True) for p in view.parameters())
 
     def finish_gradients(self) -> None:
         """DDP's reduced fp32 buffers become the parameters' gradients (as Megatron's FP32Optimizer does)."""
@@ -269,8 +417,13 @@ class MegatronParallel(ParallelModel):
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
         params = [p for p in self.parts.parameters() if p.grad is not None]
-        counted = [p.grad for p in params if param_is_not_tensor_parallel_duplicate(p, tp_group=self.groups.tp)]
-        norm = get_grad_norm_fp32(counted, grad_stats_parallel_group=self.groups.mp)
+        counted = [p for p in params if param_is_not_tensor_parallel_duplicate(p, tp_group=self.groups.tp)]
+        norm = get_grad_norm_fp32([p.grad for p in counted if getattr(p, "allreduce", True)],
+                                  grad_stats_parallel_group=self.groups.mp)
+        if self._experts:
+            experts = get_grad_norm_fp32([p.grad for p in counted if not getattr(p, "allreduce", True)],
+                                         grad_stats_parallel_group=self.groups.tp_ep_pp)
+            norm = (norm**2 + experts**2) ** 0.5
         clip_grad_by_total_norm_fp32(params, max_norm, norm)
         return torch.tensor(norm, dtype=torch.float32, device=params[0].device)
 
@@ -298,15 +451,17 @@ class MegatronStack:
                               "set recipe.model.stack.cross_entropy_loss_fusion=false")
         if on:
             _refuse_env_conflicts(arm_policy)
+        moe = {"moe_token_dispatcher_type": options.moe_token_dispatcher_type,
+               "moe_grouped_gemm": options.moe_grouped_gemm} if recipe.model.n_experts else {}
         return {"stack": self.name, "version": _version(), "deterministic_mode": on, "spec": options.spec,
                 "cross_entropy_loss_fusion": options.cross_entropy_loss_fusion,
-                "sequence_parallel": options.sequence_parallel, "env": SWITCH_ENV if on else {}}
+                "sequence_parallel": options.sequence_parallel, **moe, "env": SWITCH_ENV if on else {}}
 
     def native_policy(self, recipe: RecipeConfig, name: str) -> PolicyConfig:
         raise not_wired_native(self.name, "--deterministic-mode")
 
     def meta_model(self, recipe: RecipeConfig) -> nn.Module:
-        require_megatron()
+        require_megatron(cuda=False)
         return meta_gpt(recipe)
 
     def build(self, recipe: RecipeConfig, arm_policy: PolicyConfig, ctx: DistContext, micro_batches: int) -> RankModel:
@@ -320,22 +475,24 @@ class MegatronStack:
         require_layout(recipe)
         layout = layout_for(recipe.parallel, ctx.world_size, ctx.rank)
         meshes = meshes_for(layout, ctx, arm_policy)
-        groups = process_groups(meshes, ctx.group_for(arm_policy))
         with policy.active(arm_policy):
             refuse_conflicts(self.name, arm_policy, SWITCH_ENV if arm_policy.deterministic else {})
             with arm_environment(arm_policy):
-                ensure_parallel_state(layout.tp)
-            model_parallel_cuda_manual_seed(recipe.seed, tp_rank=layout.tp_rank, ep_rank=0, etp_rank=layout.tp_rank)
+                groups = process_groups(meshes)
+                ensure_parallel_state(recipe.parallel)
+            model_parallel_cuda_manual_seed(recipe.seed, tp_rank=layout.tp_rank, ep_rank=layout.ep_rank,
+                                            etp_rank=layout.tp_rank)
             config = transformer_config(recipe, options, arm_policy.deterministic, on_device=True)
-            # As Megatron's get_model: its parallel layers allocate on the GPU, torch's norms on the host.
-            gpt = build_gpt(recipe, options, config, groups).to(ctx.device)
+            chunks = rank_chunks(recipe, options, config, groups, layout, ctx.device)
             ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                        use_distributed_optimizer=False)
-            ddp = DistributedDataParallel(config, ddp_config, gpt, pg_collection=groups)
-            config.no_sync_func = ddp.no_sync
+            # As Megatron's get_model: one DDP per chunk, bucketing only the first.
+            ddps = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=index > 0,
+                                            pg_collection=groups) for index, chunk in enumerate(chunks)]
+            config.no_sync_func = [ddp.no_sync for ddp in ddps] if len(ddps) > 1 else ddps[0].no_sync
             config.finalize_model_grads_func = finalize_model_grads
-        parallel = MegatronParallel(gpt, ddp, layout, meshes, groups)
-        return RankModel(parallel, None, [], MegatronStep(ddp, recipe, groups), None)
+        parallel = MegatronParallel(chunks, ddps, layout, meshes, groups)
+        return RankModel(parallel, None, [], MegatronStep(ddps, recipe, config, groups), None)
 
     def optimizer(self, recipe: RecipeConfig, model: RankModel) -> torch.optim.Optimizer:
         return build_optimizer(recipe, model.parts.parameters())

@@ -6,6 +6,11 @@ The recipe names torchtitan's model in `recipe.model.stack`: `family` (llama3, q
 sharded by torchtitan's `parallelize_fn` on torchtitan's ParallelDims mesh (FSDP2 over every rank, tp and ep as the
 recipe's layout says), materialised with torchtitan's `init_weights`, and each micro-batch runs torchtitan's forward
 and loss as its Trainer's `forward_backward_step` does (loss = token sum / global tokens, gradients summed).
+With recipe.parallel.pp>1 torchtitan's own `pipeline_llm` splits the meta model into one stage per rank (its module
+names per stage, each stage deep-copied with what it does not own deleted and then parallelized by the same
+`parallelize_fn`), each part is materialised and initialised as a whole model is, and its schedule (1F1B, GPipe) runs
+the harness's micro-batches (TitanPipelineStep); a part keeps the unsplit model's module names, so checkpoints and
+fingerprints need no mapping.
 What stays the harness's: the data (taxbench's token source, so both stacks read the same tokens), the step loop and
 its timer marks, AdamW from recipe.optimizer, gradient clipping, fingerprints and DCP checkpoints. torchtitan's
 Trainer class itself is not constructed: its __init__ also builds its Hugging Face tokenizer and data loader, metrics
@@ -199,7 +204,8 @@ def _param_dtype(recipe: RecipeConfig) -> str:
     return "float32" if precision == "fp32" else "bfloat16"
 
 
-def _trainer_config(recipe: RecipeConfig, options: TitanOptions, spec: Any, deterministic: bool, world: int) -> Any:
+def _trainer_config(recipe: RecipeConfig, options: TitanOptions, spec: Any, deterministic: bool, world: int,
+                    micro_batches: int = 1) -> Any:
     from torchtitan.config.configs import DebugConfig, ParallelismConfig, TrainingConfig
     from torchtitan.trainer import Trainer
 
@@ -208,8 +214,11 @@ def _trainer_config(recipe: RecipeConfig, options: TitanOptions, spec: Any, dete
     ddp = par.data_parallel is DataParallel.ddp or str(par.data_parallel) == DataParallel.ddp.value
     parallelism = ParallelismConfig(
         data_parallel_replicate_degree=dp if ddp else 1, data_parallel_shard_degree=1 if ddp else -1,
-        tensor_parallel_degree=par.tp, expert_parallel_degree=par.ep, spmd_backend=options.spmd_backend)
-    training = TrainingConfig(local_batch_size=recipe.micro_batch_size, seq_len=recipe.model.seq_len,
+        tensor_parallel_degree=par.tp, expert_parallel_degree=par.ep, spmd_backend=options.spmd_backend,
+        pipeline_parallel_degree=par.pp, pipeline_parallel_schedule=par.pp_schedule,
+        pipeline_parallel_microbatch_size=recipe.micro_batch_size)
+    # torchtitan's pipeline splits the rank's local batch into its micro-batches: the harness's, one step's worth.
+    training = TrainingConfig(local_batch_size=recipe.micro_batch_size * micro_batches, seq_len=recipe.model.seq_len,
                               disable_cuda_graphs=True, mixed_precision_param=_param_dtype(recipe))
     debug = DebugConfig(seed=recipe.seed, deterministic=deterministic,
                         deterministic_warn_only=options.deterministic_warn_only)
@@ -245,6 +254,39 @@ class TitanStep:
         return total * self.dp  # this rank's mean token loss, as the harness's own steps record it
 
 
+class TitanPipelineStep:
+    """torchtitan's pipeline schedule (from `pipeline_llm`) over the harness's micro-batches, as its Trainer's
+    pp_forward_backward_step runs it, but in the form torch 2.13 takes: the whole local batch, which the schedule
+    splits into the same micro-batches (the Trainer's per-micro-batch lists are rejected: "Expecting 4 arg_mbs but got
+    1"). The loss exists on the last stage (token sum / global tokens per micro-batch); the recorded loss is summed over
+    the pipeline group, so every rank records the same bits."""
+
+    def __init__(self, schedule: Any, first: bool, last: bool, dp: int, device: torch.device,
+                 pp_group: Any) -> None:
+        self.schedule, self.first, self.last, self.dp, self.device = schedule, first, last, dp, device
+        self.pp_group = pp_group
+
+    def run(self, batches: list[Batch]) -> torch.Tensor:
+        import torch.distributed as dist
+
+        inputs = torch.cat([x for x, _ in batches])
+        targets = torch.cat([y for _, y in batches])
+        global_tokens = torch.tensor(targets.numel() * self.dp, device=self.device)
+        losses: list[torch.Tensor] = []
+        kwargs: dict[str, Any] = {"loss_kwargs": {"global_valid_tokens": global_tokens}, "return_outputs": False}
+        if self.last:
+            kwargs.update(target=targets, losses=losses)
+        if self.first:
+            self.schedule.step(inputs, **kwargs)
+        else:
+            self.schedule.step(**kwargs)
+        total = torch.zeros((), device=self.device)
+        for loss in losses:  # fixed micro-batch order
+            total = total + loss.detach().float().to(self.device)
+        dist.all_reduce(total, group=self.pp_group)
+        return total * self.dp  # this rank's mean token loss, as the harness's own steps record it
+
+
 class TitanStack:
     name = "torchtitan"
 
@@ -269,9 +311,14 @@ class TitanStack:
     def meta_model(self, recipe: RecipeConfig) -> nn.Module:
         require_torchtitan()
         options = TitanOptions.of(recipe.model)
-        if recipe.parallel.pp > 1:
-            raise ConfigError("recipe.model.kind=titan runs with recipe.parallel.pp=1 here (torchtitan's pipeline_llm "
-                              "is not driven yet)")
+        if recipe.parallel.pp > 1 and recipe.parallel.virtual_stages > 1:
+            raise ConfigError(f"recipe.parallel.virtual_stages={recipe.parallel.virtual_stages}: torchtitan's "
+                              "pipeline_llm is driven with one stage per rank here (1F1B, GPipe); set "
+                              "recipe.parallel.virtual_stages=1")
+        if recipe.parallel.pp > 1 and options.attn_backend != "sdpa":
+            raise ConfigError(f"recipe.model.stack.attn_backend={options.attn_backend} needs attention masks, which "
+                              "taxbench does not pass through torchtitan's pipeline schedule; use attn_backend=sdpa "
+                              "with recipe.parallel.pp>1")
         if str(recipe.activation_checkpointing) != ActivationCheckpointing.none.value:
             raise ConfigError(f"recipe.activation_checkpointing={recipe.activation_checkpointing} is not wired to "
                               "torchtitan's stack (its checkpoint wrappers rename the module paths that faults, "
@@ -288,7 +335,6 @@ class TitanStack:
         return model
 
     def build(self, recipe: RecipeConfig, arm_policy: PolicyConfig, ctx: DistContext, micro_batches: int) -> RankModel:
-        del micro_batches  # the harness hands the step its micro-batches
         require_torchtitan()
         from torch.distributed.fsdp import FSDPModule
         from torchtitan.distributed import ParallelDims
@@ -297,7 +343,9 @@ class TitanStack:
 
         options = TitanOptions.of(recipe.model)
         spec = _model_config(options)
-        config = _trainer_config(recipe, options, spec, arm_policy.deterministic, ctx.world_size)
+        config = _trainer_config(recipe, options, spec, arm_policy.deterministic, ctx.world_size, micro_batches)
+        loss_fn = _loss(spec, config)
+        pipeline: Any = None
         with _switch_undone(), _torchtitan_on(ctx.device), policy.active(arm_policy):
             dims = ParallelDims.from_config(config.parallelism, ctx.world_size)
             set_determinism(dims, ctx.device, config.debug, distinct_seed_mesh_dims=["pp"])
@@ -306,25 +354,40 @@ class TitanStack:
             with torch.device("meta"):
                 model = spec.model.build()
             with tempfile.TemporaryDirectory() as dump_folder:
-                model = spec.parallelize_fn(model, parallel_dims=dims, training=config.training,
+                if dims.pp_enabled:
+                    from torchtitan.distributed.pipeline_parallel import pipeline_llm
+
+                    pipeline = pipeline_llm(model, parallel_dims=dims, training=config.training,
                                             parallelism=config.parallelism, compile_config=config.compile,
-                                            ac_config=None, dump_folder=dump_folder)
-            if ctx.backend == "gloo":
-                for module in model.modules():
-                    if isinstance(module, FSDPModule):
-                        module.set_force_sum_reduction_for_comms(True)
-            _keep_fused_qkv_in_checkpoints(model)
-            model.to_empty(device=ctx.device)
-            with torch.no_grad():
-                model.init_weights(buffer_device=None)
-            model.train()
+                                            ac_config=None, dump_folder=dump_folder, device=ctx.device,
+                                            model_config=spec.model, parallelize_fn=spec.parallelize_fn,
+                                            loss_fn=loss_fn)
+                    parts = list(pipeline[1])
+                else:
+                    parts = [spec.parallelize_fn(model, parallel_dims=dims, training=config.training,
+                                                 parallelism=config.parallelism, compile_config=config.compile,
+                                                 ac_config=None, dump_folder=dump_folder)]
+            for part in parts:
+                if ctx.backend == "gloo":
+                    for module in part.modules():
+                        if isinstance(module, FSDPModule):
+                            module.set_force_sum_reduction_for_comms(True)
+                _keep_fused_qkv_in_checkpoints(part)
+                part.to_empty(device=ctx.device)
+                with torch.no_grad():
+                    part.init_weights(buffer_device=None)
+                part.train()
             uses_flex = any(True for _ in spec.model.traverse(FlexAttention.Config))
             flex = FlexKernel.current() if uses_flex else None
         layout = layout_for(recipe.parallel, ctx.world_size, ctx.rank)
-        parallel = ParallelModel([model], [model], layout, None, None, [])
+        parallel = ParallelModel(parts, parts, layout, None, None, [])
         needs_masks = uses_flex or any(True for _ in spec.model.traverse(VarlenAttention.Config))
-        loss_fn = _loss(spec, config)
-        step = TitanStep(model, loss_fn, layout.dp, ctx.device, needs_masks, flex)
+        step: TitanStep | TitanPipelineStep
+        if pipeline is not None:
+            schedule, _, first, last = pipeline
+            step = TitanPipelineStep(schedule, first, last, layout.dp, ctx.device, dims.get_mesh("pp").get_group())
+        else:
+            step = TitanStep(parts[0], loss_fn, layout.dp, ctx.device, needs_masks, flex)
         self._spec, self._dims, self._device = spec, dims, ctx.device
         return RankModel(parallel, None, [], step, None)
 
