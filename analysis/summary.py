@@ -38,6 +38,7 @@ from taxbench.rundir.read import (
     manifest_value,
 )
 from taxbench.rundir.records import STEPS, STOP_FILE, TARGET, RunWriteError, read_stop, write_atomically
+from taxbench.rundir.write_scope import OutsideScope, may_write
 from taxbench.stats.tax import (
     PRECISE_HALF_WIDTH,
     Checkpoints,
@@ -200,8 +201,20 @@ class ExperimentAnalysis:
                             Checkpoints.of(experiment))
 
 
+def may_write_result(path: Path) -> bool:
+    """Whether a result may be written at `path` now (taxbench.rundir.write_scope: not in a folder a live launch
+    holds); a path outside the folder a reading command was pointed at is a ResultWriteError."""
+    try:
+        return may_write(path)
+    except OutsideScope as exc:
+        raise ResultWriteError(str(exc)) from exc
+
+
 def write_result(path: Path, data: str | bytes) -> None:
-    """Write an analysis result whole (a .tmp renamed into place); a failure is one line naming the path."""
+    """Write an analysis result whole (a .tmp renamed into place); a failure is one line naming the path. Skipped in
+    a folder a live launch holds (taxbench.rundir.write_scope)."""
+    if not may_write_result(path):
+        return
     payload = data.encode("utf-8") if isinstance(data, str) else data
     try:
         write_atomically(path, lambda handle: handle.write(payload))

@@ -62,6 +62,11 @@ def fail(message: str, code: int = exit_codes.CONFIG_ERROR) -> None:
     raise SystemExit(code)
 
 
+def fail_with(exc: Exception) -> None:
+    """fail() with the exit code the error carries (taxbench.rundir.read.UnreadableRecords: 4), else 2."""
+    fail(str(exc), getattr(exc, "exit_code", exit_codes.CONFIG_ERROR))
+
+
 def launch(cfg: TaxbenchConfig, root: Path) -> bool:
     """Run the experiment; False when there is nothing to report yet: only queued (Slurm points of a multirun: the
     sweep report waits), or a Slurm dry run (cluster.dry_run=true: the job script is written, nothing submitted)."""
@@ -128,7 +133,7 @@ def run_experiment(raw: DictConfig) -> int:
                 fail(str(exc), exit_codes.FAILED)
             return report(root, cfg.report, group=root.parent.name if _is_multirun() else None)
     except (ConfigError, RecordError) as exc:  # RecordError: results that cannot be read back or written
-        fail(str(exc))
+        fail_with(exc)
     return exit_codes.CONFIG_ERROR
 
 
@@ -179,19 +184,19 @@ def _multirun_point() -> int | None:
 
 
 def _analyse(args: argparse.Namespace) -> int:
-    from taxbench.analysis.publish import report
+    from taxbench.analysis.publish import read_and_report
 
-    return report(args.root)
+    return read_and_report(args.root)
 
 
 def _report(args: argparse.Namespace) -> int:
-    from taxbench.analysis.publish import report
+    from taxbench.analysis.publish import read_and_report
     from taxbench.analysis.wandb_log import WandbUnavailable
 
     settings = ReportConfig(html=True, wandb=args.wandb, wandb_project=args.wandb_project,
                             wandb_group=args.wandb_group)
     try:
-        return report(args.root, settings, strict_wandb=True)
+        return read_and_report(args.root, settings, strict_wandb=True)
     except WandbUnavailable as exc:
         fail(str(exc))
     return exit_codes.CONFIG_ERROR
@@ -228,7 +233,7 @@ def _parser() -> argparse.ArgumentParser:
     analyse_cmd.add_argument("root", type=Path)
     analyse_cmd.set_defaults(handler=_analyse)
     report_cmd = sub.add_parser("report", help="write report/report.html and report.md for an experiment or sweep")
-    report_cmd.add_argument("root", type=Path, help="an experiment directory, or a folder of experiments (sweep)")
+    report_cmd.add_argument("root", type=Path, help="an experiment directory, or the sweep folder of a multirun")
     report_cmd.add_argument("--wandb", action="store_true", help="also log to wandb (offline unless WANDB_MODE is set)")
     report_cmd.add_argument("--wandb-project", default=ReportConfig.wandb_project)
     report_cmd.add_argument("--wandb-group", default=None, help="wandb group (default: the sweep folder's name)")
@@ -250,7 +255,7 @@ def subcommand(argv: list[str]) -> int:
     try:
         return int(args.handler(args))
     except _input_errors() as exc:
-        fail(str(exc))
+        fail_with(exc)
     return exit_codes.CONFIG_ERROR
 
 
@@ -400,7 +405,7 @@ def _one_line_input_errors(*more: type[Exception]) -> Iterator[None]:
     try:
         yield
     except (ConfigError, *more) as exc:
-        fail(str(exc))
+        fail_with(exc)
     except _HYDRA_INPUT_ERRORS as exc:
         fail(_config_error_line(exc))
     except yaml.YAMLError as exc:

@@ -1,0 +1,233 @@
+"""Reading commands touch only what they were pointed at; odd files in a run folder never hang or crash analysis; a
+refused analysis withdraws the verdict it would otherwise leave behind; unreadable records are exit 4 everywhere."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from taxbench import exit_codes
+from taxbench.analysis.publish import WITHDRAWN, publish, read_and_report
+from taxbench.analysis.report import HTML_FILE, MARKDOWN_FILE, REPORT_DIR
+from taxbench.analysis.summary import SUMMARY_FILE
+from taxbench.analysis.sweep import SWEEP_FILE
+from taxbench.analysis.synthetic import SyntheticExperiment, write_experiment
+from taxbench.config.schema import ReportConfig
+from taxbench.rundir.evidence import NotEvidence, check_regular
+from taxbench.rundir.experiment_folder import LOCK_FILE, SWEEP_MARKER, held_by, is_marked_sweep, mark_sweep
+from taxbench.rundir.read import RecordError, UnreadableRecords, load_run
+from taxbench.rundir.step_stream import mirror_file
+
+SMALL = {"ranks": 2, "steps": 12, "block_steps": 3, "resume_step": 6}
+QUIET = Console(file=open(os.devnull, "w"))  # noqa: SIM115 (lives as long as the tests)
+HTML = ReportConfig(html=True, wandb=False)
+
+
+def _tree(folder: Path) -> dict[str, str]:
+    """Every file below folder (not following symlinks) -> sha256 of its bytes: the folder byte for byte."""
+    return {str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(folder.rglob("*")) if path.is_file() and not path.is_symlink()}
+
+
+def _experiment(where: Path, seed: int = 1) -> Path:
+    return write_experiment(where, SyntheticExperiment(seed=seed, **SMALL))
+
+
+# -------------------------------------------------------------------------------------- rule 1: what was pointed at
+def test_report_of_a_folder_of_two_unrelated_experiments_exits_2_and_touches_neither(tmp_path: Path,
+                                                                                     taxbench_cli) -> None:
+    shared = tmp_path / "shared"
+    _experiment(shared / "alice" / "exp-a", seed=1)
+    _experiment(shared / "bob" / "exp-b", seed=2)
+    before = _tree(shared)
+    for command in ("report", "analyse"):
+        result = taxbench_cli(command, str(shared), cwd=tmp_path)
+        assert result.returncode == exit_codes.CONFIG_ERROR, result.stderr
+        assert "Traceback" not in result.stderr
+        assert "found 2 experiment folders below it (alice/exp-a, bob/exp-b)" in result.stderr
+        assert f"taxbench report {shared / 'alice' / 'exp-a'}" in result.stderr
+        assert _tree(shared) == before  # byte-identical, and nothing new (no sweep.csv, no report/)
+
+
+def test_an_empty_or_foreign_folder_is_refused_naming_what_it_holds(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("not an experiment")
+    with pytest.raises(RecordError, match=r"holds 1 entry and no experiment within 3 levels; name an experiment"):
+        publish(tmp_path, HTML, console=QUIET)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_a_sweep_folder_a_multirun_marked_is_reported_as_a_whole(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    mark_sweep(sweep)
+    assert is_marked_sweep(sweep)
+    _experiment(sweep / "point0", seed=1)
+    _experiment(sweep / "point1", seed=2)
+    assert publish(sweep, HTML, console=QUIET).exit_code == exit_codes.OK
+    assert (sweep / SWEEP_FILE).is_file() and (sweep / "point1" / SUMMARY_FILE).is_file()
+
+
+def test_mark_sweep_leaves_a_folder_that_already_holds_something_unmarked(tmp_path: Path) -> None:
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "data.csv").write_text("1,2\n")
+    mark_sweep(tmp_path / "theirs")
+    assert not (tmp_path / "theirs" / SWEEP_MARKER).exists()
+    mark_sweep(tmp_path / "new" / "sweep")
+    mark_sweep(tmp_path / "new" / "sweep")  # a second point of the same multirun
+    assert is_marked_sweep(tmp_path / "new" / "sweep")
+
+
+def test_a_multirun_marks_its_sweep_folder(tmp_path: Path) -> None:
+    from omegaconf import OmegaConf
+
+    from taxbench.launchers.multirun import MULTIRUN_YAML, MultirunReport
+
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "runs" / "sweep-1")}}})
+    MultirunReport().on_multirun_start(config)
+    assert is_marked_sweep(tmp_path / "runs" / "sweep-1")
+    assert (tmp_path / "runs" / "sweep-1" / MULTIRUN_YAML).is_symlink()
+
+
+def test_a_folder_a_live_launch_holds_is_analysed_read_only(tmp_path: Path, taxbench_cli) -> None:
+    root = _experiment(tmp_path / "exp")
+    for stream in root.glob("*/steps.rank*.jsonl"):
+        mirror_file(stream).unlink()  # analysis would write them again
+    with open(root / LOCK_FILE, "a+", encoding="utf-8") as lock:
+        lock.write(json.dumps({"pid": 4242, "host": "elsewhere"}))
+        lock.flush()
+        # Held by another process (record locks of this one never conflict with its own probe).
+        holder = os.fork()
+        if holder == 0:
+            fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            time.sleep(60)
+            os._exit(0)
+        try:
+            deadline = time.monotonic() + 10
+            while held_by(root) is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert held_by(root) is not None
+            before = _tree(root)
+            result = taxbench_cli("report", str(root), cwd=tmp_path)
+            assert result.returncode == exit_codes.OK, result.stderr
+            assert f"{root} is in use by a running launch" in result.stderr and "analysed read-only" in result.stderr
+            assert _tree(root) == before and not (root / SUMMARY_FILE).exists() and not (root / REPORT_DIR).exists()
+        finally:
+            os.kill(holder, 9)
+            os.waitpid(holder, 0)
+    assert held_by(root) is None  # the holder died: the folder is writable again
+    assert read_and_report(root, HTML) == exit_codes.OK
+    assert (root / SUMMARY_FILE).is_file() and (root / REPORT_DIR / HTML_FILE).is_file()
+
+
+# ----------------------------------------------------------------------------------- rule 2: regular files inside
+def test_a_fifo_as_a_step_stream_is_incomplete_evidence_within_seconds(tmp_path: Path, taxbench_cli) -> None:
+    root = _experiment(tmp_path / "exp")
+    stream = root / "deterministic-1" / "steps.rank0.jsonl"
+    stream.unlink()
+    os.mkfifo(stream)
+    started = time.monotonic()
+    result = taxbench_cli("analyse", str(root), cwd=tmp_path, timeout=60)
+    assert time.monotonic() - started < 30
+    assert result.returncode == exit_codes.INCOMPLETE, result.stderr
+    assert "Traceback" not in result.stderr
+    assert f"{stream}: cannot be read ({stream}: a FIFO (named pipe), not a regular file" in result.stderr
+
+
+@pytest.mark.parametrize("name", ["steps.rank0.jsonl", "steps.rank0.arrow", "manifest.json", "faults.rank0.jsonl"])
+def test_a_fifo_anywhere_in_a_run_folder_never_blocks_analysis(tmp_path: Path, name: str) -> None:
+    root = _experiment(tmp_path / "exp")
+    target = root / "deterministic-1" / name
+    target.unlink(missing_ok=True)
+    os.mkfifo(target)
+    os.mkfifo(root / "stop.json.fifo")
+    (root / "stop.json").unlink()
+    (root / "stop.json").symlink_to(root / "stop.json.fifo")
+    try:
+        code = publish(root, HTML, console=QUIET).exit_code  # a mirror that is a FIFO is merely unusable
+    except UnreadableRecords as exc:
+        code = exc.exit_code
+        assert f"{target}: cannot be read" in str(exc) and "FIFO" in str(exc)
+    assert code == exit_codes.INCOMPLETE
+
+
+def test_a_symlink_to_a_device_is_refused_without_reading_it(tmp_path: Path) -> None:
+    root = _experiment(tmp_path / "exp")
+    stream = root / "baseline-0" / "steps.rank1.jsonl"
+    stream.unlink()
+    stream.symlink_to("/dev/zero")
+    with pytest.raises(UnreadableRecords, match=r"steps.rank1.jsonl: a symlink to /dev/zero, outside the experiment"):
+        load_run(root / "baseline-0")
+
+
+def test_a_symlink_that_leaves_the_experiment_is_named_and_refused(tmp_path: Path) -> None:
+    other = _experiment(tmp_path / "other", seed=2)
+    root = _experiment(tmp_path / "exp")
+    stream = root / "deterministic-0" / "steps.rank0.jsonl"
+    stream.unlink()
+    stream.symlink_to(other / "deterministic-0" / "steps.rank0.jsonl")
+    with pytest.raises(UnreadableRecords, match=rf"a symlink to {other}/deterministic-0/steps.rank0.jsonl, outside"):
+        publish(root, HTML, console=QUIET)
+    # A symlink between the experiment's own files stays inside it: allowed.
+    inside = root / "deterministic-0" / "copy.jsonl"
+    inside.symlink_to(root / "deterministic-1" / "steps.rank0.jsonl")
+    assert check_regular(inside, root).st_size > 0
+    with pytest.raises(NotEvidence, match="a folder"):
+        check_regular(root / "deterministic-0", tmp_path)
+
+
+# ------------------------------------------------------------------------------------------ rule 4: no stale verdict
+def test_a_refused_analysis_withdraws_the_earlier_pass(tmp_path: Path, taxbench_cli) -> None:
+    root = _experiment(tmp_path / "exp")
+    assert publish(root, HTML, console=QUIET).exit_code == exit_codes.OK
+    assert json.loads((root / SUMMARY_FILE).read_text())["outcome"] == "passed"
+    (root / "deterministic-0" / "manifest.json").unlink()
+    result = taxbench_cli("analyse", str(root), cwd=tmp_path)
+    assert result.returncode == exit_codes.CONFIG_ERROR, result.stderr
+    assert "deterministic-0/manifest.json: missing manifest" in result.stderr
+    summary = json.loads((root / SUMMARY_FILE).read_text())
+    assert summary["outcome"] == WITHDRAWN and summary["exit_code"] == 2 and not summary["deterministic_ok"]
+    assert "missing manifest" in summary["withdrawn"]
+    for name in (HTML_FILE, MARKDOWN_FILE):
+        text = (root / REPORT_DIR / name).read_text()
+        assert "withdrawn" in text and "passed" not in text and "deterministic: yes" not in text
+    assert not any("passed" in path.read_text(errors="replace") for path in root.glob("*.json"))
+
+
+def test_unreadable_records_withdraw_the_earlier_pass_too(tmp_path: Path) -> None:
+    root = _experiment(tmp_path / "exp")
+    assert publish(root, HTML, console=QUIET).exit_code == exit_codes.OK
+    with open(root / "baseline-1" / "steps.rank0.jsonl", "a") as stream:
+        stream.write("not json\n")
+    with pytest.raises(UnreadableRecords):
+        publish(root, HTML, console=QUIET)
+    assert json.loads((root / SUMMARY_FILE).read_text())["outcome"] == WITHDRAWN
+
+
+# ------------------------------------------------------------------------------ rule 5: one exit code per problem
+@pytest.mark.parametrize("damage", ["not json", "[1, 2]", '{"schema_version": 3, "step": "seven"}'])
+def test_unreadable_step_records_exit_4(tmp_path: Path, taxbench_cli, damage: str) -> None:
+    root = _experiment(tmp_path / "exp")
+    with open(root / "deterministic-1" / "steps.rank1.jsonl", "a") as stream:
+        stream.write(damage + "\n")
+    result = taxbench_cli("analyse", str(root), cwd=tmp_path)
+    assert result.returncode == exit_codes.INCOMPLETE, result.stderr
+    assert "Traceback" not in result.stderr and "steps.rank1.jsonl" in result.stderr
+
+
+def test_a_damaged_manifest_is_unreadable_evidence_but_a_missing_one_is_no_experiment(tmp_path: Path) -> None:
+    root = _experiment(tmp_path / "exp")
+    manifest = root / "baseline-1" / "manifest.json"
+    manifest.write_text(manifest.read_text()[:40])
+    with pytest.raises(UnreadableRecords) as damaged:
+        publish(root, HTML, console=QUIET)
+    assert damaged.value.exit_code == exit_codes.INCOMPLETE
+    manifest.unlink()
+    with pytest.raises(RecordError) as missing:
+        publish(root, HTML, console=QUIET)
+    assert missing.value.exit_code == exit_codes.CONFIG_ERROR
