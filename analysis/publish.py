@@ -142,16 +142,21 @@ def withdraw_verdict(root: Path, refusal: RecordError) -> None:
     why = f"the analysis was refused (exit {refusal.exit_code}): {refusal}"
     if not may_write_result(root / SUMMARY_FILE):
         return  # a live launch holds the folder: it writes the verdict when it has finished
+    withdrawn = []
     if (root / SUMMARY_FILE).is_file():
         write_result(root / SUMMARY_FILE, json.dumps({"outcome": WITHDRAWN, "exit_code": refusal.exit_code,
                                                       "deterministic_ok": False, "withdrawn": why}, indent=2))
+        withdrawn.append(SUMMARY_FILE)
     report = root / REPORT_DIR
     for name, text in ((MARKDOWN_FILE, f"# Report withdrawn\n\n{why}\n"),
                        (HTML_FILE, f"<!doctype html><title>Report withdrawn</title><h1>Report withdrawn</h1>"
                                    f"<p>{html_escape(why)}</p>\n")):
         if (report / name).is_file():
             write_result(report / name, text)
-    log.warning("%s: the earlier verdict in %s and %s is withdrawn: %s", root, SUMMARY_FILE, REPORT_DIR, why)
+            withdrawn.append(f"{REPORT_DIR}/{name}")
+    if withdrawn:
+        log.warning("%s: the earlier verdict in %s is withdrawn (marked so): it no longer holds", root,
+                    ", ".join(withdrawn))
 
 
 def _publish_layouts(root: Path, settings: ReportConfig, group: str | None, strict_wandb: bool,

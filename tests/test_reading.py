@@ -19,6 +19,7 @@ from taxbench.analysis.report import HTML_FILE, MARKDOWN_FILE, REPORT_DIR
 from taxbench.analysis.summary import SUMMARY_FILE
 from taxbench.analysis.sweep import SWEEP_FILE
 from taxbench.analysis.synthetic import SyntheticExperiment, write_experiment
+from taxbench.cli import subcommand
 from taxbench.config.schema import ReportConfig
 from taxbench.rundir.evidence import NotEvidence, check_regular
 from taxbench.rundir.experiment_folder import LOCK_FILE, SWEEP_MARKER, held_by, is_marked_sweep, mark_sweep
@@ -40,20 +41,41 @@ def _experiment(where: Path, seed: int = 1) -> Path:
     return write_experiment(where, SyntheticExperiment(seed=seed, **SMALL))
 
 
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    """`taxbench <argv>` through the command line's own entry, in this process: (exit code, stderr)."""
+    capsys.readouterr()
+    try:
+        code = subcommand(list(argv))
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    return code, capsys.readouterr().err
+
+
 # -------------------------------------------------------------------------------------- rule 1: what was pointed at
-def test_report_of_a_folder_of_two_unrelated_experiments_exits_2_and_touches_neither(tmp_path: Path,
-                                                                                     taxbench_cli) -> None:
+def test_report_of_a_folder_of_two_unrelated_experiments_exits_2_and_touches_neither(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     shared = tmp_path / "shared"
     _experiment(shared / "alice" / "exp-a", seed=1)
     _experiment(shared / "bob" / "exp-b", seed=2)
     before = _tree(shared)
     for command in ("report", "analyse"):
-        result = taxbench_cli(command, str(shared), cwd=tmp_path)
-        assert result.returncode == exit_codes.CONFIG_ERROR, result.stderr
-        assert "Traceback" not in result.stderr
-        assert "found 2 experiment folders below it (alice/exp-a, bob/exp-b)" in result.stderr
-        assert f"taxbench report {shared / 'alice' / 'exp-a'}" in result.stderr
+        code, err = _cli(capsys, command, str(shared))
+        assert code == exit_codes.CONFIG_ERROR, err
+        assert "found 2 experiment folders below it (alice/exp-a, bob/exp-b)" in err
+        assert f"taxbench report {shared / 'alice' / 'exp-a'}" in err
         assert _tree(shared) == before  # byte-identical, and nothing new (no sweep.csv, no report/)
+
+
+@pytest.mark.slow
+def test_report_of_a_shared_folder_exits_2_as_a_process(tmp_path: Path, taxbench_cli) -> None:
+    shared = tmp_path / "shared"
+    _experiment(shared / "alice" / "exp-a", seed=1)
+    _experiment(shared / "bob" / "exp-b", seed=2)
+    before = _tree(shared)
+    result = taxbench_cli("report", str(shared), cwd=tmp_path)
+    assert result.returncode == exit_codes.CONFIG_ERROR and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith(f"taxbench: error: {shared} is neither an experiment folder")
+    assert _tree(shared) == before
 
 
 def test_an_empty_or_foreign_folder_is_refused_naming_what_it_holds(tmp_path: Path) -> None:
@@ -94,7 +116,8 @@ def test_a_multirun_marks_its_sweep_folder(tmp_path: Path) -> None:
     assert (tmp_path / "runs" / "sweep-1" / MULTIRUN_YAML).is_symlink()
 
 
-def test_a_folder_a_live_launch_holds_is_analysed_read_only(tmp_path: Path, taxbench_cli) -> None:
+def test_a_folder_a_live_launch_holds_is_analysed_read_only(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
     root = _experiment(tmp_path / "exp")
     for stream in root.glob("*/steps.rank*.jsonl"):
         mirror_file(stream).unlink()  # analysis would write them again
@@ -113,9 +136,9 @@ def test_a_folder_a_live_launch_holds_is_analysed_read_only(tmp_path: Path, taxb
                 time.sleep(0.05)
             assert held_by(root) is not None
             before = _tree(root)
-            result = taxbench_cli("report", str(root), cwd=tmp_path)
-            assert result.returncode == exit_codes.OK, result.stderr
-            assert f"{root} is in use by a running launch" in result.stderr and "analysed read-only" in result.stderr
+            code, err = _cli(capsys, "report", str(root))
+            assert code == exit_codes.OK, err
+            assert f"{root} is in use by a running launch" in err and "analysed read-only" in err
             assert _tree(root) == before and not (root / SUMMARY_FILE).exists() and not (root / REPORT_DIR).exists()
         finally:
             os.kill(holder, 9)
@@ -126,6 +149,7 @@ def test_a_folder_a_live_launch_holds_is_analysed_read_only(tmp_path: Path, taxb
 
 
 # ----------------------------------------------------------------------------------- rule 2: regular files inside
+@pytest.mark.slow
 def test_a_fifo_as_a_step_stream_is_incomplete_evidence_within_seconds(tmp_path: Path, taxbench_cli) -> None:
     root = _experiment(tmp_path / "exp")
     stream = root / "deterministic-1" / "steps.rank0.jsonl"
@@ -182,14 +206,14 @@ def test_a_symlink_that_leaves_the_experiment_is_named_and_refused(tmp_path: Pat
 
 
 # ------------------------------------------------------------------------------------------ rule 4: no stale verdict
-def test_a_refused_analysis_withdraws_the_earlier_pass(tmp_path: Path, taxbench_cli) -> None:
+def test_a_refused_analysis_withdraws_the_earlier_pass(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     root = _experiment(tmp_path / "exp")
     assert publish(root, HTML, console=QUIET).exit_code == exit_codes.OK
     assert json.loads((root / SUMMARY_FILE).read_text())["outcome"] == "passed"
     (root / "deterministic-0" / "manifest.json").unlink()
-    result = taxbench_cli("analyse", str(root), cwd=tmp_path)
-    assert result.returncode == exit_codes.CONFIG_ERROR, result.stderr
-    assert "deterministic-0/manifest.json: missing manifest" in result.stderr
+    code, err = _cli(capsys, "analyse", str(root))
+    assert code == exit_codes.CONFIG_ERROR, err
+    assert "deterministic-0/manifest.json: missing manifest" in err
     summary = json.loads((root / SUMMARY_FILE).read_text())
     assert summary["outcome"] == WITHDRAWN and summary["exit_code"] == 2 and not summary["deterministic_ok"]
     assert "missing manifest" in summary["withdrawn"]
@@ -211,13 +235,13 @@ def test_unreadable_records_withdraw_the_earlier_pass_too(tmp_path: Path) -> Non
 
 # ------------------------------------------------------------------------------ rule 5: one exit code per problem
 @pytest.mark.parametrize("damage", ["not json", "[1, 2]", '{"schema_version": 3, "step": "seven"}'])
-def test_unreadable_step_records_exit_4(tmp_path: Path, taxbench_cli, damage: str) -> None:
+def test_unreadable_step_records_exit_4(tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str) -> None:
     root = _experiment(tmp_path / "exp")
     with open(root / "deterministic-1" / "steps.rank1.jsonl", "a") as stream:
         stream.write(damage + "\n")
-    result = taxbench_cli("analyse", str(root), cwd=tmp_path)
-    assert result.returncode == exit_codes.INCOMPLETE, result.stderr
-    assert "Traceback" not in result.stderr and "steps.rank1.jsonl" in result.stderr
+    code, err = _cli(capsys, "analyse", str(root))
+    assert code == exit_codes.INCOMPLETE, err
+    assert err.startswith("taxbench: error: ") and "steps.rank1.jsonl" in err
 
 
 def test_a_damaged_manifest_is_unreadable_evidence_but_a_missing_one_is_no_experiment(tmp_path: Path) -> None:
