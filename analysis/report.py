@@ -329,6 +329,11 @@ def _evidence_blocks(summary: ExperimentSummary) -> list[Block]:
         blocks.append(Heading("Incomplete records", level=3))
         rows = [[problem] for problem in summary.problems]
         blocks.append(TableBlock(["run, ranks: steps"], rows, [True] * len(rows)))
+    if summary.nonfinite:
+        blocks.append(Heading("Non-finite training", level=3))
+        blocks.append(TableBlock(["run", "metric", "value", "first step", "rank", "records"],
+                                 [[f.run, f.metric, f.value, str(f.step), str(f.rank), str(f.records)]
+                                  for f in summary.nonfinite], [f.deterministic for f in summary.nonfinite]))
     for line in summary.faults:
         blocks.append(Paragraph(line, tone="warn" if summary.fault_fired else "bad"))
     return blocks
