@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -255,3 +256,81 @@ def test_a_damaged_manifest_is_unreadable_evidence_but_a_missing_one_is_no_exper
     with pytest.raises(RecordError) as missing:
         publish(root, HTML, console=QUIET)
     assert missing.value.exit_code == exit_codes.CONFIG_ERROR
+
+
+# ------------------------------------------------------------------------------- rule 3: non-finite training named
+def _set_value(root: Path, runs: tuple[str, ...], metric: str, value: float, from_step: int, rank: int) -> None:
+    """`metric` := value in the records of `runs` from (from_step, rank) on (later steps: every rank), as a trainer
+    that diverged there writes them (json.dumps writes NaN and Infinity)."""
+    for run in runs:
+        for stream in (root / run).glob("steps.rank*.jsonl"):
+            records = [json.loads(line) for line in stream.read_text().splitlines()]
+            for record in records:
+                if record["step"] > from_step or (record["step"] == from_step and record["rank"] >= rank):
+                    record[metric] = value
+            stream.write_text("".join(json.dumps(record) + "\n" for record in records))
+
+
+DETERMINISTIC = ("deterministic-0", "deterministic-1", "deterministic-resumed")
+
+
+def test_a_nan_loss_in_both_deterministic_runs_is_never_a_pass(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    root = _experiment(tmp_path / "exp")
+    _set_value(root, DETERMINISTIC, "loss", float("nan"), from_step=7, rank=1)
+    console = Console(file=open(os.devnull, "w"), record=True, width=300)  # noqa: SIM115
+    published = publish(root, HTML, console=console)
+    assert published.exit_code == exit_codes.INCOMPLETE and not published.deterministic_ok
+    shown = console.export_text()
+    assert "training diverged: deterministic-0: loss NaN first at step 7, rank 1" in shown
+    assert "bitwise identical" in shown  # the bits do agree; they just prove nothing
+    summary = json.loads((root / SUMMARY_FILE).read_text())
+    assert summary["outcome"] == "diverged" and summary["exit_code"] == exit_codes.INCOMPLETE
+    first = summary["nonfinite"][0]
+    assert (first["run"], first["metric"], first["value"], first["step"], first["rank"]) == (
+        "deterministic-0", "loss", "NaN", 7, 1)
+    assert "Non-finite training" in (root / REPORT_DIR / MARKDOWN_FILE).read_text()
+    equivalence = summary["equivalence"]
+    assert equivalence["nonfinite_steps"] > 0 and equivalence["first_nonfinite_step"] >= 7
+    assert equivalence["max_deviation"] is not None or equivalence["max_deviation_missing"]
+    code, err = _cli(capsys, "analyse", str(root))
+    assert code == exit_codes.INCOMPLETE
+
+
+def test_a_proven_difference_outranks_divergence(tmp_path: Path) -> None:
+    from taxbench.analysis.synthetic import Injection
+
+    root = write_experiment(tmp_path / "exp", SyntheticExperiment(seed=1, **SMALL),
+                            Injection("deterministic-1", step=3, rank=0))
+    _set_value(root, DETERMINISTIC, "grad_norm", float("inf"), from_step=9, rank=0)
+    assert publish(root, HTML, console=QUIET).exit_code == exit_codes.NOT_DETERMINISTIC
+
+
+def test_a_non_finite_baseline_is_named_but_decides_nothing(tmp_path: Path) -> None:
+    root = _experiment(tmp_path / "exp")
+    _set_value(root, ("baseline-1",), "grad_norm", float("-inf"), from_step=11, rank=0)
+    assert publish(root, HTML, console=QUIET).exit_code == exit_codes.OK
+    summary = json.loads((root / SUMMARY_FILE).read_text())
+    assert summary["outcome"] == "passed" and summary["nonfinite"] == [
+        {"run": "baseline-1", "metric": "grad_norm", "value": "-Inf", "step": 11, "rank": 0, "records": 4}]
+
+
+def test_equivalence_says_why_max_deviation_is_missing() -> None:
+    import numpy as np
+    import pandas as pd
+
+    from taxbench.analysis.equivalence import compare_loss_curves
+
+    steps = pd.Index(range(1, 21))
+    base = pd.Series(5.0 / np.sqrt(steps), index=steps)
+    partly = base.copy()
+    partly.loc[15:] = np.nan
+    result = compare_loss_curves(base, base + 1e-6, partly).to_dict()
+    assert result["max_deviation"] is not None and math.isfinite(result["max_deviation"])
+    assert result["nonfinite_steps"] == 6 and result["first_nonfinite_step"] == 15
+    assert "deterministic loss not finite at 6 of 20 steps (first: step 15)" in result["description"]
+    nothing = compare_loss_curves(base, base + 1e-6, base * np.nan).to_dict()
+    assert math.isnan(nothing["max_deviation"]) and nothing["max_deviation_missing"].startswith(
+        "deterministic loss not finite at 20 of 20 steps")
+    baseline_nan = compare_loss_curves(base * np.nan, base, base).to_dict()
+    assert baseline_nan["max_deviation_missing"] == "not evaluated: baseline loss not finite at step 1"
