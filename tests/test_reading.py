@@ -334,3 +334,22 @@ def test_equivalence_says_why_max_deviation_is_missing() -> None:
         "deterministic loss not finite at 20 of 20 steps")
     baseline_nan = compare_loss_curves(base * np.nan, base, base).to_dict()
     assert baseline_nan["max_deviation_missing"] == "not evaluated: baseline loss not finite at step 1"
+
+
+def test_unreadable_trace_records_are_exit_4_and_a_fifo_never_blocks(tmp_path: Path) -> None:
+    from taxbench.tracing.trace_io import TraceError, UnreadableTrace, read_trace, trace_file
+
+    run = tmp_path / "exp" / "deterministic-0"
+    trace_file(run, 0).parent.mkdir(parents=True)
+    trace_file(run, 0).write_text("{garbage\n")
+    with pytest.raises(UnreadableTrace, match=r"trace.rank0.jsonl:1: not a JSON record") as corrupt:
+        read_trace(run)
+    assert corrupt.value.exit_code == exit_codes.INCOMPLETE
+    trace_file(run, 0).unlink()
+    os.mkfifo(trace_file(run, 0))
+    with pytest.raises(UnreadableTrace, match=r"a FIFO \(named pipe\), not a regular file"):
+        read_trace(run)
+    trace_file(run, 0).unlink()
+    with pytest.raises(TraceError, match="no trace.rank<R>.jsonl files") as nothing:
+        read_trace(run)
+    assert nothing.value.exit_code == exit_codes.CONFIG_ERROR  # nothing captured: bad input, not damaged evidence
