@@ -118,6 +118,9 @@ def not_an_experiment(root: Path) -> str:
     manifest = f"{TIMED['deterministic'].name}/{MANIFEST}"
     why = (f"{root} is neither an experiment folder (it has no {manifest}) nor a sweep folder that a taxbench "
            f"multirun created ({SWEEP_MARKER})")
+    if (root / MANIFEST).exists():
+        return (f"{root} is one run of an experiment, not the experiment; name the experiment: taxbench report "
+                f"{root.parent}")
     found = find_experiments(root)
     if found:
         shown = ", ".join(str(path.relative_to(root)) for path in found[:3])
@@ -220,8 +223,10 @@ def report(
 
 
 def held_folders(root: Path) -> list[Path]:
-    """`root` and the folders below it (a sweep's points) that a live launch holds right now."""
-    locks = [path for depth in range(MAX_DEPTH + 1) for path in root.glob("/".join(["*"] * depth + [LOCK_FILE]))]
+    """`root`, and for a marked sweep the points below it, where a live launch holds the folder right now (no other
+    folder's lock is looked at)."""
+    depths = range(MAX_DEPTH + 1) if is_marked_sweep(root) else range(1)
+    locks = [path for depth in depths for path in root.glob("/".join(["*"] * depth + [LOCK_FILE]))]
     return [lock.parent for lock in locks if held_by(lock.parent) is not None]
 
 

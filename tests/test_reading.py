@@ -30,6 +30,7 @@ from taxbench.rundir.step_stream import mirror_file
 SMALL = {"ranks": 2, "steps": 12, "block_steps": 3, "resume_step": 6}
 QUIET = Console(file=open(os.devnull, "w"))  # noqa: SIM115 (lives as long as the tests)
 HTML = ReportConfig(html=True, wandb=False)
+TEXT = ReportConfig(html=False, wandb=False)  # no report/: its plots cost seconds
 
 
 def _tree(folder: Path) -> dict[str, str]:
@@ -84,6 +85,9 @@ def test_an_empty_or_foreign_folder_is_refused_naming_what_it_holds(tmp_path: Pa
     with pytest.raises(RecordError, match=r"holds 1 entry and no experiment within 3 levels; name an experiment"):
         publish(tmp_path, HTML, console=QUIET)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    root = _experiment(tmp_path / "exp")
+    with pytest.raises(RecordError, match=rf"is one run of an experiment, .*: taxbench report {root}$"):
+        publish(root / "baseline-0", HTML, console=QUIET)
 
 
 def test_a_sweep_folder_a_multirun_marked_is_reported_as_a_whole(tmp_path: Path) -> None:
@@ -92,7 +96,7 @@ def test_a_sweep_folder_a_multirun_marked_is_reported_as_a_whole(tmp_path: Path)
     assert is_marked_sweep(sweep)
     _experiment(sweep / "point0", seed=1)
     _experiment(sweep / "point1", seed=2)
-    assert publish(sweep, HTML, console=QUIET).exit_code == exit_codes.OK
+    assert publish(sweep, TEXT, console=QUIET).exit_code == exit_codes.OK
     assert (sweep / SWEEP_FILE).is_file() and (sweep / "point1" / SUMMARY_FILE).is_file()
 
 
@@ -137,7 +141,7 @@ def test_a_folder_a_live_launch_holds_is_analysed_read_only(tmp_path: Path,
                 time.sleep(0.05)
             assert held_by(root) is not None
             before = _tree(root)
-            code, err = _cli(capsys, "report", str(root))
+            code, err = _cli(capsys, "analyse", str(root))
             assert code == exit_codes.OK, err
             assert f"{root} is in use by a running launch" in err and "analysed read-only" in err
             assert _tree(root) == before and not (root / SUMMARY_FILE).exists() and not (root / REPORT_DIR).exists()
@@ -145,8 +149,8 @@ def test_a_folder_a_live_launch_holds_is_analysed_read_only(tmp_path: Path,
             os.kill(holder, 9)
             os.waitpid(holder, 0)
     assert held_by(root) is None  # the holder died: the folder is writable again
-    assert read_and_report(root, HTML) == exit_codes.OK
-    assert (root / SUMMARY_FILE).is_file() and (root / REPORT_DIR / HTML_FILE).is_file()
+    assert read_and_report(root, TEXT) == exit_codes.OK
+    assert (root / SUMMARY_FILE).is_file() and mirror_file(root / "baseline-0" / "steps.rank0.jsonl").is_file()
 
 
 # ----------------------------------------------------------------------------------- rule 2: regular files inside
@@ -174,7 +178,7 @@ def test_a_fifo_anywhere_in_a_run_folder_never_blocks_analysis(tmp_path: Path, n
     (root / "stop.json").unlink()
     (root / "stop.json").symlink_to(root / "stop.json.fifo")
     try:
-        code = publish(root, HTML, console=QUIET).exit_code  # a mirror that is a FIFO is merely unusable
+        code = publish(root, TEXT, console=QUIET).exit_code  # a mirror that is a FIFO is merely unusable
     except UnreadableRecords as exc:
         code = exc.exit_code
         assert f"{target}: cannot be read" in str(exc) and "FIFO" in str(exc)
@@ -197,7 +201,7 @@ def test_a_symlink_that_leaves_the_experiment_is_named_and_refused(tmp_path: Pat
     stream.unlink()
     stream.symlink_to(other / "deterministic-0" / "steps.rank0.jsonl")
     with pytest.raises(UnreadableRecords, match=rf"a symlink to {other}/deterministic-0/steps.rank0.jsonl, outside"):
-        publish(root, HTML, console=QUIET)
+        publish(root, TEXT, console=QUIET)
     # A symlink between the experiment's own files stays inside it: allowed.
     inside = root / "deterministic-0" / "copy.jsonl"
     inside.symlink_to(root / "deterministic-1" / "steps.rank0.jsonl")
@@ -226,11 +230,11 @@ def test_a_refused_analysis_withdraws_the_earlier_pass(tmp_path: Path, capsys: p
 
 def test_unreadable_records_withdraw_the_earlier_pass_too(tmp_path: Path) -> None:
     root = _experiment(tmp_path / "exp")
-    assert publish(root, HTML, console=QUIET).exit_code == exit_codes.OK
+    assert publish(root, TEXT, console=QUIET).exit_code == exit_codes.OK
     with open(root / "baseline-1" / "steps.rank0.jsonl", "a") as stream:
         stream.write("not json\n")
     with pytest.raises(UnreadableRecords):
-        publish(root, HTML, console=QUIET)
+        publish(root, TEXT, console=QUIET)
     assert json.loads((root / SUMMARY_FILE).read_text())["outcome"] == WITHDRAWN
 
 
@@ -250,11 +254,11 @@ def test_a_damaged_manifest_is_unreadable_evidence_but_a_missing_one_is_no_exper
     manifest = root / "baseline-1" / "manifest.json"
     manifest.write_text(manifest.read_text()[:40])
     with pytest.raises(UnreadableRecords) as damaged:
-        publish(root, HTML, console=QUIET)
+        publish(root, TEXT, console=QUIET)
     assert damaged.value.exit_code == exit_codes.INCOMPLETE
     manifest.unlink()
     with pytest.raises(RecordError) as missing:
-        publish(root, HTML, console=QUIET)
+        publish(root, TEXT, console=QUIET)
     assert missing.value.exit_code == exit_codes.CONFIG_ERROR
 
 
@@ -274,8 +278,7 @@ def _set_value(root: Path, runs: tuple[str, ...], metric: str, value: float, fro
 DETERMINISTIC = ("deterministic-0", "deterministic-1", "deterministic-resumed")
 
 
-def test_a_nan_loss_in_both_deterministic_runs_is_never_a_pass(tmp_path: Path,
-                                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_nan_loss_in_both_deterministic_runs_is_never_a_pass(tmp_path: Path) -> None:
     root = _experiment(tmp_path / "exp")
     _set_value(root, DETERMINISTIC, "loss", float("nan"), from_step=7, rank=1)
     console = Console(file=open(os.devnull, "w"), record=True, width=300)  # noqa: SIM115
@@ -293,8 +296,6 @@ def test_a_nan_loss_in_both_deterministic_runs_is_never_a_pass(tmp_path: Path,
     equivalence = summary["equivalence"]
     assert equivalence["nonfinite_steps"] > 0 and equivalence["first_nonfinite_step"] >= 7
     assert equivalence["max_deviation"] is not None or equivalence["max_deviation_missing"]
-    code, err = _cli(capsys, "analyse", str(root))
-    assert code == exit_codes.INCOMPLETE
 
 
 def test_a_proven_difference_outranks_divergence(tmp_path: Path) -> None:
@@ -303,13 +304,13 @@ def test_a_proven_difference_outranks_divergence(tmp_path: Path) -> None:
     root = write_experiment(tmp_path / "exp", SyntheticExperiment(seed=1, **SMALL),
                             Injection("deterministic-1", step=3, rank=0))
     _set_value(root, DETERMINISTIC, "grad_norm", float("inf"), from_step=9, rank=0)
-    assert publish(root, HTML, console=QUIET).exit_code == exit_codes.NOT_DETERMINISTIC
+    assert publish(root, TEXT, console=QUIET).exit_code == exit_codes.NOT_DETERMINISTIC
 
 
 def test_a_non_finite_baseline_is_named_but_decides_nothing(tmp_path: Path) -> None:
     root = _experiment(tmp_path / "exp")
     _set_value(root, ("baseline-1",), "grad_norm", float("-inf"), from_step=11, rank=0)
-    assert publish(root, HTML, console=QUIET).exit_code == exit_codes.OK
+    assert publish(root, TEXT, console=QUIET).exit_code == exit_codes.OK
     summary = json.loads((root / SUMMARY_FILE).read_text())
     assert summary["outcome"] == "passed" and summary["nonfinite"] == [
         {"run": "baseline-1", "metric": "grad_norm", "value": "-Inf", "step": 11, "rank": 0, "records": 4}]

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import socket
+import struct
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -166,9 +167,13 @@ def held_by(folder: Path) -> str | None:
     except OSError:
         return None  # no lock file (or none taxbench wrote): nobody holds the folder
     with os.fdopen(fd, "rb") as handle:
-        try:
-            fcntl.lockf(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:
-            return handle.read(4096).decode("utf-8", errors="replace").strip() or "another process"
-        fcntl.lockf(handle, fcntl.LOCK_UN)
-    return None
+        # F_GETLK asks whether a read lock could be placed without placing one, so this probe never makes a launch
+        # that starts at this instant find the folder "in use".
+        probe = struct.pack(_FLOCK, fcntl.F_RDLCK, os.SEEK_SET, 0, 0, 0)
+        answer = struct.unpack(_FLOCK, fcntl.fcntl(handle.fileno(), fcntl.F_GETLK, probe))
+        if answer[0] == fcntl.F_UNLCK:
+            return None
+        return handle.read(4096).decode("utf-8", errors="replace").strip() or "another process"
+
+
+_FLOCK = "hhqqi"  # struct flock: l_type, l_whence, l_start, l_len, l_pid (native alignment, 64-bit off_t)
