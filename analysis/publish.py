@@ -45,7 +45,7 @@ from taxbench.config.schema import ReportConfig
 from taxbench.design import ALL_RUNS, TIMED
 from taxbench.diagnostics import logger
 from taxbench.rundir.experiment_folder import LOCK_FILE, SWEEP_MARKER, held_by, is_marked_sweep
-from taxbench.rundir.read import RecordError
+from taxbench.rundir.read import RecordError, ResultWriteError
 from taxbench.rundir.records import MANIFEST
 from taxbench.rundir.write_scope import reading
 
@@ -99,6 +99,8 @@ def publish(root: Path, settings: ReportConfig, group: str | None = None, strict
     if is_experiment(root) or looks_like_experiment(root):
         try:
             return _publish_experiment(root, settings, group, strict_wandb, console)
+        except ResultWriteError:
+            raise  # analysed, but a result could not be written: the summary.json it wrote holds the verdict
         except RecordError as exc:
             withdraw_verdict(root, exc)
             raise
@@ -145,18 +147,20 @@ def withdraw_verdict(root: Path, refusal: RecordError) -> None:
     why = f"the analysis was refused (exit {refusal.exit_code}): {refusal}"
     if not may_write_result(root / SUMMARY_FILE):
         return  # a live launch holds the folder: it writes the verdict when it has finished
+    notices = {root / SUMMARY_FILE: json.dumps({"outcome": WITHDRAWN, "exit_code": refusal.exit_code,
+                                                "deterministic_ok": False, "withdrawn": why}, indent=2),
+               root / REPORT_DIR / MARKDOWN_FILE: f"# Report withdrawn\n\n{why}\n",
+               root / REPORT_DIR / HTML_FILE: (f"<!doctype html><title>Report withdrawn</title><h1>Report withdrawn"
+                                               f"</h1><p>{html_escape(why)}</p>\n")}
     withdrawn = []
-    if (root / SUMMARY_FILE).is_file():
-        write_result(root / SUMMARY_FILE, json.dumps({"outcome": WITHDRAWN, "exit_code": refusal.exit_code,
-                                                      "deterministic_ok": False, "withdrawn": why}, indent=2))
-        withdrawn.append(SUMMARY_FILE)
-    report = root / REPORT_DIR
-    for name, text in ((MARKDOWN_FILE, f"# Report withdrawn\n\n{why}\n"),
-                       (HTML_FILE, f"<!doctype html><title>Report withdrawn</title><h1>Report withdrawn</h1>"
-                                   f"<p>{html_escape(why)}</p>\n")):
-        if (report / name).is_file():
-            write_result(report / name, text)
-            withdrawn.append(f"{REPORT_DIR}/{name}")
+    for path, notice in notices.items():
+        if path.is_file():
+            try:
+                write_result(path, notice)
+            except ResultWriteError as exc:  # the refusal is what the user needs to hear about; this comes second
+                log.warning("%s", exc)
+                continue
+            withdrawn.append(str(path.relative_to(root)))
     if withdrawn:
         log.warning("%s: the earlier verdict in %s is withdrawn (marked so): it no longer holds", root,
                     ", ".join(withdrawn))
