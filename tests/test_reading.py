@@ -354,3 +354,12 @@ def test_unreadable_trace_records_are_exit_4_and_a_fifo_never_blocks(tmp_path: P
     with pytest.raises(TraceError, match="no trace.rank<R>.jsonl files") as nothing:
         read_trace(run)
     assert nothing.value.exit_code == exit_codes.CONFIG_ERROR  # nothing captured: bad input, not damaged evidence
+
+
+def test_a_huge_manifest_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    root = _experiment(tmp_path / "exp")
+    manifest = root / "baseline-1" / "manifest.json"
+    with open(manifest, "r+b") as handle:
+        handle.truncate(1 << 30)  # sparse: a gigabyte that costs no disk
+    with pytest.raises(UnreadableRecords, match=r"manifest.json: cannot be read \(.*1073741824 bytes, more than"):
+        publish(root, TEXT, console=QUIET)

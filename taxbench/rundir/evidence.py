@@ -69,10 +69,15 @@ def open_regular(path: Path, inside: Path) -> int:
     return fd
 
 
-def read_regular(path: Path, inside: Path) -> bytes:
-    """The bytes of `path`, a regular file inside `inside` (see check_regular)."""
+def read_regular(path: Path, inside: Path, limit: int | None = None) -> bytes:
+    """The bytes of `path`, a regular file inside `inside` (see check_regular), of at most `limit` bytes when given
+    (a manifest of gigabytes is no manifest: refused before it is read)."""
     with os.fdopen(open_regular(path, inside), "rb") as handle:
-        return handle.read()
+        size = os.fstat(handle.fileno()).st_size
+        if limit is not None and size > limit:
+            raise NotEvidence(errno.EFBIG, f"{path}: {size} bytes, more than the {limit} bytes such a record can "
+                                           "hold; the file is not what its name says", str(path))
+        return handle.read() if limit is None else handle.read(limit + 1)
 
 
 def experiment_of(run_dir: Path) -> Path:

@@ -41,6 +41,7 @@ from taxbench.rundir.write_scope import may_write
 
 _STREAM_NAME = re.compile(r"steps\.rank(\d+)\.jsonl")
 _FAULTS_NAME = re.compile(r"faults\.rank(\d+)\.jsonl")
+JSON_OBJECT_LIMIT = 64 << 20  # manifests, op tables, layouts and weight records are KiB to a few MiB
 _READERS = 2  # streams read, hashed and parsed side by side (file reads, xxh3 and pyarrow release the GIL)
 
 
@@ -193,7 +194,7 @@ def read_json_object(path: Path, what: str, inside: Path | None = None) -> dict:
     """A JSON object from `path`, a regular file inside `inside` (default: its own folder); UnreadableRecords naming
     the path (and `what` it should be) otherwise."""
     try:
-        stored = json.loads(read_regular(path, inside or path.parent).decode("utf-8"))
+        stored = json.loads(read_regular(path, inside or path.parent, JSON_OBJECT_LIMIT).decode("utf-8"))
     except OSError as exc:
         raise UnreadableRecords(f"{path}: cannot be read ({exc.strerror or exc})") from exc
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
