@@ -296,6 +296,12 @@ def test_a_nan_loss_in_both_deterministic_runs_is_never_a_pass(tmp_path: Path) -
     equivalence = summary["equivalence"]
     assert equivalence["nonfinite_steps"] > 0 and equivalence["first_nonfinite_step"] >= 7
     assert equivalence["max_deviation"] is not None or equivalence["max_deviation_missing"]
+    from taxbench.analysis.summary import analyse_experiment
+    from taxbench.analysis.wandb_log import summary_values
+
+    logged = summary_values(analyse_experiment(root).summary)  # the wandb run summary
+    assert logged["diverged"] and logged["outcome"] == "diverged" and logged["exit_code"] == exit_codes.INCOMPLETE
+    assert logged["nonfinite"].startswith("deterministic-0: loss NaN first at step 7, rank 1")
 
 
 def test_a_proven_difference_outranks_divergence(tmp_path: Path) -> None:
