@@ -44,8 +44,10 @@ to call a difference large by (on CPU a passing proxy run's deterministic kernel
 also keeps steps where the baselines have barely parted from demanding bitwise agreement.
 
 Not evaluated (never a pass): a compared run is incomplete (the summary reports what is missing), fewer than
-MIN_STEPS steps follow the warmup, or a baseline loss is not finite. A deterministic loss that is not finite where the
-baselines' are fails: it lies outside every band.
+MIN_STEPS steps follow the warmup, or a baseline loss is not finite (the reason names the first such step). A
+deterministic loss that is not finite where the baselines' are fails: it lies outside every band, and the result names
+how many such steps there were and the first; max_deviation is then the largest finite deviation, and where there is
+none `max_deviation_missing` says why (taxbench.analysis.divergence names the first non-finite step and rank).
 """
 
 from __future__ import annotations
@@ -123,6 +125,24 @@ class Equivalence:
     def _median(self, values: np.ndarray) -> float:
         return float(np.median(values)) if values.size else math.nan
 
+    @property
+    def nonfinite_steps(self) -> np.ndarray:
+        """The compared steps whose deterministic loss is NaN or infinite."""
+        return self.steps[~np.isfinite(self.deterministic)] if self.n_steps else self.steps[:0]
+
+    def _nonfinite_text(self) -> str:
+        bad = self.nonfinite_steps
+        return f"deterministic loss not finite at {bad.size} of {self.n_steps} steps (first: step {int(bad[0])})"
+
+    def max_deviation(self) -> tuple[float, str | None]:
+        """The largest finite |deterministic - center|, or NaN with the reason there is none."""
+        if not self.evaluated:
+            return math.nan, f"{NOT_EVALUATED}: {self.basis}"
+        finite = self.deviation[np.isfinite(self.deviation)]
+        if not finite.size:
+            return math.nan, self._nonfinite_text()
+        return float(finite.max()), None
+
     def describe(self) -> str:
         """One line: the verdict with its statistic, as the console, the report and wandb show it."""
         if not self.evaluated:
@@ -131,8 +151,10 @@ class Equivalence:
             return f"{self.verdict}: {ALL_IDENTICAL} ({self.n_steps} steps)"
         inside = int(self.inside.sum())
         floor = f"; {IDENTICAL_BASELINES}" if self.basis == IDENTICAL_BASELINES else ""
+        nonfinite = f"; {self._nonfinite_text()}" if self.nonfinite_steps.size else ""
         return (f"{self.verdict}: {inside} of {self.n_steps} steps inside the band ({self.threshold:.0%} needed); "
-                f"median |Δloss| {self._median(self.deviation):.3g} vs band {self._median(self.band):.3g}{floor}")
+                f"median |Δloss| {self._median(self.deviation):.3g} vs band {self._median(self.band):.3g}{floor}"
+                f"{nonfinite}")
 
     def to_dict(self) -> dict[str, Any]:
         """The result without per-step arrays (those are recomputed from the records); NaN where not evaluated."""
@@ -147,7 +169,10 @@ class Equivalence:
             "from_step": self.from_step,
             "runs": list(EQUIVALENCE_RUNS),
             "steps_inside": int(self.inside.sum()),
-            "max_deviation": float(self.deviation.max()) if self.n_steps else math.nan,
+            "max_deviation": self.max_deviation()[0],
+            "max_deviation_missing": self.max_deviation()[1],  # why max_deviation is null (None when it is not)
+            "nonfinite_steps": int(self.nonfinite_steps.size),
+            "first_nonfinite_step": int(self.nonfinite_steps[0]) if self.nonfinite_steps.size else None,
             "median_deviation": self._median(self.deviation),
             "median_band": self._median(self.band),
             "median_baseline_gap": self._median(self.gap),

@@ -36,7 +36,14 @@ from taxbench.analysis.verdicts import DIFFERS, Verdict, compare_runs
 from taxbench.config.layout_names import parse_layout_name
 from taxbench.config.schema import ConfigError
 from taxbench.design import run_name
-from taxbench.rundir.read import RecordError, load_checked_run, load_manifest, manifest_value, read_json_object
+from taxbench.rundir.read import (
+    RecordError,
+    UnreadableRecords,
+    load_checked_run,
+    load_manifest,
+    manifest_value,
+    read_json_object,
+)
 from taxbench.rundir.records import WEIGHTS_FORMAT, weights_file
 
 PLAN_FILE = "layouts.json"  # <root>/layouts.json: what was asked for and how each layout's launch went
@@ -73,9 +80,9 @@ def read_plan(root: Path) -> LayoutsPlan:
         plan = LayoutsPlan(str(stored["recipe"]), str(stored["arm"]), int(stored["steps"]),
                            int(stored["world_size"]), [str(n) for n in stored["layouts"]], launches)
     except (KeyError, TypeError, ValueError) as exc:
-        raise RecordError(f"{root / PLAN_FILE}: not a layouts record ({exc}); the file is damaged") from exc
+        raise UnreadableRecords(f"{root / PLAN_FILE}: not a layouts record ({exc}); the file is damaged") from exc
     if len(set(plan.layouts)) < 2 or len(set(plan.layouts)) != len(plan.layouts):
-        raise RecordError(f"{root / PLAN_FILE}: layouts {plan.layouts} are not two or more distinct layouts; the "
+        raise UnreadableRecords(f"{root / PLAN_FILE}: layouts {plan.layouts} are not two or more distinct layouts; the "
                           "file is damaged or edited")
     return plan
 

@@ -1,26 +1,54 @@
 """After an experiment or for `taxbench report`: analyse, write the HTML/markdown report, log to wandb, print a summary.
 
-A folder holding deterministic-0/ is one experiment, a folder holding layouts.json the output of `taxbench layouts`
-(taxbench.analysis.layouts); any other folder is treated as a sweep of the experiments below it (see
-taxbench.analysis.sweep).
+A folder holding deterministic-0/ (or a run folder or summary.json of one) is one experiment, a folder holding
+layouts.json the output of `taxbench layouts` (taxbench.analysis.layouts), a folder a taxbench multirun created and
+marked (taxbench.rundir.experiment_folder.SWEEP_MARKER) a sweep of the experiments below it (taxbench.analysis.sweep).
+Any other folder is refused (exit 2) naming what it holds: a reading command acts on what it was pointed at, never on
+experiments it happens to find below a shared folder.
+
+The reading commands (`analyse`, `report`: `read_and_report`) write only inside the folder they were pointed at, and
+nothing in a folder a live launch holds (taxbench.rundir.write_scope). When the analysis of an experiment is refused,
+the verdict an older analysis left there (summary.json, report/) is withdrawn (`withdraw_verdict`), so that nothing in
+the folder says "passed" any more.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from html import escape as html_escape
 from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
 
 from taxbench.analysis.layouts import analyse_layouts, is_layouts_folder, render_layouts
-from taxbench.analysis.report import REPORT_DIR, write_experiment_report, write_layouts_report, write_sweep_report
-from taxbench.analysis.summary import ExperimentAnalysis, analyse_experiment, render
-from taxbench.analysis.sweep import PointName, analyse_sweep, is_experiment, render_sweep
+from taxbench.analysis.report import (
+    HTML_FILE,
+    MARKDOWN_FILE,
+    REPORT_DIR,
+    write_experiment_report,
+    write_layouts_report,
+    write_sweep_report,
+)
+from taxbench.analysis.summary import (
+    SUMMARY_FILE,
+    ExperimentAnalysis,
+    analyse_experiment,
+    may_write_result,
+    render,
+    write_result,
+)
+from taxbench.analysis.sweep import MAX_DEPTH, PointName, analyse_sweep, find_experiments, is_experiment, render_sweep
 from taxbench.analysis.wandb_log import WandbUnavailable, import_wandb, log_experiment, log_layouts, log_sweep
 from taxbench.config.schema import ReportConfig
+from taxbench.design import ALL_RUNS, TIMED
 from taxbench.diagnostics import logger
+from taxbench.rundir.experiment_folder import LOCK_FILE, SWEEP_MARKER, held_by, is_marked_sweep
+from taxbench.rundir.read import RecordError, ResultWriteError
+from taxbench.rundir.records import MANIFEST
+from taxbench.rundir.write_scope import reading
 
 log = logger(__name__)
 
@@ -72,8 +100,74 @@ def publish(root: Path, settings: ReportConfig, group: str | None = None, strict
             settings = replace(settings, wandb=False)
     if is_layouts_folder(root):
         return _publish_layouts(root, settings, group, strict_wandb, console)
-    return (_publish_experiment if is_experiment(root) else _publish_sweep)(root, settings, group, strict_wandb,
-                                                                            console)
+    if is_experiment(root) or looks_like_experiment(root):
+        try:
+            return _publish_experiment(root, settings, group, strict_wandb, console)
+        except ResultWriteError:
+            raise  # analysed, but a result could not be written: the summary.json it wrote holds the verdict
+        except RecordError as exc:
+            withdraw_verdict(root, exc)
+            raise
+    if is_marked_sweep(root):
+        return _publish_sweep(root, settings, group, strict_wandb, console)
+    raise RecordError(not_an_experiment(root))
+
+
+def looks_like_experiment(root: Path) -> bool:
+    """A folder holding a run folder or a summary of an experiment (its deterministic-0 manifest may be gone: the
+    analysis then refuses it, and withdraws the verdict it holds)."""
+    return (root / SUMMARY_FILE).exists() or any((root / ref.name).is_dir() for ref in ALL_RUNS)
+
+
+def not_an_experiment(root: Path) -> str:
+    """Why `root` is refused: what was found there, and how to name an experiment instead."""
+    manifest = f"{TIMED['deterministic'].name}/{MANIFEST}"
+    why = (f"{root} is neither an experiment folder (it has no {manifest}) nor a sweep folder that a taxbench "
+           f"multirun created ({SWEEP_MARKER})")
+    if (root / MANIFEST).exists():
+        return (f"{root} is one run of an experiment, not the experiment; name the experiment: taxbench report "
+                f"{root.parent}")
+    found = find_experiments(root)
+    if found:
+        shown = ", ".join(str(path.relative_to(root)) for path in found[:3])
+        more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+        return (f"{why}; found {len(found)} experiment folder{'s' if len(found) > 1 else ''} below it ({shown}{more}), "
+                f"each analysed on its own: taxbench report {found[0]}")
+    try:
+        entries = sum(1 for _ in root.iterdir())
+    except OSError:
+        entries = 0
+    return (f"{why}; it holds {entries} entr{'y' if entries == 1 else 'ies'} and no experiment within {MAX_DEPTH} "
+            "levels; name an experiment folder: <experiment.out_dir>/<experiment.name>")
+
+
+WITHDRAWN = "withdrawn"
+
+
+def withdraw_verdict(root: Path, refusal: RecordError) -> None:
+    """The experiment's analysis was refused: replace an older summary.json and report that state a verdict with a
+    notice that names the refusal, so that the folder no longer says "passed" (nothing is written in a folder a live
+    launch holds)."""
+    why = f"the analysis was refused (exit {refusal.exit_code}): {refusal}"
+    if not may_write_result(root / SUMMARY_FILE):
+        return  # a live launch holds the folder: it writes the verdict when it has finished
+    notices = {root / SUMMARY_FILE: json.dumps({"outcome": WITHDRAWN, "exit_code": refusal.exit_code,
+                                                "deterministic_ok": False, "withdrawn": why}, indent=2),
+               root / REPORT_DIR / MARKDOWN_FILE: f"# Report withdrawn\n\n{why}\n",
+               root / REPORT_DIR / HTML_FILE: (f"<!doctype html><title>Report withdrawn</title><h1>Report withdrawn"
+                                               f"</h1><p>{html_escape(why)}</p>\n")}
+    withdrawn = []
+    for path, notice in notices.items():
+        if path.is_file():
+            try:
+                write_result(path, notice)
+            except ResultWriteError as exc:  # the refusal is what the user needs to hear about; this comes second
+                log.warning("%s", exc)
+                continue
+            withdrawn.append(str(path.relative_to(root)))
+    if withdrawn:
+        log.warning("%s: the earlier verdict in %s is withdrawn (marked so): it no longer holds", root,
+                    ", ".join(withdrawn))
 
 
 def _publish_layouts(root: Path, settings: ReportConfig, group: str | None, strict_wandb: bool,
@@ -134,3 +228,29 @@ def report(
     contradicts the summary.json that the analysis has just rewritten."""
     settings = settings or ReportConfig(html=(root / REPORT_DIR).exists(), wandb=False)
     return publish(root, settings, group=group, strict_wandb=strict_wandb).exit_code
+
+
+def held_folders(root: Path) -> list[Path]:
+    """`root`, and for a marked sweep the points below it, where a live launch holds the folder right now (no other
+    folder's lock is looked at)."""
+    depths = range(MAX_DEPTH + 1) if is_marked_sweep(root) else range(1)
+    locks = [path for depth in depths for path in root.glob("/".join(["*"] * depth + [LOCK_FILE]))]
+    return [lock.parent for lock in locks if held_by(lock.parent) is not None]
+
+
+def read_and_report(root: Path, settings: ReportConfig | None = None, strict_wandb: bool = False) -> int:
+    """`taxbench analyse` / `taxbench report`: report() writing only inside `root`, and nothing in a folder a live
+    launch holds (that one is analysed read-only, with a line saying so). Never call it from a launching process:
+    probing a lock this process holds would release it (taxbench.rundir.experiment_folder.held_by)."""
+    if not root.is_dir():
+        return report(root, settings, strict_wandb=strict_wandb)  # publish says what is wrong with it
+    held = held_folders(root)
+    for folder in held:
+        log.warning("%s is in use by a running launch (%s): analysed read-only, its %s, %s and mirrors are left "
+                    "as they are; analyse it again when the launch has finished", folder, held_by(folder) or "?",
+                    SUMMARY_FILE, REPORT_DIR)
+    if held and settings is not None and settings.wandb:
+        log.warning("wandb logging skipped: a launch still writes to %s", held[0])
+        settings = replace(settings, wandb=False)
+    with reading(root, held):
+        return report(root, settings, strict_wandb=strict_wandb)

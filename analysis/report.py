@@ -51,6 +51,7 @@ from taxbench.analysis.summary import (
     knob_cost,
     knob_need,
     localize_command,
+    may_write_result,
     ms,
     pct,
     pct_plain,
@@ -218,11 +219,14 @@ def to_markdown(report: Report) -> str:
     return "\n".join(out)
 
 
-def write_report(report: Report, out_dir: Path) -> Path:
-    """Write report.html, report.md and the figures' PNGs into out_dir; returns the HTML path.
+def write_report(report: Report, out_dir: Path) -> Path | None:
+    """Write report.html, report.md and the figures' PNGs into out_dir; returns the HTML path (None: not written, the
+    folder is held by a live launch: taxbench.rundir.write_scope).
 
     A folder that cannot be created or written is a ResultWriteError naming it (one line, no traceback).
     """
+    if not may_write_result(out_dir / HTML_FILE):
+        return None
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError) as exc:
@@ -325,6 +329,11 @@ def _evidence_blocks(summary: ExperimentSummary) -> list[Block]:
         blocks.append(Heading("Incomplete records", level=3))
         rows = [[problem] for problem in summary.problems]
         blocks.append(TableBlock(["run, ranks: steps"], rows, [True] * len(rows)))
+    if summary.nonfinite:
+        blocks.append(Heading("Non-finite training", level=3))
+        blocks.append(TableBlock(["run", "metric", "value", "first step", "rank", "records"],
+                                 [[f.run, f.metric, f.value, str(f.step), str(f.rank), str(f.records)]
+                                  for f in summary.nonfinite], [f.deterministic for f in summary.nonfinite]))
     for line in summary.faults:
         blocks.append(Paragraph(line, tone="warn" if summary.fault_fired else "bad"))
     return blocks
@@ -510,7 +519,7 @@ def experiment_report(analysis: ExperimentAnalysis) -> Report:
     return Report(f"taxbench: {summary.experiment}", blocks)
 
 
-def write_experiment_report(analysis: ExperimentAnalysis, out_dir: Path | None = None) -> Path:
+def write_experiment_report(analysis: ExperimentAnalysis, out_dir: Path | None = None) -> Path | None:
     return write_report(experiment_report(analysis), out_dir or Path(analysis.summary.root) / REPORT_DIR)
 
 
@@ -564,7 +573,7 @@ def _sweep_verdict(sweep: SweepAnalysis, nothing_analysed: bool) -> Paragraph:
                      tone="bad")
 
 
-def write_sweep_report(sweep: SweepAnalysis, point_reports: dict[str, Path] | None = None) -> Path:
+def write_sweep_report(sweep: SweepAnalysis, point_reports: dict[str, Path] | None = None) -> Path | None:
     return write_report(sweep_report(sweep, point_reports), sweep.root / REPORT_DIR)
 
 
@@ -621,5 +630,5 @@ def layouts_report(analysis: LayoutsAnalysis) -> Report:
     return Report(f"taxbench layouts: {Path(summary.root).name}", blocks)
 
 
-def write_layouts_report(analysis: LayoutsAnalysis, out_dir: Path | None = None) -> Path:
+def write_layouts_report(analysis: LayoutsAnalysis, out_dir: Path | None = None) -> Path | None:
     return write_report(layouts_report(analysis), out_dir or Path(analysis.summary.root) / REPORT_DIR)

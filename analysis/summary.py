@@ -2,8 +2,10 @@
 
 Fail closed: every run is checked against its manifest first (records.check_run). An experiment whose runs are
 complete and whose strict gates agree bit for bit passed (exit 0); a strict gate with a differing fingerprint failed
-(exit 3, even when records are also missing: the difference is proven); anything else, missing, truncated or
-duplicated records, or an enabled fault that never fired, is "incomplete" (exit 4), never a pass.
+(exit 3, even when records are also missing: the difference is proven); deterministic runs that trained on a NaN or
+infinite loss or gradient norm "diverged" (exit 4: bits that agree on non-finite values prove nothing, see
+taxbench.analysis.divergence); anything else, missing, truncated or duplicated records, or an enabled fault that never
+fired, is "incomplete" (exit 4), never a pass.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from rich.table import Table
 from taxbench import exit_codes
 from taxbench.analysis.ablation import KnobResult, analyse_ablation, measured_first
 from taxbench.analysis.attribution import SHARE_OF, attribute_arms
+from taxbench.analysis.divergence import NonFinite, nonfinite_runs
 from taxbench.analysis.equivalence import EQUIVALENT, Equivalence, baseline_equivalence
 from taxbench.analysis.throughput import THROUGHPUT_FIELDS, ArmThroughput, arm_throughput, cost_of_tax, mebibytes, si
 from taxbench.analysis.verdicts import DIFFERS, INCOMPLETE, Verdict, compare_runs
@@ -38,6 +41,7 @@ from taxbench.rundir.read import (
     manifest_value,
 )
 from taxbench.rundir.records import STEPS, STOP_FILE, TARGET, RunWriteError, read_stop, write_atomically
+from taxbench.rundir.write_scope import OutsideScope, may_write
 from taxbench.stats.tax import (
     PRECISE_HALF_WIDTH,
     Checkpoints,
@@ -51,6 +55,7 @@ from taxbench.stats.tax import (
 SUMMARY_FILE = "summary.json"
 
 PASSED, FAILED, INCOMPLETE_OUTCOME, CALIBRATION = "passed", "failed", "incomplete", "calibration"
+DIVERGED = "diverged"  # the deterministic runs trained on non-finite values: no verdict (exit 4)
 SHOWN_PROBLEMS = 3  # console lines of incompleteness; summary.json and the report hold them all
 
 
@@ -86,13 +91,20 @@ class ExperimentSummary:
     # arm -> its ops against the baseline's, by growth per step (experiment.ablation=true; analysis.attribution)
     attribution: dict[str, pd.DataFrame] = field(default_factory=dict)
     interleave: str = "pair"  # experiment.interleave: which runs were timed (policy: one model, switched per block)
+    # Each run's first NaN/Inf loss and gradient norm (taxbench.analysis.divergence); in deterministic runs: DIVERGED
+    nonfinite: list[NonFinite] = field(default_factory=list)
+
+    @property
+    def diverged(self) -> bool:
+        """A deterministic run trained on a non-finite loss or gradient norm."""
+        return any(finding.deterministic for finding in self.nonfinite)
 
     @property
     def deterministic_ok(self) -> bool:
         """Both strict gates have positive evidence of agreement (complete runs, every record bitwise equal) on a
         deterministic recipe (a calibration pair is no evidence of determinism)."""
         strict = (v for v, gate in zip(self.verdicts, GATES, strict=True) if gate.strict)
-        return not self.calibration and all(v.agree for v in strict)
+        return not self.calibration and not self.diverged and all(v.agree for v in strict)
 
     @property
     def conclusive(self) -> bool:
@@ -135,6 +147,8 @@ class ExperimentSummary:
         strict = [v for v, gate in zip(self.verdicts, GATES, strict=True) if gate.strict]
         if any(v.outcome == DIFFERS for v in strict):
             return FAILED
+        if self.diverged:
+            return DIVERGED
         if self.problems or self.fault_fired is False or not self.deterministic_ok:
             return INCOMPLETE_OUTCOME
         return PASSED
@@ -142,7 +156,7 @@ class ExperimentSummary:
     @property
     def exit_code(self) -> int:
         return {PASSED: exit_codes.OK, CALIBRATION: exit_codes.OK, FAILED: exit_codes.NOT_DETERMINISTIC,
-                INCOMPLETE_OUTCOME: exit_codes.INCOMPLETE}[self.outcome]
+                DIVERGED: exit_codes.INCOMPLETE, INCOMPLETE_OUTCOME: exit_codes.INCOMPLETE}[self.outcome]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -172,6 +186,7 @@ class ExperimentSummary:
             "outcome": self.outcome,
             "exit_code": self.exit_code,
             "incomplete": self.problems,
+            "nonfinite": [finding.to_dict() for finding in self.nonfinite],
             "faults": self.faults,
             "fault_fired": self.fault_fired,
             "fingerprint_s": finite_or_none(self.fingerprint_s),
@@ -200,8 +215,20 @@ class ExperimentAnalysis:
                             Checkpoints.of(experiment))
 
 
+def may_write_result(path: Path) -> bool:
+    """Whether a result may be written at `path` now (taxbench.rundir.write_scope: not in a folder a live launch
+    holds); a path outside the folder a reading command was pointed at is a ResultWriteError."""
+    try:
+        return may_write(path)
+    except OutsideScope as exc:
+        raise ResultWriteError(str(exc)) from exc
+
+
 def write_result(path: Path, data: str | bytes) -> None:
-    """Write an analysis result whole (a .tmp renamed into place); a failure is one line naming the path."""
+    """Write an analysis result whole (a .tmp renamed into place); a failure is one line naming the path. Skipped in
+    a folder a live launch holds (taxbench.rundir.write_scope)."""
+    if not may_write_result(path):
+        return
     payload = data.encode("utf-8") if isinstance(data, str) else data
     try:
         write_atomically(path, lambda handle: handle.write(payload))
@@ -427,6 +454,7 @@ def analyse_experiment(root: Path) -> ExperimentAnalysis:
         ablation=knobs,
         attribution=attribution,
         interleave=str(experiment.get("interleave", "pair")),
+        nonfinite=nonfinite_runs(runs),
     )
     write_result(root / SUMMARY_FILE, json.dumps(summary.to_dict(), indent=2))
     return ExperimentAnalysis(summary, runs, timed, manifests)
@@ -449,6 +477,10 @@ def verdict_line(summary: ExperimentSummary) -> tuple[str, str]:
         m = failed.first_mismatch
         assert m is not None
         return "bad", f"deterministic: NO ({failed.gate} differs first at step {m.step}, rank {m.rank}, {m.metric})"
+    if summary.outcome == DIVERGED:
+        first = min((f for f in summary.nonfinite if f.deterministic), key=lambda f: (f.step, f.rank))
+        return "bad", (f"deterministic: no verdict, training diverged: {first.describe()} (bits that agree on "
+                       "non-finite values prove nothing)")
     reason = summary.problems[0] if summary.problems else (summary.faults[0] if summary.faults else "see the gates")
     more = f" (and {len(summary.problems) - 1} more)" if len(summary.problems) > 1 else ""
     return "bad", f"deterministic: no verdict, incomplete evidence: {reason}{more}"
@@ -589,6 +621,9 @@ def render(summary: ExperimentSummary, console: Console | None = None, report_pa
         table.add_row("top ops", escape(top_ops_lines(summary.attribution["deterministic"])))
     if summary.problems:
         table.add_row("[red]incomplete[/red]", _shown_problems(summary.problems))
+    if summary.nonfinite:
+        colour = "red" if summary.diverged else "yellow"
+        table.add_row(f"[{colour}]non-finite[/{colour}]", _shown_problems([f.describe() for f in summary.nonfinite]))
     for line in summary.faults:
         table.add_row("fault", escape(line) if summary.fault_fired else f"[red]{escape(line)}[/red]")
     if tax.drifting:

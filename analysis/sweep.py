@@ -144,7 +144,8 @@ def point_row(summary: ExperimentSummary, root: Path, name: PointName) -> dict[s
         "deterministic_median_s": tax.deterministic_median_s,
         "deterministic_ok": summary.deterministic_ok,
         "outcome": summary.outcome,
-        "incomplete": "; ".join(summary.problems + [f for f in summary.faults if summary.fault_fired is False]),
+        "incomplete": "; ".join(summary.problems + [f.describe() for f in summary.nonfinite if f.deterministic]
+                                + [f for f in summary.faults if summary.fault_fired is False]),
         "code": summary.code,
         "error": "",
     }

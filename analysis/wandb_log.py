@@ -48,7 +48,8 @@ GATE_COLUMNS = ["gate", "strict", "outcome", "agree", "reference", "candidate", 
                 "mismatch_step", "mismatch_rank", "mismatch_metric", "reference_value", "candidate_value"]
 # Baseline equivalence: its results in the run summary, and one typed row per compared step in a table.
 EQUIVALENCE_RESULTS = ("verdict", "equivalent", "statistic", "threshold", "n_steps", "steps_inside", "basis",
-                       "from_step", "max_deviation", "median_deviation", "median_band", "median_baseline_gap")
+                       "from_step", "max_deviation", "median_deviation", "median_band", "median_baseline_gap",
+                       "nonfinite_steps")
 EQUIVALENCE_COLUMNS = ["step", "baseline_0", "baseline_1", "deterministic", "center", "band", "deviation", "inside"]
 MAX_TAG_LENGTH = 64  # wandb refuses longer tags
 
@@ -205,6 +206,8 @@ def summary_values(summary: ExperimentSummary) -> dict[str, Any]:
     values["calibration"] = summary.calibration
     values["exit_code"] = summary.exit_code
     values["incomplete"] = "\n".join(summary.problems)
+    values["nonfinite"] = "\n".join(f.describe() for f in summary.nonfinite)
+    values["diverged"] = summary.diverged
     values["fault"] = "\n".join(summary.faults)
     values["steps_needed"] = summary.steps_needed
     for verdict in summary.verdicts:
@@ -216,6 +219,7 @@ def summary_values(summary: ExperimentSummary) -> dict[str, Any]:
             "" if m is None else f"step {m.step}, rank {m.rank}, {m.metric}")
     equivalence = summary.equivalence.to_dict()
     values.update({f"equivalence/{key}": equivalence[key] for key in EQUIVALENCE_RESULTS})
+    values["equivalence/max_deviation_missing"] = equivalence["max_deviation_missing"] or ""  # why it is NaN
     for knob in summary.ablation:
         if knob.tax is not None:
             values[f"knob/{knob.knob}/tax"] = finite_or_none(knob.tax.tax)

@@ -22,6 +22,7 @@ from taxbench.analysis.publish import report
 from taxbench.analysis.sweep import analyse_sweep, render_sweep
 from taxbench.diagnostics import logger
 from taxbench.redaction import redact
+from taxbench.rundir.experiment_folder import mark_sweep
 from taxbench.rundir.provenance import hydra_overrides
 from taxbench.rundir.read import RecordError
 
@@ -39,6 +40,7 @@ class MultirunReport(Callback):
         # included, to <sweep folder>/multirun.yaml; there is no hook in between. The name points at /dev/null while
         # it does, so the clear copy never reaches the disk; the first job start puts a redacted copy in its place.
         path = Path(config.hydra.sweep.dir) / MULTIRUN_YAML
+        mark_sweep(path.parent)  # the sweep folder is this multirun's: `taxbench report` may analyse it as a whole
         path.parent.mkdir(parents=True, exist_ok=True)
         path.unlink(missing_ok=True)
         path.symlink_to(os.devnull)

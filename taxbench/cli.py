@@ -65,6 +65,11 @@ def fail(message: str, code: int = exit_codes.CONFIG_ERROR) -> None:
     raise SystemExit(code)
 
 
+def fail_with(exc: Exception) -> None:
+    """fail() with the exit code the error carries (taxbench.rundir.read.UnreadableRecords: 4), else 2."""
+    fail(str(exc), getattr(exc, "exit_code", exit_codes.CONFIG_ERROR))
+
+
 def launch(cfg: TaxbenchConfig, root: Path, rank_main: RankMain | None = None) -> bool:
     """Run the experiment (or what `rank_main` runs on every rank: taxbench verify's rerun); False when there is
     nothing to report yet: only queued (Slurm points of a multirun: the sweep report waits), or a Slurm dry run
@@ -136,7 +141,7 @@ def run_experiment(raw: DictConfig) -> int:
             print_audits(stack_native_audits(cfg))
             return code
     except (ConfigError, RecordError) as exc:  # RecordError: results that cannot be read back or written
-        fail(str(exc))
+        fail_with(exc)
     return exit_codes.CONFIG_ERROR
 
 
@@ -196,19 +201,19 @@ def _multirun_point() -> int | None:
 
 
 def _analyse(args: argparse.Namespace) -> int:
-    from taxbench.analysis.publish import report
+    from taxbench.analysis.publish import read_and_report
 
-    return report(args.root)
+    return read_and_report(args.root)
 
 
 def _report(args: argparse.Namespace) -> int:
-    from taxbench.analysis.publish import report
+    from taxbench.analysis.publish import read_and_report
     from taxbench.analysis.wandb_log import WandbUnavailable
 
     settings = ReportConfig(html=True, wandb=args.wandb, wandb_project=args.wandb_project,
                             wandb_group=args.wandb_group)
     try:
-        return report(args.root, settings, strict_wandb=True)
+        return read_and_report(args.root, settings, strict_wandb=True)
     except WandbUnavailable as exc:
         fail(str(exc))
     return exit_codes.CONFIG_ERROR
@@ -331,7 +336,7 @@ def subcommand(argv: list[str]) -> int:
     try:
         return int(args.handler(args))
     except _input_errors() as exc:
-        fail(str(exc))
+        fail_with(exc)
     return exit_codes.CONFIG_ERROR
 
 
@@ -607,7 +612,7 @@ def _one_line_input_errors(*more: type[Exception]) -> Iterator[None]:
     try:
         yield
     except (ConfigError, *more) as exc:
-        fail(str(exc))
+        fail_with(exc)
     except _HYDRA_INPUT_ERRORS as exc:
         fail(_config_error_line(exc))
     except yaml.YAMLError as exc:

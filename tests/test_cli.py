@@ -19,6 +19,7 @@ from taxbench.cli import (
     _parser,
     main_help,
 )
+from taxbench.rundir.experiment_folder import SWEEP_MARKER
 
 
 @pytest.fixture
@@ -93,6 +94,10 @@ def test_a_multirun_names_each_points_overrides_before_it_runs(tmp_path: Path, t
     # Each point's line comes before that point's own summary.
     assert lines.index(named[1]) < next(i for i, line in enumerate(lines) if line.startswith("point1  "))
     assert "abc123secret" not in done.stdout + done.stderr
+    # The multirun marked its sweep folder as its own: `taxbench report` takes it as a whole.
+    assert (tmp_path / "sweep" / SWEEP_MARKER).is_file()
+    report = taxbench_cli("report", str(tmp_path / "sweep"), cwd=tmp_path, timeout=300)
+    assert report.returncode == 0 and (tmp_path / "sweep" / "sweep.csv").is_file(), report.stderr
 
 
 def _imported(*args: str, cwd: Path) -> set[str]:

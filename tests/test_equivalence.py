@@ -119,7 +119,9 @@ def test_missing_or_broken_curves_are_not_evaluated_and_a_nan_deterministic_loss
     diverged = d.where(d.index < 100, np.nan)
     result = compare_loss_curves(b0, b1, diverged, from_step=10)
     assert result.verdict == DIFFERS and np.isinf(result.deviation[-1])
-    assert result.to_dict()["max_deviation"] == np.inf
+    stored = result.to_dict()  # the largest finite deviation, and the non-finite steps counted apart (never null)
+    assert np.isfinite(stored["max_deviation"]) and stored["max_deviation_missing"] is None
+    assert stored["first_nonfinite_step"] == 100 and stored["nonfinite_steps"] == int((d.index >= 100).sum())
 
 
 # ------------------------------------------------------------------------------------------------ in the experiment

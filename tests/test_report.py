@@ -22,6 +22,7 @@ from taxbench.analysis.sweep import SWEEP_FILE, analyse_sweep, find_experiments
 from taxbench.analysis.synthetic import Injection, SyntheticExperiment, change_config, write_experiment
 from taxbench.config.schema import ReportConfig
 from taxbench.redaction import REDACTED, redact, redact_text
+from taxbench.rundir.experiment_folder import mark_sweep
 from taxbench.rundir.read import RecordError, load_run
 from taxbench.rundir.records import SCHEMA_VERSION, write_manifest
 
@@ -268,6 +269,7 @@ def test_a_fault_that_fired_is_named_with_step_rank_and_place(last_step_failure:
 # ------------------------------------------------------------------------------------------------------------ sweeps
 def _sweep(tmp_path: Path) -> Path:
     sweep = tmp_path / "sweep"
+    mark_sweep(sweep)  # as a multirun creates its sweep folder: only such a folder is reported as a whole
     for world, where in ((32, "2/exp"), (8, "0/exp"), (16, "point1")):  # depths 2 and 1, listed out of order
         write_experiment(sweep / where, SyntheticExperiment(ranks=world, tax=0.01 * world / 8, seed=world))
     broken = sweep / "3" / "crashed"
@@ -285,7 +287,7 @@ def test_sweep_finds_points_and_reports_tax_vs_gpus(tmp_path: Path) -> None:
     table = analyse_sweep(sweep_root).points
     assert table["world_size"].iloc[:3].tolist() == [8, 16, 32]
     assert table["tax"].iloc[:3].is_monotonic_increasing
-    assert table["error"].iloc[3].startswith("RecordError") and "crashed" in table["path"].iloc[3]
+    assert table["error"].iloc[3].startswith("UnreadableRecords") and "crashed" in table["path"].iloc[3]
     assert (sweep_root / SWEEP_FILE).is_file()
     out = sweep_root / REPORT_DIR
     assert (out / SWEEP_PNG).read_bytes().startswith(PNG_MAGIC)
@@ -297,6 +299,7 @@ def test_sweep_finds_points_and_reports_tax_vs_gpus(tmp_path: Path) -> None:
 
 def test_sweep_exit_code_is_its_worst_point(tmp_path: Path) -> None:
     sweep_root = tmp_path / "sweep"
+    mark_sweep(sweep_root)
     small = {"steps": 12, "block_steps": 3, "resume_step": 6}
     write_experiment(sweep_root / "a", SyntheticExperiment(ranks=2, seed=1, **small))
     assert publish(sweep_root, NO_WANDB, console=QUIET).exit_code == exit_codes.OK
@@ -326,12 +329,12 @@ def test_damaged_manifest_or_unwritable_report_is_one_clear_line(tmp_path: Path,
     assert f"cannot write {root / REPORT_DIR / HTML_FILE}" in blocked.stderr
     manifest = root / "baseline-1" / "manifest.json"
     manifest.write_text(manifest.read_text()[:40])
-    damaged = taxbench_cli("analyse", str(root), cwd=tmp_path)
-    assert damaged.returncode == 2 and "Traceback" not in damaged.stderr
+    damaged = taxbench_cli("analyse", str(root), cwd=tmp_path)  # unreadable evidence: incomplete, exit 4
+    assert damaged.returncode == exit_codes.INCOMPLETE and "Traceback" not in damaged.stderr
     assert f"taxbench: error: {manifest}: not valid JSON" in damaged.stderr
     manifest.write_text('"a string"')
     damaged = taxbench_cli("analyse", str(root), cwd=tmp_path)
-    assert damaged.returncode == 2 and f"{manifest}: not a JSON object" in damaged.stderr
+    assert damaged.returncode == exit_codes.INCOMPLETE and f"{manifest}: not a JSON object" in damaged.stderr
 
 
 def test_analyse_rewrites_an_existing_report_with_the_summary(tmp_path: Path, taxbench_cli) -> None:
@@ -359,7 +362,7 @@ def test_report_subcommand_exit_codes(tmp_path: Path, failing_experiment: Path, 
     empty = tmp_path / "empty"
     empty.mkdir()
     nothing = taxbench_cli("report", str(empty), cwd=tmp_path)
-    assert nothing.returncode == 2 and "no experiment directories" in nothing.stderr
+    assert nothing.returncode == 2 and "holds 0 entries and no experiment within 3 levels" in nothing.stderr
 
 
 # --------------------------------------------------------------------------------------------------------- redaction

@@ -18,6 +18,7 @@ from taxbench.analysis.sweep import analyse_sweep
 from taxbench.analysis.synthetic import Injection, SyntheticExperiment, change_config, write_experiment
 from taxbench.analysis.wandb_log import WandbUnavailable, import_wandb, log_experiment, log_sweep
 from taxbench.config.schema import ReportConfig
+from taxbench.rundir.experiment_folder import mark_sweep
 from taxbench.rundir.read import step_times
 
 pytest.importorskip("wandb")
@@ -127,6 +128,7 @@ def test_equivalence_reaches_the_summary_and_a_typed_per_step_table(tmp_path: Pa
 def write_multirun_sweep(sweep_root: Path) -> list[Path]:
     """Two points as a `-m cluster.cpu_ranks=2,4` multirun leaves them: each manifest's provenance lists the point's
     overrides."""
+    mark_sweep(sweep_root)
     points = []
     for number, ranks in enumerate((2, 4)):
         root = write_experiment(sweep_root / f"point{number}", SyntheticExperiment(ranks=ranks, seed=ranks))

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import socket
+import struct
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,9 +29,13 @@ from taxbench.config.schema import ConfigError, TaxbenchConfig
 from taxbench.design import ALL_RUNS, TIMED
 from taxbench.oserrors import describe_os_error
 from taxbench.redaction import redact, redact_text
+from taxbench.rundir.evidence import check_regular, open_regular
 from taxbench.rundir.read import RecordError, load_manifest
 
 LOCK_FILE = ".taxbench.lock"
+# In the folder a Hydra multirun creates for its points (<out_dir>/<name>/point<N>/): the mark that makes it a sweep
+# `taxbench report` may analyse as a whole (any other folder that is no experiment is refused).
+SWEEP_MARKER = ".taxbench-sweep"
 
 
 def experiment_root(cfg: TaxbenchConfig, point: int | None = None) -> Path:
@@ -121,3 +126,54 @@ def _require_same_config(root: Path, cfg: TaxbenchConfig) -> None:
         raise ConfigError(
             f"experiment.continue_existing=true needs the config {root} was started with; changed:\n{lines}"
         )
+
+
+def mark_sweep(folder: Path) -> None:
+    """Create a multirun's sweep folder and mark it as taxbench's own; a folder that already exists is marked only
+    while it is empty (someone else's folder of that name stays unmarked, so no report treats it as a sweep)."""
+    try:
+        folder.mkdir(parents=True)
+    except FileExistsError:
+        if not folder.is_dir() or any(folder.iterdir()):
+            return
+    except OSError as exc:
+        raise ConfigError(f"cannot create the sweep folder: {describe_os_error(exc)}") from exc
+    record = {"created_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+              "command": redact_text(" ".join(sys.argv))}
+    try:
+        with open(folder / SWEEP_MARKER, "x", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+    except FileExistsError:
+        pass  # another point of the sweep marked it first
+
+
+def is_marked_sweep(folder: Path) -> bool:
+    """Whether a taxbench multirun created `folder` as its sweep folder (a regular file SWEEP_MARKER in it)."""
+    try:
+        check_regular(folder / SWEEP_MARKER, folder)
+    except OSError:
+        return False
+    return True
+
+
+def held_by(folder: Path) -> str | None:
+    """Who holds `folder`'s launch lock right now (its pid, host and command), or None when no live launch does.
+
+    Call it only from a process that launches nothing: POSIX record locks belong to the process, and closing any
+    descriptor of the lock file would drop a lock this process held itself."""
+    path = folder / LOCK_FILE
+    try:
+        fd = open_regular(path, folder)
+    except OSError:
+        return None  # no lock file (or none taxbench wrote): nobody holds the folder
+    with os.fdopen(fd, "rb") as handle:
+        # F_GETLK asks whether a read lock could be placed without placing one, so this probe never makes a launch
+        # that starts at this instant find the folder "in use".
+        probe = struct.pack(_FLOCK, fcntl.F_RDLCK, os.SEEK_SET, 0, 0, 0)
+        answer = struct.unpack(_FLOCK, fcntl.fcntl(handle.fileno(), fcntl.F_GETLK, probe))
+        if answer[0] == fcntl.F_UNLCK:
+            return None
+        return handle.read(4096).decode("utf-8", errors="replace").strip() or "another process"
+
+
+_FLOCK = "hhqqi"  # struct flock: l_type, l_whence, l_start, l_len, l_pid (native alignment, 64-bit off_t)

@@ -29,20 +29,34 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from taxbench import exit_codes
 from taxbench.config.pairing import differences, experiment_differences
 from taxbench.design import knob_of, knob_policies, plans_from_config
 from taxbench.redaction import redact
+from taxbench.rundir.evidence import experiment_of, read_regular
 from taxbench.rundir.provenance import config_hash
 from taxbench.rundir.records import MANIFEST, METRICS, SCHEMA_VERSION
-from taxbench.rundir.step_stream import STEP_SCHEMA, read_stream, records_of, write_mirror
+from taxbench.rundir.step_stream import STEP_SCHEMA, mirror_file, read_stream, records_of, write_mirror
+from taxbench.rundir.write_scope import may_write
 
 _STREAM_NAME = re.compile(r"steps\.rank(\d+)\.jsonl")
 _FAULTS_NAME = re.compile(r"faults\.rank(\d+)\.jsonl")
+JSON_OBJECT_LIMIT = 64 << 20  # manifests, op tables, layouts and weight records are KiB to a few MiB
 _READERS = 2  # streams read, hashed and parsed side by side (file reads, xxh3 and pyarrow release the GIL)
 
 
 class RecordError(ValueError):
-    """A run directory or record file that cannot be analysed; the message names the file."""
+    """A run directory or record file that cannot be analysed; the message names the file. Exit 2 (bad input: not
+    a taxbench folder, records of another schema version) unless a subclass says otherwise."""
+
+    exit_code = exit_codes.CONFIG_ERROR
+
+
+class UnreadableRecords(RecordError):
+    """Evidence that is there but cannot be read: a line that is not a JSON record, a damaged manifest, a file that
+    cannot be opened or is no regular file inside the experiment. Incomplete evidence, exit 4 (README "exit codes")."""
+
+    exit_code = exit_codes.INCOMPLETE
 
 
 class ResultWriteError(RecordError):
@@ -60,21 +74,21 @@ def _version_error(path: Path, number: int, version: object) -> RecordError:
 def _diagnose(path: Path) -> RecordError:
     """The precise complaint about a stream the fast reader refused (slow, only on the error path)."""
     try:
-        data = path.read_bytes()
+        data = read_regular(path, experiment_of(path.parent))
     except OSError as exc:
-        return RecordError(f"{path}: cannot be read ({exc.strerror or exc})")
+        return UnreadableRecords(f"{path}: cannot be read ({exc.strerror or exc})")
     for number, line in enumerate(data[: data.rfind(b"\n") + 1].decode("utf-8", errors="replace").splitlines(), 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            return RecordError(f"{path}:{number}: not a JSON record ({exc.msg})")
+            return UnreadableRecords(f"{path}:{number}: not a JSON record ({exc.msg})")
         if not isinstance(record, dict):
-            return RecordError(f"{path}:{number}: not a JSON object")
+            return UnreadableRecords(f"{path}:{number}: not a JSON object")
         if record.get("schema_version") != SCHEMA_VERSION:
             return _version_error(path, number, record.get("schema_version"))
-    return RecordError(f"{path}: records have inconsistent field types; was it written by taxbench?")
+    return UnreadableRecords(f"{path}: records have inconsistent field types; was it written by taxbench?")
 
 
 def _first_complaint(files: list[Path]) -> RecordError:
@@ -93,15 +107,16 @@ def _stream_records(path: Path, use_mirror: bool) -> pa.Table:
     `use_mirror` a mirror that does not cover every complete line is (re)written for the next reader."""
     try:
         read = read_stream(path, use_mirror)
-    except OSError as exc:
-        raise RecordError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
+    except OSError as exc:  # also taxbench.rundir.evidence.NotEvidence: a FIFO, a device, a symlink leaving it
+        raise UnreadableRecords(f"{path}: cannot be read ({exc.strerror or exc})") from exc
     try:
         table = records_of(read)
     except (pa.ArrowInvalid, pa.ArrowTypeError):
         raise _diagnose(path) from None
     if use_mirror and not read.mirror_current:
         try:
-            write_mirror(path, table, read.complete, read.digest)
+            if may_write(mirror_file(path)):  # not in a folder a live launch holds (taxbench.rundir.write_scope)
+                write_mirror(path, table, read.complete, read.digest)
         except OSError:
             pass  # a read-only results folder: analyse without leaving mirrors
     return table
@@ -111,8 +126,8 @@ def _concat(where: Path, tables: list[pa.Table]) -> pa.Table:
     try:
         return pa.concat_tables(tables, promote_options="default")
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-        raise RecordError(f"{where}: records have inconsistent field types ({exc}); was it written by taxbench?") \
-            from exc
+        raise UnreadableRecords(f"{where}: records have inconsistent field types ({exc}); was it written by "
+                                "taxbench?") from exc
 
 
 def stream_files(run_dir: Path) -> list[Path]:
@@ -145,7 +160,7 @@ def load_run(run_dir: Path, use_mirrors: bool = True, empty_ok: bool = False) ->
     if not any(t.num_rows for t in tables):
         if empty_ok:
             return empty_run()
-        raise RecordError(f"{run_dir}: the step record files are empty")
+        raise UnreadableRecords(f"{run_dir}: the step record files are empty")
     table = _concat(run_dir, tables)
     if not _version_ok(table):  # a mirror written by another taxbench version
         raise _first_complaint(files)
@@ -175,24 +190,25 @@ def _sorted_by_rank_and_step(table: pa.Table) -> pa.Table:
 
 
 # ------------------------------------------------------------------------------------------------------ manifest
-def read_json_object(path: Path, what: str) -> dict:
-    """A JSON object from `path`; a RecordError naming the path (and `what` it should be) otherwise."""
+def read_json_object(path: Path, what: str, inside: Path | None = None) -> dict:
+    """A JSON object from `path`, a regular file inside `inside` (default: its own folder); UnreadableRecords naming
+    the path (and `what` it should be) otherwise."""
     try:
-        stored = json.loads(path.read_text(encoding="utf-8"))
+        stored = json.loads(read_regular(path, inside or path.parent, JSON_OBJECT_LIMIT).decode("utf-8"))
     except OSError as exc:
-        raise RecordError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
+        raise UnreadableRecords(f"{path}: cannot be read ({exc.strerror or exc})") from exc
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise RecordError(f"{path}: not valid JSON ({exc}); the {what} is damaged") from exc
+        raise UnreadableRecords(f"{path}: not valid JSON ({exc}); the {what} is damaged") from exc
     if not isinstance(stored, dict):
-        raise RecordError(f"{path}: not a JSON object; the {what} is damaged")
+        raise UnreadableRecords(f"{path}: not a JSON object; the {what} is damaged")
     return stored
 
 
 def load_manifest(run_dir: Path) -> dict:
     path = run_dir / MANIFEST
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         raise RecordError(f"{path}: missing manifest; the run never started (or this is not a taxbench run folder)")
-    manifest = read_json_object(path, "manifest")
+    manifest = read_json_object(path, "manifest", experiment_of(run_dir))
     if manifest.get("schema_version") != SCHEMA_VERSION:
         raise RecordError(f"{path}: schema_version={manifest.get('schema_version')!r}, expected {SCHEMA_VERSION}")
     return manifest
@@ -203,7 +219,8 @@ def manifest_value(manifest: dict, run_dir: Path, dotted: str) -> Any:
     node: Any = manifest
     for part in dotted.split("."):
         if not isinstance(node, dict) or part not in node:
-            raise RecordError(f"{run_dir / MANIFEST}: lacks {dotted}; the manifest is damaged or from another tool")
+            raise UnreadableRecords(f"{run_dir / MANIFEST}: lacks {dotted}; the manifest is damaged or from another "
+                                    "tool")
         node = node[part]
     return node
 
@@ -459,13 +476,13 @@ _FAULT_FIELDS = {"kind": str, "step": int, "rank": int, "where": str}
 
 def _fault_event(record: Any, where: str) -> FaultEvent:
     if not isinstance(record, dict):
-        raise RecordError(f"{where}: not a JSON object")
+        raise UnreadableRecords(f"{where}: not a JSON object")
     if record.get("schema_version") != SCHEMA_VERSION:
         raise _version_error(Path(where.rsplit(":", 1)[0]), int(where.rsplit(":", 1)[1]), record.get("schema_version"))
     wrong = [k for k, kind in _FAULT_FIELDS.items() if not isinstance(record.get(k), kind)
              or isinstance(record.get(k), bool)]
     if wrong:
-        raise RecordError(f"{where}: fault event lacks or mistypes {wrong}; the file is damaged")
+        raise UnreadableRecords(f"{where}: fault event lacks or mistypes {wrong}; the file is damaged")
     return FaultEvent(record["kind"], record["step"], record["rank"], record["where"])
 
 
@@ -476,9 +493,9 @@ def load_fault_events(run_dir: Path) -> list[FaultEvent]:
         if not _FAULTS_NAME.fullmatch(path.name):
             continue
         try:
-            data = path.read_bytes()
+            data = read_regular(path, experiment_of(run_dir))
         except OSError as exc:
-            raise RecordError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
+            raise UnreadableRecords(f"{path}: cannot be read ({exc.strerror or exc})") from exc
         text = data[: data.rfind(b"\n") + 1].decode("utf-8", errors="replace")  # a torn last line is dropped
         for number, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
@@ -486,6 +503,6 @@ def load_fault_events(run_dir: Path) -> list[FaultEvent]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise RecordError(f"{path}:{number}: not a JSON record ({exc.msg})") from exc
+                raise UnreadableRecords(f"{path}:{number}: not a JSON record ({exc.msg})") from exc
             events.append(_fault_event(record, f"{path}:{number}"))
     return sorted(events, key=lambda e: (e.step, e.rank))

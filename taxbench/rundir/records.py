@@ -23,6 +23,7 @@ from typing import IO, Any
 
 from taxbench.oserrors import describe_os_error
 from taxbench.redaction import redact
+from taxbench.rundir.evidence import read_regular
 
 # 2: fingerprint format 2 (shape in the digest header); 3: layout-invariant initial weights (taxbench.workloads.init):
 # the same recipe starts from other values than under 2, so fingerprints of 2 and 3 are not comparable
@@ -58,9 +59,10 @@ def read_stop(root: Path) -> Stop | None:
     """The stored stop of an experiment whose interleaved rounds finished (None before that, or when the record is
     damaged: the rounds then run again from their newest checkpoint)."""
     try:
-        stored = json.loads((root / STOP_FILE).read_text(encoding="utf-8"))
+        stored = json.loads(read_regular(root / STOP_FILE, root).decode("utf-8"))
         return Stop(int(stored["steps"]), str(stored["stopped_by"]), stored.get("half_width"))
-    except (OSError, ValueError, KeyError, TypeError):  # missing, unreadable, not JSON, or not a stop record
+    # missing, unreadable (a FIFO or device is refused unopened), not JSON, or not a stop record
+    except (OSError, ValueError, KeyError, TypeError):
         return None
 
 

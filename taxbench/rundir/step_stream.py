@@ -30,6 +30,7 @@ import pyarrow.json as pa_json
 import xxhash
 
 from taxbench.diagnostics import logger
+from taxbench.rundir.evidence import check_regular, experiment_of, open_regular
 from taxbench.rundir.records import METRICS, JsonlWriter
 
 log = logger(__name__)
@@ -96,9 +97,12 @@ class StreamRead:
 
 def read_stream(stream: Path, use_mirror: bool = True) -> StreamRead:
     """Read `stream`, through its mirror as far as the mirror provably matches the stream's bytes (OSError if the
-    stream cannot be read; an unusable mirror is no error)."""
-    mirror = _read_mirror(mirror_file(stream)) if use_mirror else None
-    with stream.open("rb", buffering=0) as handle:
+    stream cannot be read, taxbench.rundir.evidence.NotEvidence if it is no regular file inside its experiment; an
+    unusable mirror is no error)."""
+    inside = experiment_of(stream.parent)
+    fd = open_regular(stream, inside)  # before the mirror: a FIFO or device is refused without reading anything
+    mirror = _read_mirror(mirror_file(stream), inside) if use_mirror else None
+    with os.fdopen(fd, "rb", buffering=0) as handle:
         if mirror is not None and mirror[1] <= os.fstat(handle.fileno()).st_size:
             table, covered, expected = mirror
             hasher = _hash_prefix(handle, covered)
@@ -137,13 +141,15 @@ def _with_rest(stream: Path, handle, table: pa.Table | None, covered: int,  # no
     return StreamRead(stream, table, covered, rest, covered + len(rest), hasher.digest())
 
 
-def _read_mirror(path: Path) -> tuple[pa.Table, int, bytes] | None:
-    """(rows, JSONL bytes mirrored, their xxh3-128) of an intact mirror of this format; None for anything else.
+def _read_mirror(path: Path, inside: Path) -> tuple[pa.Table, int, bytes] | None:
+    """(rows, JSONL bytes mirrored, their xxh3-128) of an intact mirror of this format; None for anything else (also
+    for a mirror that is no regular file inside the experiment `inside`: a FIFO there is never opened).
 
     The rows are a view of the memory-mapped file (page-cache pages, no copy): callers copy what they keep, so that
     no frame changes under its reader when someone rewrites the file in place.
     """
     try:
+        check_regular(path, inside)
         with pa.memory_map(str(path)) as mapped:
             data = mapped.read_buffer()
     except (OSError, pa.ArrowException):

@@ -13,6 +13,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from taxbench import exit_codes
+from taxbench.rundir.evidence import experiment_of, read_regular
+
 TRACE_SCHEMA_VERSION = 2  # 2: digests of fingerprint format 2 (shape in the header, any dtype), not comparable to 1
 TRACE_DIR = "trace"
 RECORD_KEYS = ("schema_version", "seq", "rank", "step", "kind", "name", "id", "scope", "in", "out")
@@ -20,7 +23,17 @@ KINDS = ("collective", "pipeline", "optimizer", "parameter", "checkpoint", "modu
 
 
 class TraceError(ValueError):
-    """A trace directory or file that cannot be read; the message names the file, the line and the fix."""
+    """A trace directory or file that cannot be read; the message names the file, the line and the fix. Exit 2 (no
+    trace captured, another schema version) unless a subclass says otherwise."""
+
+    exit_code = exit_codes.CONFIG_ERROR
+
+
+class UnreadableTrace(TraceError):
+    """Trace records that are there but cannot be read (torn, not JSON, damaged, a FIFO or a device): incomplete
+    evidence, exit 4, as every other unreadable record (README "exit codes")."""
+
+    exit_code = exit_codes.INCOMPLETE
 
 
 def trace_dir(run_dir: Path) -> Path:
@@ -55,7 +68,7 @@ class TraceWriter:
 
 def _check_record(record: Any, where: str) -> dict[str, Any]:
     if not isinstance(record, dict):
-        raise TraceError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        raise UnreadableTrace(f"{where}: expected a JSON object, got {type(record).__name__}")
     version = record.get("schema_version")
     if version != TRACE_SCHEMA_VERSION:
         raise TraceError(
@@ -64,17 +77,22 @@ def _check_record(record: Any, where: str) -> dict[str, Any]:
         )
     missing = [key for key in RECORD_KEYS if key not in record]
     if missing:
-        raise TraceError(f"{where}: trace record lacks {missing}; the file is not a taxbench trace or is damaged")
+        raise UnreadableTrace(f"{where}: trace record lacks {missing}; the file is not a taxbench trace or is damaged")
     if record["kind"] not in KINDS:
-        raise TraceError(f"{where}: kind={record['kind']!r} is not a trace record kind {list(KINDS)}")
+        raise UnreadableTrace(f"{where}: kind={record['kind']!r} is not a trace record kind {list(KINDS)}")
     for side in ("in", "out"):
         if not isinstance(record[side], list):
-            raise TraceError(f"{where}: field {side!r} must be a list of tensor summaries")
+            raise UnreadableTrace(f"{where}: field {side!r} must be a list of tensor summaries")
     return record
 
 
 def read_trace_file(path: Path) -> list[dict[str, Any]]:
-    text = path.read_text(encoding="utf-8")
+    """The records of one trace file (<experiment>/<run>/trace/trace.rank<R>.jsonl), a regular file inside its
+    experiment (a FIFO or device is refused unopened: taxbench.rundir.evidence)."""
+    try:
+        text = read_regular(path, experiment_of(path.parent.parent)).decode("utf-8", errors="replace")
+    except OSError as exc:
+        raise UnreadableTrace(f"{path}: cannot be read ({exc.strerror or exc})") from exc
     lines = text.splitlines()
     records = []
     for number, line in enumerate(lines, start=1):
@@ -84,12 +102,12 @@ def read_trace_file(path: Path) -> list[dict[str, Any]]:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             if number == len(lines) and not text.endswith("\n"):
-                raise TraceError(
+                raise UnreadableTrace(
                     f"{path}:{number}: the last trace record is torn (the writing process stopped mid-line); "
                     "records after it are missing, so a diff could mistake that for control-flow divergence. "
                     "Re-capture the step (e.g. with `taxbench localize`)"
                 ) from exc
-            raise TraceError(f"{path}:{number}: not a JSON record ({exc.msg}); the trace file is corrupt") from exc
+            raise UnreadableTrace(f"{path}:{number}: not a JSON record ({exc.msg}); the trace file is corrupt") from exc
         records.append(_check_record(record, f"{path}:{number}"))
     return records
 
