@@ -26,7 +26,18 @@ from taxbench.analysis.attribution import SHARE_OF, attribute_arms
 from taxbench.analysis.equivalence import EQUIVALENT, Equivalence, baseline_equivalence
 from taxbench.analysis.throughput import THROUGHPUT_FIELDS, ArmThroughput, arm_throughput, cost_of_tax, mebibytes, si
 from taxbench.analysis.verdicts import DIFFERS, INCOMPLETE, Verdict, compare_runs
-from taxbench.design import EQUIVALENCE_RUNS, GATED_RUNS, GATES, INTERLEAVED, MEASURED, TIMED, WITH, RunRef, knob_arm
+from taxbench.design import (
+    EQUIVALENCE_RUNS,
+    GATED_RUNS,
+    GATES,
+    INTERLEAVED,
+    MEASURED,
+    TIMED,
+    WITH,
+    RunRef,
+    knob_arm,
+    run_steps,
+)
 from taxbench.oserrors import describe_os_error
 from taxbench.rundir.read import (
     FaultEvent,
@@ -196,8 +207,9 @@ class ExperimentAnalysis:
         """The per-block deterministic/baseline ratios the tax is estimated from (same warmup, same steps left out
         after checkpoint commits), for the plots."""
         experiment = self.manifests[TIMED["deterministic"].name]["config"]["experiment"]
+        stop = read_stop(Path(self.summary.root))
         return block_ratios(self.timed["baseline"], self.timed["deterministic"], self.summary.tax.warmup_steps,
-                            Checkpoints.of(experiment))
+                            Checkpoints.of(experiment, None if stop is None else stop.commits))
 
 
 def write_result(path: Path, data: str | bytes) -> None:
@@ -225,8 +237,9 @@ def duration(seconds: float) -> str:
 
 
 def expected_steps(root: Path, experiment: dict[str, Any]) -> tuple[int, str, list[str]]:
-    """Every run's steps, what stopped the rounds, and why that is in doubt. stop.json records the steps every run
-    took (a precision target decides them at run time); without a target they must be experiment.steps."""
+    """Every timed run's steps, what stopped the rounds, and why that is in doubt. stop.json records the steps the
+    timed runs took (a precision target decides them at run time); without a target they must be experiment.steps.
+    A gate-only run's steps follow from them (taxbench.design.run_steps)."""
     steps = int(experiment["steps"])
     stop = read_stop(root)
     if stop is None:
@@ -329,10 +342,11 @@ def fault_outcome(root: Path, experiment: dict[str, Any], verdicts: list[Verdict
     return lines, not passing
 
 
-def _tax(timed: dict[str, list[pd.DataFrame]], experiment: dict[str, Any], incomplete: bool) -> TaxEstimate:
+def _tax(timed: dict[str, list[pd.DataFrame]], experiment: dict[str, Any], incomplete: bool,
+         checkpoints: Checkpoints) -> TaxEstimate:
     try:
         return estimate_tax(timed["baseline"], timed["deterministic"], experiment["warmup_steps"],
-                            experiment["confidence"], Checkpoints.of(experiment))
+                            experiment["confidence"], checkpoints)
     except ValueError as exc:
         if incomplete:  # too few records for a tax: the incompleteness is what the user needs to hear about
             return no_estimate(experiment["confidence"], experiment["warmup_steps"])
@@ -367,24 +381,30 @@ def analyse_experiment(root: Path) -> ExperimentAnalysis:
     names = GATED_RUNS + tuple(ref.name for ref in interleaved_runs(experiment) if ref.name not in GATED_RUNS)
     manifests = {name: manifest if name == first else load_manifest(root / name) for name in names}
     steps, stopped_by, stop_problems = expected_steps(root, experiment)
-    loaded = {name: load_checked_run(root / name, manifests[name], steps, config) for name in names}
+    stop = read_stop(root)
+    checkpoints = Checkpoints.of(experiment, None if stop is None else stop.commits)
+    timed_names = {ref.name for ref in interleaved_runs(experiment)}
+    run_steps_of = {name: run_steps(name, timed_names, steps, experiment) for name in names}
+    loaded = {name: load_checked_run(root / name, manifests[name], run_steps_of[name], config) for name in names}
     runs = {name: frame for name, (frame, _) in loaded.items()}
     problems = {name: found for name, (_, found) in loaded.items()}
     timed = timed_runs(runs, experiment)
     timed_incomplete = any(problems[ref.name] for ref in interleaved_runs(experiment)) or bool(stop_problems)
-    tax = _tax(timed, experiment, timed_incomplete)
+    tax = _tax(timed, experiment, timed_incomplete, checkpoints)
     target = _fault_target(experiment)
     if target in problems:
-        problems[target] += unrecorded_faults(root, experiment, steps)
+        problems[target] += unrecorded_faults(root, experiment, run_steps_of[target])
     verdicts = []
     for gate in GATES:
         reference, candidate = gate.reference.name, gate.candidate.name
         from_step = experiment["resume_step"] if gate.after_resume else 0
+        # A gate compares the steps both runs take (a gate-only run takes fewer than a timed one).
+        through = min(run_steps_of[reference], run_steps_of[candidate])
         verdicts.append(compare_runs(gate.name, reference, runs[reference], candidate, runs[candidate], from_step,
-                                     tuple(problems[reference] + problems[candidate])))
+                                     tuple(problems[reference] + problems[candidate]), through))
     faults, fired = fault_outcome(root, experiment, verdicts)
     device = manifest_value(manifest, root / first, "policy_applied.device")
-    knobs = analyse_ablation(root, config, device, timed["baseline"], steps)
+    knobs = analyse_ablation(root, config, device, timed["baseline"], steps, checkpoints)
     world = int(manifest_value(manifest, root / first, "layout.world_size"))
     attribution, attribution_problems = ({}, []) if not experiment.get("ablation") else attribute_arms(
         root, step_deltas_us(tax, knobs), world)

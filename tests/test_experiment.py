@@ -94,7 +94,7 @@ def test_crashed_experiment_continues_without_losing_or_duplicating_records(taxb
     """SIGKILL the whole job in the middle of the schedule, then continue it: every run ends with each step exactly
     once per rank and all gates still agree bitwise."""
     args = ["experiment.steps=36", "experiment.block_steps=6", "experiment.warmup_steps=2", "experiment.resume_step=12",
-            f"experiment.out_dir={tmp_path}", "experiment.name=crash", "report.wandb=false", "report.html=false"]
+            "experiment.checkpoint_every_steps=6", f"experiment.out_dir={tmp_path}", "experiment.name=crash", "report.wandb=false", "report.html=false"]
     root = tmp_path / "crash"
     victim = subprocess.Popen([sys.executable, "-m", "taxbench", *args], cwd=tmp_path, start_new_session=True,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
