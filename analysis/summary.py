@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from rich.table import Table
 from taxbench import exit_codes
 from taxbench.analysis.ablation import KnobResult, analyse_ablation, measured_first
 from taxbench.analysis.attribution import SHARE_OF, attribute_arms
+from taxbench.analysis.cost import CostSplit, cost_split
 from taxbench.analysis.equivalence import EQUIVALENT, Equivalence, baseline_equivalence
 from taxbench.analysis.throughput import THROUGHPUT_FIELDS, ArmThroughput, arm_throughput, cost_of_tax, mebibytes, si
 from taxbench.analysis.verdicts import DIFFERS, INCOMPLETE, Verdict, compare_runs
@@ -32,6 +34,7 @@ from taxbench.design import (
     GATES,
     INTERLEAVED,
     MEASURED,
+    RESUMED,
     TIMED,
     WITH,
     RunRef,
@@ -49,6 +52,7 @@ from taxbench.rundir.read import (
     manifest_value,
 )
 from taxbench.rundir.records import STEPS, STOP_FILE, TARGET, RunWriteError, read_stop, write_atomically
+from taxbench.schedule.cost import read_cost
 from taxbench.stats.tax import (
     PRECISE_HALF_WIDTH,
     Checkpoints,
@@ -97,6 +101,9 @@ class ExperimentSummary:
     # arm -> its ops against the baseline's, by growth per step (experiment.ablation=true; analysis.attribution)
     attribution: dict[str, pd.DataFrame] = field(default_factory=dict)
     interleave: str = "pair"  # experiment.interleave: which runs were timed (policy: one model, switched per block)
+    gate_steps: int = 0  # the steps of a gate-only run (taxbench.design.run_steps); 0: as the timed runs
+    # Where the launch's wall clock went (analysis.cost); None for experiments from before cost.json
+    cost_split: CostSplit | None = None
 
     @property
     def deterministic_ok(self) -> bool:
@@ -174,6 +181,8 @@ class ExperimentSummary:
             "planted_tax": self.planted_tax,
             "calibration": self.calibration,
             "interleave": self.interleave,
+            "gate_steps": self.gate_steps,
+            "cost_split": None if self.cost_split is None else self.cost_split.to_dict(),
             "rank_median_s": [finite_or_none(m) for m in self.rank_median_s],
             "rank_spread": finite_or_none(self.rank_spread),
             "throughput": {arm: None if t is None else t.to_dict() for arm, t in self.throughput.items()},
@@ -373,6 +382,7 @@ def _median_fingerprint_s(frames: Iterable[pd.DataFrame]) -> float:
 
 
 def analyse_experiment(root: Path) -> ExperimentAnalysis:
+    began = time.perf_counter()
     first = TIMED["deterministic"].name  # every run's manifest holds the experiment's config; read it from one
     manifest = load_manifest(root / first)
     config = manifest_value(manifest, root / first, "config")
@@ -412,9 +422,11 @@ def analyse_experiment(root: Path) -> ExperimentAnalysis:
                                        stop_problems + [line for name in EQUIVALENCE_RUNS for line in problems[name]])
     steps_needed = steps_for_half_width(tax)
     # The whole experiment at that length: every run (timed or not) at its arm's median step.
-    arm_runs = {arm: sum(1 for name in names if name.startswith(arm)) for arm in ("baseline", "deterministic")}
-    step_cost = arm_runs["baseline"] * tax.baseline_median_s + arm_runs["deterministic"] * tax.deterministic_median_s
+    # Timed runs grow with the steps; gate-only runs stay at their own length.
     medians = {"baseline": tax.baseline_median_s, "deterministic": tax.deterministic_median_s}
+    step_cost = sum(medians[arm] for name in names for arm in medians if name.startswith(arm) and name in timed_names)
+    gate_cost = sum(medians[arm] * run_steps_of[name] for name in names for arm in medians
+                    if name.startswith(arm) and name not in timed_names)
     throughput = {arm: arm_throughput([after_warmup(f, tax.warmup_steps, THROUGHPUT_FIELDS) for f in frames],
                                       medians[arm], world, manifest.get("throughput"))
                   for arm, frames in timed.items()}
@@ -427,7 +439,7 @@ def analyse_experiment(root: Path) -> ExperimentAnalysis:
         tax=tax,
         verdicts=verdicts,
         steps_needed=steps_needed,
-        time_needed_s=steps_needed * step_cost if steps_needed else math.nan,
+        time_needed_s=steps_needed * step_cost + gate_cost if steps_needed else math.nan,
         steps=steps,
         stopped_by=stopped_by,
         target_half_width=float(experiment.get("target_half_width", 0.0)),
@@ -447,7 +459,10 @@ def analyse_experiment(root: Path) -> ExperimentAnalysis:
         ablation=knobs,
         attribution=attribution,
         interleave=str(experiment.get("interleave", "pair")),
+        gate_steps=run_steps(RESUMED.name, (), steps, experiment),
     )
+    # Analysis's own time: up to here, and the summary's write below (small)
+    summary.cost_split = cost_split(read_cost(root), runs, timed_names, time.perf_counter() - began)
     write_result(root / SUMMARY_FILE, json.dumps(summary.to_dict(), indent=2))
     return ExperimentAnalysis(summary, runs, timed, manifests)
 
@@ -614,6 +629,8 @@ def render(summary: ExperimentSummary, console: Console | None = None, report_pa
     if tax.drifting:
         table.add_row("[yellow]warning[/yellow]", "step times still drifting (MSER-5 hit its cap); run more steps")
     sample = f"{tax.pairs} rounds x {tax.timed_runs} runs, {tax.warmup_steps} warmup, {summary.steps} steps/run"
+    if summary.gate_steps and summary.gate_steps != summary.steps:
+        sample += f" (gate-only runs {summary.gate_steps})"
     if summary.stopped_by == TARGET:
         sample += f", stopped at +/-{pct_plain(summary.target_half_width)}"
     elif summary.target_half_width:
@@ -632,6 +649,8 @@ def render(summary: ExperimentSummary, console: Console | None = None, report_pa
         share = summary.fingerprint_s / tax.baseline_median_s
         table.add_row("gates' cost", f"fingerprints {ms(summary.fingerprint_s)}/step ({pct_plain(share)} of a baseline "
                                      "step), outside the timed step")
+    if summary.cost_split is not None:
+        table.add_row("wall clock", f"{duration(summary.cost_split.wall_s)}: {summary.cost_split.line()}")
     console.print(table)
     # Paths and commands on lines of their own, never folded, so that they can be copied (also from a piped log).
     command = localize_command(summary)

@@ -28,6 +28,12 @@ def test_gate_only_runs_take_gate_steps_and_analysis_holds_them_to_it(tmp_path: 
     assert summary.exit_code == 0 and not summary.problems, summary.problems
     compared = {v.gate: v.compared_steps for v in summary.verdicts}
     assert compared == {"repeatability": 9, "restart_replay": 3, "baseline_sanity": 9}  # replay: steps 7-9
+    # Where the wall clock went: every part measured, and the parts add up to it.
+    split = summary.to_dict()["cost_split"]
+    assert split is not None and summary.to_dict()["gate_steps"] == 9
+    assert all(value >= 0 for value in split["seconds"].values())
+    assert split["seconds"]["timed_steps"] > 0 and split["seconds"]["checkpoints"] > 0
+    assert sum(split["seconds"].values()) == pytest.approx(split["wall_s"])
 
     # Fail closed still: a gate-only run missing its last step is incomplete, not a shorter pass.
     records = steps_file(tmp_path / "deterministic-1", 0)

@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -51,6 +52,7 @@ from taxbench.rundir import manifest, provenance
 from taxbench.rundir.read import load_manifest
 from taxbench.rundir.records import MANIFEST, Stop, op_table_file, read_stop, write_commits, write_manifest
 from taxbench.schedule.checkpoint_clock import CheckpointClock
+from taxbench.schedule.cost import ScheduleCost, Stopwatch, command_started_unix
 from taxbench.schedule.stopping import StoppingRule
 from taxbench.train.flops import throughput_manifest
 from taxbench.train.op_profile import profile_steps
@@ -79,6 +81,8 @@ class Experiment:
         self.attempt_id = uuid.uuid4().hex[:12]  # this start of the schedule (rank 0 names it in the manifests)
         self._throughput: dict | None = None  # counted once, on rank 0 (see taxbench.train.flops)
         self.design = design_of(cfg)
+        self.cost = ScheduleCost(started_unix=command_started_unix())
+        self._checkpointing = Stopwatch()  # time in commits
 
     def _spec(self, ref: RunRef) -> RunSpec:
         fault = self.cfg.experiment.fault
@@ -178,8 +182,13 @@ class Experiment:
         """Run the schedule. Restarted after a preemption, it skips finished runs and resumes unfinished ones from
         their newest complete checkpoint that is intact on every rank (records written past it are dropped, so
         nothing is duplicated)."""
+        self.cost.schedule_start_unix = time.time()
         interleaved = self.design.interleaved
+        began = time.perf_counter()
         stop = self._run_interleaved(interleaved)
+        self.cost.rounds_s = time.perf_counter() - began
+        self.cost.rounds_checkpoints_s = self._checkpointing.total
+        began = time.perf_counter()
         profiled = self.design.profiled
         self.progress.grow_to(total_steps(self.cfg, stop.steps, self.design))
         exp = self.cfg.experiment
@@ -191,6 +200,11 @@ class Experiment:
             self._run_whole(ref, gate)
         for ref in profiled:
             self._run_profiled(ref)
+        self.cost.gate_runs_s = time.perf_counter() - began
+        self.cost.checkpoints_s = self._checkpointing.total
+        self.cost.end_unix = time.time()
+        if self.ctx.rank == 0:
+            self.cost.write(self.root)
 
     def _checkpoints(self, ref: RunRef) -> RunCheckpoints:
         return RunCheckpoints(self.root / ref.name, self.ctx.rank)
@@ -245,18 +259,22 @@ class Experiment:
             if block < first_block:
                 continue
             times = {}
+            if self.cost.first_step_unix is None:
+                self.cost.first_step_unix = time.time()
             for ref in order:
                 trainers[ref].run_block(exp.block_steps, block, self.progress.advance, ref.name)
                 times[ref.name] = trainers[ref].block_times
             step = (block + 1) * exp.block_steps
             elapsed = rule.add_round(times, clock.elapsed_s())
+            self.cost.timed_steps_s += sum(sum(values[-exp.block_steps:]) for values in rule.times.values())
             stop = rule.stop_after(step)
             if stop is not None:
                 break
             if step >= exp.steps:  # one more round than planned
                 self.progress.grow_to(total_steps(self.cfg, step + exp.block_steps, self.design))
             if clock.due(step, exp.block_steps, cap, elapsed):
-                commit(step, [(progress[ref], trainers[ref]) for ref in saved_in])
+                with self._checkpointing:
+                    commit(step, [(progress[ref], trainers[ref]) for ref in saved_in])
                 clock.committed()
                 rule.committed(step)
                 if self.ctx.rank == 0:  # a continue carries them into stop.json (the tax leaves the next step out)
@@ -277,7 +295,8 @@ class Experiment:
             n = min(exp.block_steps - trainer.step % exp.block_steps, until - trainer.step)
             trainer.run_block(n, trainer.step // exp.block_steps, self.progress.advance)
             if clock.due(trainer.step, n, last, clock.agreed_elapsed_s()):
-                commit(trainer.step, [(checkpoints, trainer)])
+                with self._checkpointing:
+                    commit(trainer.step, [(checkpoints, trainer)])
                 clock.committed()
 
     def _run_whole(self, ref: RunRef, steps: int) -> None:
@@ -322,7 +341,8 @@ class Experiment:
             first = self._start(RESUMED, start)
             self._advance(RESUMED, first, exp.resume_step, steps)
             if checkpoints.latest() != exp.resume_step:  # else _advance has just committed it
-                commit(exp.resume_step, [(checkpoints, first)])
+                with self._checkpointing:
+                    commit(exp.resume_step, [(checkpoints, first)])
             first.close()
             del first
             start = exp.resume_step
