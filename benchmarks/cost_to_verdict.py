@@ -6,7 +6,7 @@ and a long length, each timed as a fresh `python -m taxbench` process, and from 
   the steps, as a ratio to the median timed step (1.0 would be a loop that costs nothing around the step).
 
     python benchmarks/cost_to_verdict.py                          # dense_tiny and moe_tiny, 60 and 300 steps
-    python benchmarks/cost_to_verdict.py --recipes dense_tiny --short 60 --long 300 experiment.checkpoint_every_steps=10
+    python benchmarks/cost_to_verdict.py experiment.checkpoint_every_steps=10 --recipes dense_tiny  # overrides first
 """
 
 from __future__ import annotations

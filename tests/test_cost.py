@@ -10,6 +10,7 @@ import pytest
 from conftest import Crash, compose_config, crash_after, fingerprints, run_schedule, step_records, tiny_config
 
 from analysis.summary import analyse
+from analysis.wandb_log import summary_values
 from taxbench.config.schema import ConfigError
 from taxbench.design import ALL_RUNS, INTERLEAVED
 from taxbench.rundir.records import STOP_FILE, steps_file
@@ -34,6 +35,8 @@ def test_gate_only_runs_take_gate_steps_and_analysis_holds_them_to_it(tmp_path: 
     assert all(value >= 0 for value in split["seconds"].values())
     assert split["seconds"]["timed_steps"] > 0 and split["seconds"]["checkpoints"] > 0
     assert sum(split["seconds"].values()) == pytest.approx(split["wall_s"])
+    values = summary_values(summary)  # and wandb's summary keys
+    assert values["wall_clock/timed_steps"] == pytest.approx(split["share"]["timed_steps"])
 
     # Fail closed still: a gate-only run missing its last step is incomplete, not a shorter pass.
     records = steps_file(tmp_path / "deterministic-1", 0)
