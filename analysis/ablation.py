@@ -16,7 +16,7 @@ from typing import Any
 import pandas as pd
 
 from taxbench.analysis.verdicts import DIFFERS, IDENTICAL, Verdict, compare_runs
-from taxbench.design import KNOB_NEEDED, plans_from_config
+from taxbench.design import KNOB_NEEDED, plans_from_config, run_steps
 from taxbench.rundir.read import RecordError, load_checked_run, load_manifest
 from taxbench.stats.tax import Checkpoints, TaxEstimate, estimate_tax, no_estimate
 
@@ -59,17 +59,18 @@ def _load(root: Path, name: str, steps: int, config: dict[str, Any]) -> tuple[pd
         return None, [str(exc)]
 
 
-def _knob_tax(baselines: list[pd.DataFrame], frame: pd.DataFrame, experiment: dict[str, Any]) -> TaxEstimate:
+def _knob_tax(baselines: list[pd.DataFrame], frame: pd.DataFrame, experiment: dict[str, Any],
+              checkpoints: Checkpoints) -> TaxEstimate:
     try:
-        return estimate_tax(baselines, [frame], experiment["warmup_steps"], experiment["confidence"],
-                            Checkpoints.of(experiment))
+        return estimate_tax(baselines, [frame], experiment["warmup_steps"], experiment["confidence"], checkpoints)
     except ValueError:
         return no_estimate(experiment["confidence"], experiment["warmup_steps"])
 
 
 def analyse_ablation(root: Path, config: dict[str, Any], device: str, baselines: list[pd.DataFrame],
-                     steps: int) -> list[KnobResult]:
-    """Every knob's row (empty unless the experiment ran with experiment.ablation=true)."""
+                     steps: int, checkpoints: Checkpoints) -> list[KnobResult]:
+    """Every knob's row (empty unless the experiment ran with experiment.ablation=true): `steps` are the timed
+    rounds' (a with_<knob> arm's); a without_<knob> replica is gate-only (taxbench.design.run_steps)."""
     experiment = config["experiment"]
     if not experiment.get("ablation"):
         return []
@@ -80,9 +81,10 @@ def analyse_ablation(root: Path, config: dict[str, Any], device: str, baselines:
             frame, problems = _load(root, plan.with_run.name, steps, config)
             result.problems += problems
             if frame is not None and not problems:
-                result.tax = _knob_tax(baselines, frame, experiment)
+                result.tax = _knob_tax(baselines, frame, experiment, checkpoints)
         if plan.without_runs:
-            (first, first_problems), (second, second_problems) = (_load(root, ref.name, steps, config)
+            gate = run_steps(plan.without_runs[0].name, (), steps, experiment)
+            (first, first_problems), (second, second_problems) = (_load(root, ref.name, gate, config)
                                                                   for ref in plan.without_runs)
             result.problems += first_problems + second_problems
             if first is not None and second is not None:

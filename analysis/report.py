@@ -48,6 +48,7 @@ from taxbench.analysis.summary import (
     PASSED,
     ExperimentAnalysis,
     ExperimentSummary,
+    duration,
     knob_cost,
     knob_need,
     localize_command,
@@ -362,6 +363,9 @@ def _training_blocks(analysis: ExperimentAnalysis) -> list[Block]:
             f"{'n/a' if hours is None else f'{hours:.1f}'} {unit}-hours per day of training at "
             f"{summary.world_size} {unit}s. MFU needs a GPU with a known peak (cluster.peak_tflops); peak memory is "
             "the process's (all of its interleaved runs)."))
+    if summary.cost_split is not None:
+        split = summary.cost_split
+        blocks.append(Paragraph(f"Where the wall clock went ({duration(split.wall_s)}, this launch): {split.line()}."))
     curves = (TIMED["baseline"], TIMED["deterministic"], REPEAT, BASELINE_REPEAT)
     names = [ref.name for ref in curves if not analysis.runs[ref.name].empty]
     if names:
@@ -475,7 +479,9 @@ def experiment_report(analysis: ExperimentAnalysis) -> Report:
             ("**CALIBRATION** (A/A pair: both arms on the baseline policy; not a determinism result). " if
              summary.calibration else "") +
             f"Tax **{summary.headline()}** (paired t on log round ratios, {tax.pairs} interleaved rounds of "
-            f"{tax.timed_runs} timed runs after a {tax.warmup_steps}-step warmup; {summary.steps} steps per run, "
+            f"{tax.timed_runs} timed runs after a {tax.warmup_steps}-step warmup; {summary.steps} steps per timed run"
+            + (f", {summary.gate_steps} per gate-only run" if summary.gate_steps not in (0, summary.steps) else "")
+            + ", "
             f"stopped by {summary.stopped_by}). Hodges-Lehmann cross-check {pct(tax.hl_tax)} "
             f"[{pct(tax.hl_low)}, {pct(tax.hl_high)}]." + (
                 " Timed on one model whose policy switched per block (experiment.interleave=policy: "

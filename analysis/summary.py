@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,11 +26,24 @@ from rich.table import Table
 from taxbench import exit_codes
 from taxbench.analysis.ablation import KnobResult, analyse_ablation, measured_first
 from taxbench.analysis.attribution import SHARE_OF, attribute_arms
+from taxbench.analysis.cost import CostSplit, cost_split
 from taxbench.analysis.divergence import NonFinite, nonfinite_runs
 from taxbench.analysis.equivalence import EQUIVALENT, Equivalence, baseline_equivalence
 from taxbench.analysis.throughput import THROUGHPUT_FIELDS, ArmThroughput, arm_throughput, cost_of_tax, mebibytes, si
 from taxbench.analysis.verdicts import DIFFERS, INCOMPLETE, Verdict, compare_runs
-from taxbench.design import EQUIVALENCE_RUNS, GATED_RUNS, GATES, INTERLEAVED, MEASURED, TIMED, WITH, RunRef, knob_arm
+from taxbench.design import (
+    EQUIVALENCE_RUNS,
+    GATED_RUNS,
+    GATES,
+    INTERLEAVED,
+    MEASURED,
+    RESUMED,
+    TIMED,
+    WITH,
+    RunRef,
+    knob_arm,
+    run_steps,
+)
 from taxbench.oserrors import describe_os_error
 from taxbench.rundir.read import (
     FaultEvent,
@@ -42,6 +56,7 @@ from taxbench.rundir.read import (
 )
 from taxbench.rundir.records import STEPS, STOP_FILE, TARGET, RunWriteError, read_stop, write_atomically
 from taxbench.rundir.write_scope import OutsideScope, may_write
+from taxbench.schedule.cost import read_cost
 from taxbench.stats.tax import (
     PRECISE_HALF_WIDTH,
     Checkpoints,
@@ -98,6 +113,9 @@ class ExperimentSummary:
     def diverged(self) -> bool:
         """A deterministic run trained on a non-finite loss or gradient norm."""
         return any(finding.deterministic for finding in self.nonfinite)
+    gate_steps: int = 0  # the steps of a gate-only run (taxbench.design.run_steps); 0: as the timed runs
+    # Where the launch's wall clock went (analysis.cost); None for experiments from before cost.json
+    cost_split: CostSplit | None = None
 
     @property
     def deterministic_ok(self) -> bool:
@@ -177,6 +195,8 @@ class ExperimentSummary:
             "planted_tax": self.planted_tax,
             "calibration": self.calibration,
             "interleave": self.interleave,
+            "gate_steps": self.gate_steps,
+            "cost_split": None if self.cost_split is None else self.cost_split.to_dict(),
             "rank_median_s": [finite_or_none(m) for m in self.rank_median_s],
             "rank_spread": finite_or_none(self.rank_spread),
             "throughput": {arm: None if t is None else t.to_dict() for arm, t in self.throughput.items()},
@@ -211,8 +231,9 @@ class ExperimentAnalysis:
         """The per-block deterministic/baseline ratios the tax is estimated from (same warmup, same steps left out
         after checkpoint commits), for the plots."""
         experiment = self.manifests[TIMED["deterministic"].name]["config"]["experiment"]
+        stop = read_stop(Path(self.summary.root))
         return block_ratios(self.timed["baseline"], self.timed["deterministic"], self.summary.tax.warmup_steps,
-                            Checkpoints.of(experiment))
+                            Checkpoints.of(experiment, None if stop is None else stop.commits))
 
 
 def may_write_result(path: Path) -> bool:
@@ -252,8 +273,9 @@ def duration(seconds: float) -> str:
 
 
 def expected_steps(root: Path, experiment: dict[str, Any]) -> tuple[int, str, list[str]]:
-    """Every run's steps, what stopped the rounds, and why that is in doubt. stop.json records the steps every run
-    took (a precision target decides them at run time); without a target they must be experiment.steps."""
+    """Every timed run's steps, what stopped the rounds, and why that is in doubt. stop.json records the steps the
+    timed runs took (a precision target decides them at run time); without a target they must be experiment.steps.
+    A gate-only run's steps follow from them (taxbench.design.run_steps)."""
     steps = int(experiment["steps"])
     stop = read_stop(root)
     if stop is None:
@@ -356,10 +378,11 @@ def fault_outcome(root: Path, experiment: dict[str, Any], verdicts: list[Verdict
     return lines, not passing
 
 
-def _tax(timed: dict[str, list[pd.DataFrame]], experiment: dict[str, Any], incomplete: bool) -> TaxEstimate:
+def _tax(timed: dict[str, list[pd.DataFrame]], experiment: dict[str, Any], incomplete: bool,
+         checkpoints: Checkpoints) -> TaxEstimate:
     try:
         return estimate_tax(timed["baseline"], timed["deterministic"], experiment["warmup_steps"],
-                            experiment["confidence"], Checkpoints.of(experiment))
+                            experiment["confidence"], checkpoints)
     except ValueError as exc:
         if incomplete:  # too few records for a tax: the incompleteness is what the user needs to hear about
             return no_estimate(experiment["confidence"], experiment["warmup_steps"])
@@ -386,6 +409,7 @@ def _median_fingerprint_s(frames: Iterable[pd.DataFrame]) -> float:
 
 
 def analyse_experiment(root: Path) -> ExperimentAnalysis:
+    began = time.perf_counter()
     first = TIMED["deterministic"].name  # every run's manifest holds the experiment's config; read it from one
     manifest = load_manifest(root / first)
     config = manifest_value(manifest, root / first, "config")
@@ -394,24 +418,30 @@ def analyse_experiment(root: Path) -> ExperimentAnalysis:
     names = GATED_RUNS + tuple(ref.name for ref in interleaved_runs(experiment) if ref.name not in GATED_RUNS)
     manifests = {name: manifest if name == first else load_manifest(root / name) for name in names}
     steps, stopped_by, stop_problems = expected_steps(root, experiment)
-    loaded = {name: load_checked_run(root / name, manifests[name], steps, config) for name in names}
+    stop = read_stop(root)
+    checkpoints = Checkpoints.of(experiment, None if stop is None else stop.commits)
+    timed_names = {ref.name for ref in interleaved_runs(experiment)}
+    run_steps_of = {name: run_steps(name, timed_names, steps, experiment) for name in names}
+    loaded = {name: load_checked_run(root / name, manifests[name], run_steps_of[name], config) for name in names}
     runs = {name: frame for name, (frame, _) in loaded.items()}
     problems = {name: found for name, (_, found) in loaded.items()}
     timed = timed_runs(runs, experiment)
     timed_incomplete = any(problems[ref.name] for ref in interleaved_runs(experiment)) or bool(stop_problems)
-    tax = _tax(timed, experiment, timed_incomplete)
+    tax = _tax(timed, experiment, timed_incomplete, checkpoints)
     target = _fault_target(experiment)
     if target in problems:
-        problems[target] += unrecorded_faults(root, experiment, steps)
+        problems[target] += unrecorded_faults(root, experiment, run_steps_of[target])
     verdicts = []
     for gate in GATES:
         reference, candidate = gate.reference.name, gate.candidate.name
         from_step = experiment["resume_step"] if gate.after_resume else 0
+        # A gate compares the steps both runs take (a gate-only run takes fewer than a timed one).
+        through = min(run_steps_of[reference], run_steps_of[candidate])
         verdicts.append(compare_runs(gate.name, reference, runs[reference], candidate, runs[candidate], from_step,
-                                     tuple(problems[reference] + problems[candidate])))
+                                     tuple(problems[reference] + problems[candidate]), through))
     faults, fired = fault_outcome(root, experiment, verdicts)
     device = manifest_value(manifest, root / first, "policy_applied.device")
-    knobs = analyse_ablation(root, config, device, timed["baseline"], steps)
+    knobs = analyse_ablation(root, config, device, timed["baseline"], steps, checkpoints)
     world = int(manifest_value(manifest, root / first, "layout.world_size"))
     attribution, attribution_problems = ({}, []) if not experiment.get("ablation") else attribute_arms(
         root, step_deltas_us(tax, knobs), world)
@@ -419,9 +449,11 @@ def analyse_experiment(root: Path) -> ExperimentAnalysis:
                                        stop_problems + [line for name in EQUIVALENCE_RUNS for line in problems[name]])
     steps_needed = steps_for_half_width(tax)
     # The whole experiment at that length: every run (timed or not) at its arm's median step.
-    arm_runs = {arm: sum(1 for name in names if name.startswith(arm)) for arm in ("baseline", "deterministic")}
-    step_cost = arm_runs["baseline"] * tax.baseline_median_s + arm_runs["deterministic"] * tax.deterministic_median_s
+    # Timed runs grow with the steps; gate-only runs stay at their own length.
     medians = {"baseline": tax.baseline_median_s, "deterministic": tax.deterministic_median_s}
+    step_cost = sum(medians[arm] for name in names for arm in medians if name.startswith(arm) and name in timed_names)
+    gate_cost = sum(medians[arm] * run_steps_of[name] for name in names for arm in medians
+                    if name.startswith(arm) and name not in timed_names)
     throughput = {arm: arm_throughput([after_warmup(f, tax.warmup_steps, THROUGHPUT_FIELDS) for f in frames],
                                       medians[arm], world, manifest.get("throughput"))
                   for arm, frames in timed.items()}
@@ -434,7 +466,7 @@ def analyse_experiment(root: Path) -> ExperimentAnalysis:
         tax=tax,
         verdicts=verdicts,
         steps_needed=steps_needed,
-        time_needed_s=steps_needed * step_cost if steps_needed else math.nan,
+        time_needed_s=steps_needed * step_cost + gate_cost if steps_needed else math.nan,
         steps=steps,
         stopped_by=stopped_by,
         target_half_width=float(experiment.get("target_half_width", 0.0)),
@@ -455,7 +487,10 @@ def analyse_experiment(root: Path) -> ExperimentAnalysis:
         attribution=attribution,
         interleave=str(experiment.get("interleave", "pair")),
         nonfinite=nonfinite_runs(runs),
+        gate_steps=run_steps(RESUMED.name, (), steps, experiment),
     )
+    # Analysis's own time: up to here, and the summary's write below (small)
+    summary.cost_split = cost_split(read_cost(root), runs, timed_names, time.perf_counter() - began)
     write_result(root / SUMMARY_FILE, json.dumps(summary.to_dict(), indent=2))
     return ExperimentAnalysis(summary, runs, timed, manifests)
 
@@ -629,6 +664,8 @@ def render(summary: ExperimentSummary, console: Console | None = None, report_pa
     if tax.drifting:
         table.add_row("[yellow]warning[/yellow]", "step times still drifting (MSER-5 hit its cap); run more steps")
     sample = f"{tax.pairs} rounds x {tax.timed_runs} runs, {tax.warmup_steps} warmup, {summary.steps} steps/run"
+    if summary.gate_steps and summary.gate_steps != summary.steps:
+        sample += f" (gate-only runs {summary.gate_steps})"
     if summary.stopped_by == TARGET:
         sample += f", stopped at +/-{pct_plain(summary.target_half_width)}"
     elif summary.target_half_width:
@@ -647,6 +684,8 @@ def render(summary: ExperimentSummary, console: Console | None = None, report_pa
         share = summary.fingerprint_s / tax.baseline_median_s
         table.add_row("gates' cost", f"fingerprints {ms(summary.fingerprint_s)}/step ({pct_plain(share)} of a baseline "
                                      "step), outside the timed step")
+    if summary.cost_split is not None:
+        table.add_row("wall clock", f"{duration(summary.cost_split.wall_s)}: {summary.cost_split.line()}")
     console.print(table)
     # Paths and commands on lines of their own, never folded, so that they can be copied (also from a piped log).
     command = localize_command(summary)

@@ -51,16 +51,17 @@ IDENTICAL, DIFFERS, INCOMPLETE = "identical", "differs", "incomplete"
 
 def compare_runs(
     gate: str, reference_name: str, reference: pd.DataFrame, candidate_name: str, candidate: pd.DataFrame,
-    from_step: int = 0, problems: tuple[str, ...] = (),
+    from_step: int = 0, problems: tuple[str, ...] = (), through: int | None = None,
 ) -> Verdict:
-    """Bitwise agreement on every step > from_step; the first mismatch by (step, rank, metric order).
+    """Bitwise agreement on every step > from_step (and <= `through`, the last step both runs take: None, every
+    step); the first mismatch by (step, rank, metric order).
 
     Both frames are sorted alike (analysis.records.load_run: by rank, then step). With `problems` (either run
     is incomplete) the gate cannot agree: only records both runs hold exactly once are compared, and a fingerprint
     that differs there is still a real mismatch; otherwise the outcome is "incomplete".
     """
     columns = ["step", "rank", *METRICS]
-    ref, cand = _after(reference, from_step, columns), _after(candidate, from_step, columns)
+    ref, cand = _after(reference, from_step, columns, through), _after(candidate, from_step, columns, through)
     if problems:
         return _compare_shared(gate, reference_name, ref, candidate_name, cand, from_step, problems)
     if _same_keys(ref, cand):
@@ -88,8 +89,11 @@ def compare_runs(
     return Verdict(gate, reference_name, candidate_name, first is None, int(both["step"].nunique()), first, from_step)
 
 
-def _after(frame: pd.DataFrame, from_step: int, columns: list[str]) -> pd.DataFrame:
-    after = frame["step"].to_numpy() > from_step
+def _after(frame: pd.DataFrame, from_step: int, columns: list[str], through: int | None = None) -> pd.DataFrame:
+    steps = frame["step"].to_numpy()
+    after = steps > from_step
+    if through is not None:
+        after &= steps <= through
     return frame[columns] if after.all() else frame.loc[after, columns]
 
 

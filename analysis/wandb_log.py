@@ -29,6 +29,7 @@ from typing import Any
 
 import pandas as pd
 
+from taxbench.analysis.cost import PARTS
 from taxbench.analysis.equivalence import Equivalence
 from taxbench.analysis.layouts import LayoutsAnalysis, first_difference_text, repeatable_text, weights_text
 from taxbench.analysis.report import EQUIVALENCE_PNG, STEP_TIME_PNG, SWEEP_PNG
@@ -230,6 +231,9 @@ def summary_values(summary: ExperimentSummary) -> dict[str, Any]:
             values.update({f"throughput/{arm}/{key}": value for key, value in measured.to_dict().items()})
     for key, value in summary.cost.items():
         values[f"cost/{key}"] = value
+    if summary.cost_split is not None:  # where the launch's wall clock went, as shares
+        values["wall_clock/seconds"] = summary.cost_split.wall_s
+        values.update({f"wall_clock/{part}": summary.cost_split.share(part) for part in PARTS})
     return values
 
 

@@ -7,14 +7,19 @@ Prints, from one run: the time to analyse the whole sweep as the ranks leave it 
 mirrors, every mirror verified against its stream's bytes), and for the largest point's baseline run the loaders side
 by side: the old per-line json.loads loader, pyarrow's JSON parse of every line (what a run without mirrors costs),
 a first load that writes the missing mirrors, and the load through the mirrors. Each point has five runs (the
-experiment schedule), so the 1000-rank point alone holds 5 million step records.
+experiment schedule), so the 1000-rank point alone holds 5 million step records. Last, it times
+`python -m taxbench analyse <the largest point>` as a fresh process (imports included), with the mirrors present as a
+finished launch leaves them, and prints its peak memory and, as the last line, `cold analyse: <seconds> s`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -81,6 +86,15 @@ def main() -> None:
         print(f"  mirrors vs JSON parse: {parsed / mirrored:.1f}x; vs the per-line loader: {old / mirrored:.1f}x; "
               f"JSON parse vs per-line: {old / parsed:.1f}x; writing mirrors costs {first / parsed:.2f}x a parse")
         print(result.points[["world_size", "tax", "low", "high", REPEATABILITY.name]].to_string(index=False))
+        point = sweep / f"ranks{max(args.world_sizes)}"
+        began = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "taxbench", "analyse", str(point)], capture_output=True, text=True)
+        cold = time.perf_counter() - began
+        if done.returncode not in (0, 3):
+            raise SystemExit(f"taxbench analyse {point} exited {done.returncode}:\n{done.stderr[-3000:]}")
+        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # the only child process: analyse
+        print(f"cold analyse peak memory: {peak / 2**30:.2f} GiB")
+        print(f"cold analyse: {cold:.2f} s")
     finally:
         if not args.keep:
             shutil.rmtree(root if args.dir is None else sweep, ignore_errors=True)

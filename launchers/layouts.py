@@ -35,7 +35,8 @@ def repeat_settings(cfg: TaxbenchConfig, steps: int | None) -> TaxbenchConfig:
     if steps < 2:
         raise ConfigError(f"experiment.steps={steps}: taxbench layouts compares at least 2 steps per run")
     exp = dataclasses.replace(cfg.experiment, steps=steps, block_steps=steps, warmup_steps=0, resume_step=1,
-                              checkpoint_every_steps=0, target_half_width=0.0, max_steps=0, ablation=False,
+                              checkpoint_every_steps=0, checkpoint_every_s=0.0, gate_steps=0,
+                              target_half_width=0.0, max_steps=0, ablation=False,
                               interleave="pair")
     return dataclasses.replace(cfg, experiment=exp)
 

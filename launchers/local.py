@@ -25,6 +25,7 @@ from taxbench.diagnostics import NAMESPACE, logger
 from taxbench.launchers.worker import run_rank
 from taxbench.parallel.distributed import free_port
 from taxbench.rundir.records import RunWriteError
+from taxbench.schedule.cost import STARTED_ENV, process_start_unix
 
 log = logger(__name__)
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -71,6 +72,9 @@ def start_ranks(cfg: TaxbenchConfig, root: Path, rank_main: RankMain = run_rank)
     # torch logs a warning per surviving rank it terminates after a failure; RankFailed already says what happened.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     log.debug("starting %d rank processes (gloo/NCCL rendezvous at %s:%d)", world, addr, port)
+    started = process_start_unix()  # the command's start, for the cost split (spawned ranks inherit the environment)
+    if started is not None:
+        os.environ.setdefault(STARTED_ENV, repr(started))
     try:
         mp.start_processes(_spawned, args=(os.getpid(), logging.getLogger(NAMESPACE).getEffectiveLevel(), world,
                                            cfg, str(root), addr, port, rank_main),

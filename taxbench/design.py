@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -240,6 +240,22 @@ def design_of(cfg: TaxbenchConfig) -> ExperimentDesign:
     mode = cfg.experiment.interleave
     return ExperimentDesign({**cfg.arms, **knob_policies(plans)}, INTERLEAVED[mode] + timed, mode == "policy", timed,
                             repeated_knob_runs(plans), profiled)
+
+
+def gate_run_steps(gate_steps: int, steps: int, rounds_steps: int) -> int:
+    """Steps of a gate-only run (one not timed in the rounds): experiment.gate_steps (0: experiment.steps), never
+    more than the timed rounds took (`rounds_steps`): a gate compares the steps both its runs hold, and a tax
+    interval needs many more steps than a divergence needs to show (README, "Cost")."""
+    return min(gate_steps or steps, rounds_steps)
+
+
+def run_steps(name: str, timed: Collection[str], rounds_steps: int, experiment: Mapping[str, Any]) -> int:
+    """The steps run `name` takes in an experiment (config as a manifest records it) whose rounds took
+    `rounds_steps`: the rounds' length for a run timed in them, gate_run_steps for every other. An experiment from
+    before experiment.gate_steps ran every run as long as the rounds."""
+    if name in timed or "gate_steps" not in experiment:
+        return rounds_steps
+    return gate_run_steps(int(experiment["gate_steps"]), int(experiment["steps"]), rounds_steps)
 
 
 def checkpoint_after(step: int, block_steps: int, every: int) -> bool:

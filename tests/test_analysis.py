@@ -93,6 +93,11 @@ def test_the_round_after_each_checkpoint_is_left_out_of_the_tax() -> None:
     assert [s for s in range(1, 49) if Checkpoints(10, block_steps=4).follows(s)] == [13, 21, 33, 41]
     blocks = synthetic_arm(0.010, 48, 4, ranks=1, cv=0.01, seed=3)
     assert estimate_tax([blocks], [blocks], min_warmup=0, checkpoints=Checkpoints(10, 4)).pairs == 12  # blocks kept
+    # Commits by time are recorded (stop.json), not a step rule: the recorded steps decide, whatever `every` says.
+    recorded = Checkpoints.of({"checkpoint_every_steps": 10, "block_steps": 1}, [7, 30])
+    assert [s for s in range(1, 49) if recorded.follows(s)] == [8, 31]
+    assert [s for s in range(1, 49) if Checkpoints.of({"checkpoint_every_steps": 10, "block_steps": 4}, None)
+            .follows(s)] == [13, 21, 33, 41]  # experiments from before: the step rule
 
 
 def test_steps_needed_extrapolate_the_measured_half_width() -> None:

@@ -94,7 +94,8 @@ def test_crashed_experiment_continues_without_losing_or_duplicating_records(taxb
     """SIGKILL the whole job in the middle of the schedule, then continue it: every run ends with each step exactly
     once per rank and all gates still agree bitwise."""
     args = ["experiment.steps=36", "experiment.block_steps=6", "experiment.warmup_steps=2", "experiment.resume_step=12",
-            f"experiment.out_dir={tmp_path}", "experiment.name=crash", "report.wandb=false", "report.html=false"]
+            "experiment.checkpoint_every_steps=6", f"experiment.out_dir={tmp_path}", "experiment.name=crash",
+            "report.wandb=false", "report.html=false"]
     root = tmp_path / "crash"
     victim = subprocess.Popen([sys.executable, "-m", "taxbench", *args], cwd=tmp_path, start_new_session=True,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -251,7 +252,8 @@ def test_killed_rank_of_the_moe_1t_proxy_continues_with_every_fingerprint_intact
     command continues it: every step recorded exactly once on every rank, and the resumed runs reproduce the
     uninterrupted ones bit for bit (the gates)."""
     args = ["+recipe=moe_1t_proxy", "experiment.steps=12", "experiment.block_steps=6", "experiment.warmup_steps=2",
-            "experiment.resume_step=6", f"experiment.out_dir={tmp_path}", "experiment.name=proxy",
+            "experiment.resume_step=6", "experiment.checkpoint_every_steps=6", f"experiment.out_dir={tmp_path}",
+            "experiment.name=proxy",
             "report.wandb=false", "report.html=false"]
     root = tmp_path / "proxy"
     error, command = _kill_rank_mid_run(tmp_path, args, root / "deterministic-1" / "steps.rank0.jsonl", 8, world=4,

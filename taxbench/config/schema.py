@@ -243,14 +243,22 @@ class ExperimentConfig:
     block_steps: int = 1
     warmup_steps: int = 6  # fixed minimum warmup, checked by MSER-5
     resume_step: int = 20  # the restart-replay replica checkpoints here and resumes
+    # Steps of each gate-only run (those not timed in the rounds: deterministic-resumed, and under interleave=pair or
+    # policy the gates' other runs): a gate needs as many steps as divergence takes to show, not as many as a +/-0.5%
+    # tax interval. 0: experiment.steps. Never more than the timed rounds took; the gates compare the steps both of
+    # their runs hold.
+    gate_steps: int = 0
     order_seed: int = 0  # seeds the randomized arm order per round
     # Continue an interrupted experiment in its existing folder (same config): finished runs are kept, unfinished ones
     # resume from their last complete checkpoint.
     continue_existing: bool = False
     confidence: float = 0.95
-    # Preemption safety: every run checkpoints at the end of the block that reaches each multiple of N steps (0: never),
-    # and a restarted experiment resumes from there.
-    checkpoint_every_steps: int = 10
+    # Preemption safety: a restarted experiment resumes from each run's newest checkpoint. The runs commit one at the
+    # end of the first block after checkpoint_every_s seconds since their last (0: never), and/or at the end of the
+    # block that reaches each multiple of checkpoint_every_steps steps (0: never); deterministic-resumed always
+    # commits at resume_step. Commits fall between blocks, never inside a timed step.
+    checkpoint_every_s: float = 600.0
+    checkpoint_every_steps: int = 0
     # Which runs are timed: "all" interleaves baseline-0, deterministic-0, deterministic-1 and baseline-1 in rounds
     # (four models in memory at once); "pair" interleaves only the two *-0 runs (two models, half the timed steps);
     # "policy" trains one model whose policy switches per block (baseline-timed, deterministic-timed: one model in
@@ -400,6 +408,12 @@ def max_steps(exp: ExperimentConfig) -> int:
     if exp.target_half_width <= 0:
         return exp.steps
     return exp.max_steps or MAX_STEPS_FACTOR * exp.steps
+
+
+def gate_steps(exp: ExperimentConfig) -> int:
+    """The most steps a gate-only run takes: experiment.gate_steps (0: experiment.steps), never more than the timed
+    rounds may take (taxbench.design.run_steps cuts it to what they did take)."""
+    return min(exp.gate_steps or exp.steps, max_steps(exp))
 
 
 def world_size(cluster: ClusterConfig) -> int:
@@ -605,6 +619,12 @@ def validate(cfg: TaxbenchConfig) -> None:
              "drop one of them")
     _require(exp.checkpoint_every_steps >= 0,
              f"experiment.checkpoint_every_steps={exp.checkpoint_every_steps} must be >= 0 (0: no checkpoints)")
+    _require(exp.checkpoint_every_s >= 0,
+             f"experiment.checkpoint_every_s={exp.checkpoint_every_s} must be >= 0 (0: no checkpoints by time)")
+    _require(exp.gate_steps >= 0, f"experiment.gate_steps={exp.gate_steps} must be >= 0 (0: experiment.steps)")
+    _require(exp.resume_step < gate_steps(exp),
+             f"experiment.resume_step={exp.resume_step} must be below experiment.gate_steps={gate_steps(exp)} so that "
+             "the restart-replay gate has steps after the resume to compare")
     ws = world_size(cluster)
     problems = layout_problems(recipe, ws, world_size_key(cluster))
     _require(not problems, "; ".join(problems))
@@ -613,6 +633,9 @@ def validate(cfg: TaxbenchConfig) -> None:
     if fault.enabled:
         _require(fault.arm in ARM_NAMES, f"experiment.fault.arm={fault.arm!r} must be one of {list(ARM_NAMES)}")
         _require(1 <= fault.step <= exp.steps, f"experiment.fault.step={fault.step} must be in [1, {exp.steps}]")
+        _require(fault.step <= gate_steps(exp),
+                 f"experiment.fault.step={fault.step} is past the gates' experiment.gate_steps={gate_steps(exp)}: no "
+                 "gate would compare it; plant it earlier or raise experiment.gate_steps")
         _require(0 <= fault.rank < ws, f"experiment.fault.rank={fault.rank} must be in [0, {ws})")
         _require(fault.replica in (0, 1), f"experiment.fault.replica={fault.replica} must be 0 or 1")
         _require(

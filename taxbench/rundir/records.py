@@ -36,6 +36,7 @@ MANIFEST = "manifest.json"
 
 
 STOP_FILE = "stop.json"  # <experiment>/stop.json: how many steps every run took and what stopped the timed rounds
+COMMITS_FILE = "commits.json"  # <experiment>/commits.json: the timed rounds' checkpoint commits while they run
 
 
 # What stopped the timed rounds (Stop.stopped_by).
@@ -47,9 +48,12 @@ class Stop:
     """How many steps every run took and what stopped the timed rounds (<experiment>/stop.json;
     taxbench.schedule.stopping decides it)."""
 
-    steps: int  # every run of the experiment takes this many steps
+    steps: int  # every timed run takes this many steps (gate-only runs: taxbench.design.run_steps)
     stopped_by: str  # STEPS (fixed length), TARGET (precision reached) or CAP (max_steps reached first)
     half_width: float | None  # at the last look (None without a target)
+    # The steps after which the timed rounds committed a checkpoint (the step after each is left out of the tax);
+    # None in experiments from before checkpoints by time, whose commits follow experiment.checkpoint_every_steps.
+    commits: tuple[int, ...] | None = None
 
     def write(self, root: Path) -> None:
         write_text_atomically(root / STOP_FILE, json.dumps(asdict(self), indent=2))
@@ -60,10 +64,27 @@ def read_stop(root: Path) -> Stop | None:
     damaged: the rounds then run again from their newest checkpoint)."""
     try:
         stored = json.loads(read_regular(root / STOP_FILE, root).decode("utf-8"))
-        return Stop(int(stored["steps"]), str(stored["stopped_by"]), stored.get("half_width"))
+        commits = stored.get("commits")
+        return Stop(int(stored["steps"]), str(stored["stopped_by"]), stored.get("half_width"),
+                    None if commits is None else tuple(int(step) for step in commits))
     # missing, unreadable (a FIFO or device is refused unopened), not JSON, or not a stop record
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def write_commits(root: Path, commits: tuple[int, ...]) -> None:
+    """Record the timed rounds' commits so far (<experiment>/commits.json), for a continue to carry into stop.json."""
+    write_text_atomically(root / COMMITS_FILE, json.dumps(list(commits)))
+
+
+def read_commits(root: Path, through: int) -> tuple[int, ...]:
+    """The timed rounds' commits up to step `through` (the checkpoint a continue resumes from, which is one)."""
+    try:
+        stored = json.loads((root / COMMITS_FILE).read_text(encoding="utf-8"))
+        steps = {int(step) for step in stored}
+    except (OSError, ValueError, TypeError):  # missing or damaged: only the resumed-from commit is certain
+        steps = set()
+    return tuple(sorted(step for step in steps | {through} if step <= through))
 
 
 def steps_file(run_dir: Path, rank: int) -> Path:

@@ -9,7 +9,9 @@
    per block in the same A B B A order (baseline-timed and deterministic-timed record each arm's blocks), and all
    four runs run whole after them, one after another: the experiment never holds more than one model.
 2. deterministic-resumed: runs to experiment.resume_step, checkpoints, is torn down, and a fresh trainer resumes from
-   the checkpoint (restart-replay gate); it runs as many steps as the interleaved runs took.
+   the checkpoint (restart-replay gate). It and every other run not timed in the rounds (a gate-only run) takes
+   experiment.gate_steps steps (taxbench.design.gate_run_steps), never more than the rounds took.
+   Checkpoints for preemption safety are taken by time (taxbench.schedule.checkpoint_clock), between blocks.
 3. With experiment.ablation (taxbench.design): the with_<knob> arms are timed in the rounds beside the pair, the
    without_<knob> replicas run whole after the resumed run, and last each timed arm runs experiment.warmup_steps +
    experiment.profile_steps steps in a run of its own (<arm>-profile) whose last steps torch.profiler records
@@ -19,6 +21,7 @@
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -38,8 +41,8 @@ from taxbench.design import (
     RESUMED,
     ExperimentDesign,
     RunRef,
-    checkpoint_after,
     design_of,
+    gate_run_steps,
     knob_of,
     round_orders,
 )
@@ -47,7 +50,9 @@ from taxbench.parallel.distributed import DistContext
 from taxbench.progress import IDLE, StepProgress
 from taxbench.rundir import manifest, provenance
 from taxbench.rundir.read import load_manifest
-from taxbench.rundir.records import MANIFEST, Stop, op_table_file, read_stop, write_manifest
+from taxbench.rundir.records import MANIFEST, Stop, op_table_file, read_stop, write_commits, write_manifest
+from taxbench.schedule.checkpoint_clock import CheckpointClock
+from taxbench.schedule.cost import ScheduleCost, Stopwatch, command_started_unix
 from taxbench.schedule.stopping import StoppingRule
 from taxbench.train.flops import throughput_manifest
 from taxbench.train.op_profile import profile_steps
@@ -60,11 +65,14 @@ def profile_run_steps(cfg: TaxbenchConfig) -> int:
 
 
 def total_steps(cfg: TaxbenchConfig, steps: int | None = None, design: ExperimentDesign | None = None) -> int:
-    """Steps of the whole experiment at `steps` per run (default experiment.steps: with a precision target, the least
-    it may take; the progress bar grows)."""
-    per_run = cfg.experiment.steps if steps is None else steps
+    """Steps of the whole experiment at `steps` per timed run (default experiment.steps: with a precision target, the
+    least it may take; the progress bar grows) and gate_run_steps per gate-only run."""
+    exp = cfg.experiment
+    per_run = exp.steps if steps is None else steps
     design = design or design_of(cfg)
-    return len(design.runs) * per_run + len(design.profiled) * profile_run_steps(cfg)
+    timed = sum(ref in design.interleaved for ref in design.runs)
+    gate = gate_run_steps(exp.gate_steps, exp.steps, per_run)
+    return timed * per_run + (len(design.runs) - timed) * gate + len(design.profiled) * profile_run_steps(cfg)
 
 
 class Experiment:
@@ -73,6 +81,8 @@ class Experiment:
         self.attempt_id = uuid.uuid4().hex[:12]  # this start of the schedule (rank 0 names it in the manifests)
         self._throughput: dict | None = None  # counted once, on rank 0 (see taxbench.train.flops)
         self.design = design_of(cfg)
+        self.cost = ScheduleCost(started_unix=command_started_unix())
+        self._checkpointing = Stopwatch()  # time in commits
 
     def _spec(self, ref: RunRef) -> RunSpec:
         fault = self.cfg.experiment.fault
@@ -175,17 +185,29 @@ class Experiment:
         """Run the schedule. Restarted after a preemption, it skips finished runs and resumes unfinished ones from
         their newest complete checkpoint that is intact on every rank (records written past it are dropped, so
         nothing is duplicated)."""
+        self.cost.schedule_start_unix = time.time()
         interleaved = self.design.interleaved
+        began = time.perf_counter()
         stop = self._run_interleaved(interleaved)
+        self.cost.rounds_s = time.perf_counter() - began
+        self.cost.rounds_checkpoints_s = self._checkpointing.total
+        began = time.perf_counter()
         profiled = self.design.profiled
         self.progress.grow_to(total_steps(self.cfg, stop.steps, self.design))
+        exp = self.cfg.experiment
+        gate = gate_run_steps(exp.gate_steps, exp.steps, stop.steps)  # the gate-only runs' steps
         for ref in (r for r in ALL_RUNS if r not in interleaved and r != RESUMED):
-            self._run_whole(ref, stop.steps)
-        self._run_resumed(stop.steps)
+            self._run_whole(ref, gate)
+        self._run_resumed(gate)
         for ref in self.design.repeated_knob_runs:
-            self._run_whole(ref, stop.steps)
+            self._run_whole(ref, gate)
         for ref in profiled:
             self._run_profiled(ref)
+        self.cost.gate_runs_s = time.perf_counter() - began
+        self.cost.checkpoints_s = self._checkpointing.total
+        self.cost.end_unix = time.time()
+        if self.ctx.rank == 0:
+            self.cost.write(self.root)
 
     def _checkpoints(self, ref: RunRef) -> RunCheckpoints:
         return RunCheckpoints(self.root / ref.name, self.ctx.rank)
@@ -202,10 +224,6 @@ class Experiment:
     def _skip(self, steps: int) -> None:
         for _ in range(steps):
             self.progress.advance()
-
-    def _checkpoint_due(self, step: int, last: int, block_steps: int) -> bool:
-        """Whether the block of `block_steps` just ended at `step` reached a multiple of the checkpoint interval."""
-        return step < last and checkpoint_after(step, block_steps, self.cfg.experiment.checkpoint_every_steps)
 
     def _timed_trainers(self, runs: Sequence[RunRef], start: int | None) -> dict[RunRef, Trainer]:
         """A trainer per timed run, or one for all under experiment.interleave=policy, at `start`."""
@@ -233,6 +251,7 @@ class Experiment:
                                                                       else ""))
         trainers = self._timed_trainers(runs, start)
         rule = StoppingRule(exp, runs, self.ctx)
+        clock = CheckpointClock(exp, self.ctx)
         if start:
             rule.resume(self.root, start)
         self._skip(len(runs) * (start or 0))
@@ -243,18 +262,26 @@ class Experiment:
             if block < first_block:
                 continue
             times = {}
+            if self.cost.first_step_unix is None:
+                self.cost.first_step_unix = time.time()
             for ref in order:
                 trainers[ref].run_block(exp.block_steps, block, self.progress.advance, ref.name)
                 times[ref.name] = trainers[ref].block_times
             step = (block + 1) * exp.block_steps
-            rule.add_round(times)
+            elapsed = rule.add_round(times, clock.elapsed_s())
+            self.cost.timed_steps_s += sum(sum(values[-exp.block_steps:]) for values in rule.times.values())
             stop = rule.stop_after(step)
             if stop is not None:
                 break
             if step >= exp.steps:  # one more round than planned
                 self.progress.grow_to(total_steps(self.cfg, step + exp.block_steps, self.design))
-            if self._checkpoint_due(step, cap, exp.block_steps):
-                commit(step, [(progress[ref], trainers[ref]) for ref in saved_in])
+            if clock.due(step, exp.block_steps, cap, elapsed):
+                with self._checkpointing:
+                    commit(step, [(progress[ref], trainers[ref]) for ref in saved_in])
+                clock.committed()
+                rule.committed(step)
+                if self.ctx.rank == 0:  # a continue carries them into stop.json (the tax leaves the next step out)
+                    write_commits(self.root, rule.recorded_commits())
         assert stop is not None, "the step cap always stops the rounds"
         for trainer in {id(t): t for t in trainers.values()}.values():
             trainer.close()
@@ -266,11 +293,14 @@ class Experiment:
     def _advance(self, ref: RunRef, trainer: Trainer, until: int, last: int) -> None:
         exp = self.cfg.experiment
         checkpoints = self._checkpoints(ref)
+        clock = CheckpointClock(exp, self.ctx)
         while trainer.step < until:
             n = min(exp.block_steps - trainer.step % exp.block_steps, until - trainer.step)
             trainer.run_block(n, trainer.step // exp.block_steps, self.progress.advance)
-            if self._checkpoint_due(trainer.step, last, n):
-                commit(trainer.step, [(checkpoints, trainer)])
+            if clock.due(trainer.step, n, last, clock.agreed_elapsed_s()):
+                with self._checkpointing:
+                    commit(trainer.step, [(checkpoints, trainer)])
+                clock.committed()
 
     def _run_whole(self, ref: RunRef, steps: int) -> None:
         checkpoints = self._checkpoints(ref)
@@ -314,7 +344,8 @@ class Experiment:
             first = self._start(RESUMED, start)
             self._advance(RESUMED, first, exp.resume_step, steps)
             if checkpoints.latest() != exp.resume_step:  # else _advance has just committed it
-                commit(exp.resume_step, [(checkpoints, first)])
+                with self._checkpointing:
+                    commit(exp.resume_step, [(checkpoints, first)])
             first.close()
             del first
             start = exp.resume_step

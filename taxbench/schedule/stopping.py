@@ -25,7 +25,7 @@ import torch.distributed as dist
 from taxbench.config.schema import ExperimentConfig, max_steps
 from taxbench.design import RunRef
 from taxbench.parallel.distributed import DistContext
-from taxbench.rundir.records import CAP, STEPS, TARGET, Stop, steps_file
+from taxbench.rundir.records import CAP, STEPS, TARGET, Stop, read_commits, steps_file
 from taxbench.stats.tax import Checkpoints, estimate_tax
 
 MIN_ROUNDS = 10  # post-warmup rounds before the precision rule may stop
@@ -39,11 +39,20 @@ class StoppingRule:
         self.times: dict[str, list[float]] = {ref.name: [] for ref in self.runs}  # slowest rank, steps 1..n
         self.half_width: float | None = None
         self.next_look = exp.steps
+        self.commits: set[int] = set()  # steps after which the runs committed a checkpoint
 
-    def add_round(self, local: dict[str, list[float]]) -> None:
-        """One round's step times on this rank, per run; kept as the slowest rank's."""
-        for name, values in zip(self.times, self._slowest([local[name] for name in self.times]), strict=True):
+    def add_round(self, local: dict[str, list[float]], elapsed_s: float = 0.0) -> float:
+        """One round's step times on this rank, per run; kept as the slowest rank's. Returns `elapsed_s` (this
+        rank's time since the last checkpoint commit) as the longest of any rank: it rides on the same all-reduce,
+        so that every rank agrees when to commit at no extra collective (taxbench.schedule.checkpoint_clock)."""
+        slowest, elapsed_s = self._slowest([local[name] for name in self.times], elapsed_s)
+        for name, values in zip(self.times, slowest, strict=True):
             self.times[name] += values
+        return elapsed_s
+
+    def committed(self, step: int) -> None:
+        """The runs committed a checkpoint after `step`: the next step is left out of the estimate."""
+        self.commits.add(step)
 
     def resume(self, root: Path, step: int) -> None:
         """The times of steps 1..step of an interrupted experiment, from each rank's own records."""
@@ -56,21 +65,28 @@ class StoppingRule:
                     if record["step"] <= step:
                         by_step[record["step"]] = float(record["time_s"])
             local.append([by_step[s] for s in range(1, step + 1)])
-        for name, values in zip(self.times, self._slowest(local), strict=True):
+        for name, values in zip(self.times, self._slowest(local)[0], strict=True):
             self.times[name] = values
+        self.commits = set(read_commits(root, step))
 
-    def _slowest(self, local: list[list[float]]) -> list[list[float]]:
-        times = torch.tensor(local, dtype=torch.float64)
+    def _slowest(self, local: list[list[float]], extra: float = 0.0) -> tuple[list[list[float]], float]:
+        """Each run's times as the slowest rank's, and `extra` as the largest of any rank (one all-reduce)."""
+        flat = torch.tensor([value for row in local for value in row] + [extra], dtype=torch.float64)
         if dist.is_initialized() and self.ctx.world_size > 1:
-            on_device = times.to(self.ctx.device)
+            on_device = flat.to(self.ctx.device)
             dist.all_reduce(on_device, op=dist.ReduceOp.MAX)
-            times = on_device.cpu()
-        return times.tolist()
+            flat = on_device.cpu()
+        values = flat.tolist()
+        rows, start = [], 0
+        for row in local:
+            rows.append(values[start:start + len(row)])
+            start += len(row)
+        return rows, values[-1]
 
     def stop_after(self, step: int) -> Stop | None:
         """The stop after the round ending at `step`, or None to run another round (the same on every rank)."""
         if self.exp.target_half_width <= 0:
-            return Stop(step, STEPS, None) if step >= self.exp.steps else None
+            return Stop(step, STEPS, None, self.recorded_commits()) if step >= self.exp.steps else None
         if step < self.next_look and step < self.cap:
             return None
         self.next_look = max(step + 1, math.ceil(step * LOOK_GROWTH))
@@ -80,8 +96,11 @@ class StoppingRule:
             dist.broadcast(flag, src=0)
             reached = bool(flag.item())
         if reached:
-            return Stop(step, TARGET, self.half_width)
-        return Stop(step, CAP, self.half_width) if step >= self.cap else None
+            return Stop(step, TARGET, self.half_width, self.recorded_commits())
+        return Stop(step, CAP, self.half_width, self.recorded_commits()) if step >= self.cap else None
+
+    def recorded_commits(self) -> tuple[int, ...]:
+        return tuple(sorted(self.commits))
 
     def _precise_enough(self, step: int) -> bool:
         block = self.exp.block_steps
@@ -93,7 +112,7 @@ class StoppingRule:
         arms = {arm: [frames[ref.name] for ref in self.runs if ref.arm == arm] for arm in ("baseline", "deterministic")}
         try:
             estimate = estimate_tax(arms["baseline"], arms["deterministic"], self.exp.warmup_steps,
-                                    self.exp.confidence, Checkpoints(self.exp.checkpoint_every_steps, block))
+                                    self.exp.confidence, Checkpoints(0, block, frozenset(self.commits)))
         except ValueError:  # no round after the warmup yet
             return False
         self.half_width = estimate.half_width if math.isfinite(estimate.half_width) else None

@@ -10,7 +10,7 @@ estimate with its signed-rank interval cross-checks it.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -111,18 +111,25 @@ def block_ratios(
 
 @dataclass(frozen=True)
 class Checkpoints:
-    """When the timed runs commit checkpoints: after the block ending at every multiple of `every` steps."""
+    """When the timed runs committed checkpoints: the steps recorded in stop.json (`commits`; commits by time are
+    not a function of the step), or for experiments from before that, after the block ending at every multiple of
+    `every` steps."""
 
     every: int
     block_steps: int
+    commits: frozenset[int] | None = None
 
     @classmethod
-    def of(cls, experiment: Mapping[str, Any]) -> Checkpoints:
-        """From an experiment config as a manifest records it."""
-        return cls(int(experiment["checkpoint_every_steps"]), int(experiment["block_steps"]))
+    def of(cls, experiment: Mapping[str, Any], commits: Iterable[int] | None) -> Checkpoints:
+        """From an experiment config as a manifest records it and the commits its stop.json records (None: none
+        recorded, the step rule)."""
+        return cls(int(experiment.get("checkpoint_every_steps", 0)), int(experiment["block_steps"]),
+                   None if commits is None else frozenset(commits))
 
     def follows(self, step: int) -> bool:
         """Whether `step` (1-based) is the first step after a checkpoint commit."""
+        if self.commits is not None:
+            return step - 1 in self.commits
         return step > 1 and (step - 1) % self.block_steps == 0 and checkpoint_after(step - 1, self.block_steps,
                                                                                       self.every)
 

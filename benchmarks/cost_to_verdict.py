@@ -1,0 +1,83 @@
+"""What a verdict costs on this machine (a benchmark, not a test): for each recipe, the default experiment at a short
+and a long length, each timed as a fresh `python -m taxbench` process, and from the pair:
+
+- the timed share of the wall clock (the long run's summary.json cost_split, and the rest of its split);
+- the marginal wall time per added step and run, (wall(long) - wall(short)) / (long - short) / runs that grow with
+  the steps, as a ratio to the median timed step (1.0 would be a loop that costs nothing around the step).
+
+    python benchmarks/cost_to_verdict.py                          # dense_tiny and moe_tiny, 60 and 300 steps
+    python benchmarks/cost_to_verdict.py experiment.checkpoint_every_steps=10 --recipes dense_tiny  # overrides first
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def run(recipe: str, steps: int, out: Path, extra: list[str]) -> tuple[float, dict, dict]:
+    """Wall seconds of one default experiment of `steps` steps, its summary and its cost.json."""
+    name = f"{recipe}-{steps}"
+    command = [sys.executable, "-m", "taxbench", f"+recipe={recipe}", f"experiment.steps={steps}",
+               f"experiment.out_dir={out}", f"experiment.name={name}", "report.wandb=false", "report.html=false",
+               *extra]
+    began = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, cwd=out)
+    wall = time.perf_counter() - began
+    if done.returncode not in (0, 3):
+        raise SystemExit(f"{' '.join(command)} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return wall, *(json.loads((out / name / file).read_text()) for file in ("summary.json", "cost.json"))
+
+
+def in_loop_overhead_s(summary: dict, cost: dict) -> float:
+    """Seconds per timed step that the rounds spend around the steps (checkpoints, fingerprints, data, records, the
+    round's all-reduce): the rounds' wall clock from their first step, less the timed steps, per step and run."""
+    rounds = cost["rounds_s"] - (cost["first_step_unix"] - cost["schedule_start_unix"])
+    return (rounds - cost["timed_steps_s"]) / (summary["steps"] * summary["tax"]["timed_runs"])
+
+
+def growing_runs(summary: dict) -> int:
+    """Runs whose length follows experiment.steps: the timed runs, and the gate-only runs when gate_steps follows it."""
+    timed = summary["tax"]["timed_runs"]
+    gate_only = 5 - timed if summary["interleave"] != "policy" else 5
+    return timed + (gate_only if summary.get("gate_steps", summary["steps"]) == summary["steps"] else 0)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipes", nargs="+", default=["dense_tiny", "moe_tiny"])
+    parser.add_argument("--short", type=int, default=60)
+    parser.add_argument("--long", type=int, default=300)
+    parser.add_argument("overrides", nargs="*", help="config overrides for every run, e.g. experiment.gate_steps=40")
+    args = parser.parse_args()
+    for recipe in args.recipes:
+        with tempfile.TemporaryDirectory(prefix="cost_to_verdict-") as folder:
+            out = Path(folder)
+            short_wall, _, _ = run(recipe, args.short, out, args.overrides)
+            long_wall, summary, cost = run(recipe, args.long, out, args.overrides)
+        tax = summary["tax"]
+        median = statistics.fmean([tax["baseline_median_s"], tax["deterministic_median_s"]])
+        runs = growing_runs(summary)
+        marginal = (long_wall - short_wall) / (args.long - args.short) / runs
+        split = summary.get("cost_split") or {"share": {}, "wall_s": float("nan")}
+        shares = " ".join(f"{part} {share:.0%}" for part, share in split["share"].items())
+        print(f"{recipe}: wall {short_wall:.1f} s at {args.short} steps, {long_wall:.1f} s at {args.long}; "
+              f"{runs} runs grow with the steps")
+        print(f"  timed share {split['share'].get('timed_steps', float('nan')):.0%} of {split['wall_s']:.1f} s "
+              f"({shares})")
+        overhead = in_loop_overhead_s(summary, cost)
+        print(f"  in-loop overhead in the rounds {overhead * 1e3:.2f} ms per timed step ({overhead / median:.2f}x "
+              "the median step)")
+        print(f"  marginal wall per added step and run {marginal * 1e3:.2f} ms = {marginal / median:.2f}x the median "
+              f"timed step ({median * 1e3:.2f} ms)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
