@@ -103,6 +103,7 @@ def test_invalid_layouts_are_named(overrides: list[str], message: str) -> None:
     assert plan.memory is None and not plan.memory_by_mode
 
 
+@pytest.mark.slow  # over 10 s: a real multi-process or CLI run (the fast tier stays under 8 min)
 def test_plan_command_prints_and_exits_without_launching(tmp_path) -> None:
     ok = run_taxbench("+recipe=moe_1t", "cluster.gpus=2432", "plan=true", f"experiment.out_dir={tmp_path}",
                       cwd=tmp_path, timeout=120)

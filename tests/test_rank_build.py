@@ -20,6 +20,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow  # over 10 s: a real multi-process or CLI run (the fast tier stays under 8 min)
 def test_each_rank_holds_its_share_within_the_plan() -> None:
     result = _run("+recipe=moe_1t_proxy", "cluster.gpus=8", "recipe.global_batch_size=16", "--ranks", "0,7")
     assert result.returncode == 0, result.stderr
@@ -35,6 +36,7 @@ def test_each_rank_holds_its_share_within_the_plan() -> None:
     assert "ok: every rank within 10% of the plan" in result.stdout
 
 
+@pytest.mark.slow  # over 10 s: a real multi-process or CLI run (the fast tier stays under 8 min)
 def test_each_rank_checkpoints_and_restores_only_its_share(tmp_path: Path) -> None:
     """Bytes written, hash/verify/restore times per rank; a restore reads what its rank wrote, not the model."""
     wider = ("recipe.model.d_model=256", "recipe.model.d_ff=512", "recipe.model.moe_d_ff=512")  # tensors of KiB+

@@ -316,6 +316,7 @@ def test_sweep_exit_code_is_its_worst_point(tmp_path: Path) -> None:
     assert publish(sweep_root, NO_WANDB, console=QUIET).exit_code == exit_codes.NOT_DETERMINISTIC
 
 
+@pytest.mark.slow  # over 10 s: a real multi-process or CLI run (the fast tier stays under 8 min)
 def test_damaged_manifest_or_unwritable_report_is_one_clear_line(tmp_path: Path, taxbench_cli) -> None:
     root = write_experiment(tmp_path / "exp", SyntheticExperiment(ranks=2, steps=12, block_steps=3, resume_step=6))
     (root / REPORT_DIR).write_text("a file where the report folder goes")

@@ -210,6 +210,7 @@ def test_diff_without_positive_evidence_is_never_identical() -> None:
     assert "(traces incomplete: rank 1 is traced in A only; not compared, and 1 more)" in render(report).splitlines()[1]
 
 
+@pytest.mark.slow  # over 10 s: a real multi-process or CLI run (the fast tier stays under 8 min)
 def test_cli_diff_exit_codes_identical_nothing_compared_and_missing_rank(tmp_path: Path) -> None:
     records = [_at(_rec(0, i, "op", "aten.add.Tensor", "", ["01"], ["02"], n=i), 2) for i in range(3)]
     run_a, run_b = tmp_path / "a", tmp_path / "b"
@@ -263,6 +264,7 @@ def test_trace_files_round_trip_and_bad_files_give_clear_errors(tmp_path: Path) 
         read_trace(tmp_path / "lacking")
 
 
+@pytest.mark.slow  # over 10 s: a real multi-process or CLI run (the fast tier stays under 8 min)
 def test_cli_diff_prints_origin_json_and_rejects_corrupt_traces(tmp_path: Path) -> None:
     run_a, run_b = _pair(tmp_path, ["experiment.trace.rung=3", "experiment.trace.modules=[blocks.1.ffn]"], FAULT_MM)
     done = run_taxbench("diff", str(run_a), str(run_b), "--json", cwd=tmp_path, timeout=120)

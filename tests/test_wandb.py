@@ -141,6 +141,7 @@ def write_multirun_sweep(sweep_root: Path) -> list[Path]:
     return points
 
 
+@pytest.mark.slow  # over 10 s: a real multi-process or CLI run (the fast tier stays under 8 min)
 def test_report_twice_leaves_one_offline_run_per_point_named_by_its_overrides(tmp_path: Path,
                                                                                no_wandb_mode: None) -> None:
     sweep_root = tmp_path / "sweep-3"
