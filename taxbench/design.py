@@ -245,7 +245,7 @@ def design_of(cfg: TaxbenchConfig) -> ExperimentDesign:
 def gate_run_steps(gate_steps: int, steps: int, rounds_steps: int) -> int:
     """Steps of a gate-only run (one not timed in the rounds): experiment.gate_steps (0: experiment.steps), never
     more than the timed rounds took (`rounds_steps`): a gate compares the steps both its runs hold, and a tax
-    interval needs many more steps than a divergence needs to show (README, "Cost")."""
+    interval needs many more steps than a divergence needs to show (docs/cost.md)."""
     return min(gate_steps or steps, rounds_steps)
 
 
