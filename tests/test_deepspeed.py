@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
-from helpers import compose_typed, step_records
+from helpers import compose_typed, localize_planted_op, step_records
 
 from taxbench.config.schema import ConfigError
 from taxbench.launchers.worker import rank_process
@@ -144,22 +144,10 @@ def test_one_engine_switching_policy_per_block_is_refused_for_deepspeed() -> Non
 @needs_deepspeed
 @pytest.mark.slow
 def test_localize_names_a_fault_planted_inside_a_module_deepspeed_trains(tmp_path: Path) -> None:
-    from helpers import compose_raw
-
-    from taxbench.commands.localize import NAMED, localize
-    from taxbench.launchers.local import launch_local
-    from taxbench.preflight import prepare
+    from taxbench.commands.localize import NAMED
 
     module = "blocks.1.ffn.moe.deepspeed_moe.gate"  # DeepSpeed's top-k gate: its logits of every token
-    cfg = prepare(compose_raw(
-        "+recipe=deepspeed_moe_debug", "experiment.steps=4", "experiment.block_steps=2", "experiment.resume_step=2",
-        "experiment.warmup_steps=0", f"experiment.out_dir={tmp_path}", "experiment.fault.enabled=true",
-        "experiment.fault.step=2", "experiment.fault.rank=1", "experiment.fault.kind=nondeterministic_op",
-        f"experiment.fault.module={module}", "experiment.fault.op=aten.mm.default"))
-    root = tmp_path / cfg.experiment.name
-    root.mkdir(parents=True)
-    launch_local(cfg, root)
-    result = localize(root / "deterministic-0", root / "deterministic-1", tmp_path / "work")
+    result = localize_planted_op(tmp_path, "deepspeed_moe_debug", module)
     assert result.verdict == NAMED
     origin = result.origin
     assert origin is not None

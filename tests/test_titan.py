@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import compose_config, compose_raw, one_rank
+from helpers import compose_config, compose_raw, localize_planted_op, one_rank
 
 from taxbench.config import policy
 from taxbench.config.schema import ConfigError, Device
@@ -171,18 +171,9 @@ def test_titan_llama3_split_by_pipeline_llm_runs_end_to_end_and_passes_the_gates
 @needs_titan
 @pytest.mark.slow
 def test_localize_names_a_fault_planted_inside_a_torchtitan_module(tmp_path: Path) -> None:
-    from taxbench.commands.localize import NAMED, localize
-    from taxbench.launchers.local import launch_local
+    from taxbench.commands.localize import NAMED
 
-    cfg = prepare(compose_raw(
-        "+recipe=titan_llama3_debug", "experiment.steps=4", "experiment.block_steps=2", "experiment.resume_step=2",
-        "experiment.warmup_steps=0", f"experiment.out_dir={tmp_path}", "experiment.fault.enabled=true",
-        "experiment.fault.step=2", "experiment.fault.rank=1", "experiment.fault.kind=nondeterministic_op",
-        "experiment.fault.module=layers.1.feed_forward.w1", "experiment.fault.op=aten.mm.default"))
-    root = tmp_path / cfg.experiment.name
-    root.mkdir(parents=True)
-    launch_local(cfg, root)
-    result = localize(root / "deterministic-0", root / "deterministic-1", tmp_path / "work")
+    result = localize_planted_op(tmp_path, "titan_llama3_debug", "layers.1.feed_forward.w1")
     assert result.verdict == NAMED
     origin = result.origin
     assert origin is not None
