@@ -242,8 +242,9 @@ def _input_errors() -> tuple[type[Exception], ...]:
     from taxbench.commands.tracing import input_errors
     from taxbench.datasets.shards import ShardError
     from taxbench.rundir.read import RecordError
+    from taxbench.rundir.records import RunWriteError
 
-    return (RecordError, ShardError, FileNotFoundError, *input_errors())
+    return (RecordError, RunWriteError, ShardError, FileNotFoundError, *input_errors())
 
 
 EXIT_CODES = "exit codes: 0 ok, 1 a run failed, 2 bad input, 3 a gate failed or runs differ, 4 incomplete evidence"
@@ -572,13 +573,14 @@ def run_verify_command(argv: list[str]) -> int:
     from taxbench.launchers.local import RankFailed
     from taxbench.launchers.worker import run_rerun_rank
     from taxbench.rundir.read import RecordError
+    from taxbench.rundir.records import RunWriteError
 
     own = {arg.partition("=")[0]: arg.partition("=")[2] for arg in argv[1:] if arg.startswith("verify.")}
     unknown = sorted(set(own) - set(OWN_KEYS))
     if unknown:
         fail(f"unknown verify setting {unknown[0]!r}; verify takes {', '.join(OWN_KEYS)}")
     overrides = [arg for arg in argv[1:] if not arg.startswith("verify.")]
-    with _one_line_input_errors(RecordError):
+    with _one_line_input_errors(RecordError, RunWriteError):
         reference = load_reference(Path(argv[0]))
         cfg = plan_rerun(reference, _compose(overrides), overrides, settings_of(own))
         with claimed(cfg, experiment_root(cfg)) as root:

@@ -62,7 +62,8 @@ def test_the_switch_records_that_the_documented_equivalent_was_applied_where_the
 @needs_deepspeed
 @pytest.mark.parametrize(("overrides", "refusal"), [
     (("+recipe.model.stack.offload=true",), "recipe.model.stack.offload is not a DeepSpeed option"),
-    (("recipe.model.stack.zero_stage=4",), "zero_stage=4: choose 0, 1, 2 or 3"),
+    (("recipe.model.stack.zero_stage=4",), "zero_stage=4: choose 1, 2 or 3"),
+    (("recipe.model.stack.zero_stage=0",), "zero_stage=0: choose 1, 2 or 3 (stage 0's engine reports no gradient"),
     (("recipe.parallel.tp=2",), "recipe.parallel.tp=2, pp=1"),
     (("recipe.parallel.data_parallel=fsdp",), "shards with ZeRO"),
     (("recipe.model.top_k=3",), "top_k 1 or 2"),

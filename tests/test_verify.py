@@ -8,6 +8,7 @@ through the localhost Slurm, where one is reachable).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import socket
@@ -60,7 +61,7 @@ def as_rerun(reference: Path, where: Path) -> Path:
     return root
 
 
-def edit_record(run_dir: Path, step: int, metric: str, value: str) -> None:
+def edit_record(run_dir: Path, step: int, metric: str, value: object) -> None:
     path = steps_file(run_dir, 0)
     records = [json.loads(line) for line in path.read_text().splitlines()]
     for record in records:
@@ -133,6 +134,25 @@ def test_a_missing_record_is_incomplete_not_identical(reference: Path, tmp_path:
     result = conclude(load_reference(reference), rerun)
     assert result.exit_code == exit_codes.INCOMPLETE
     assert any("5-6 missing" in problem for problem in result.verdict.problems)
+
+
+def test_a_run_that_trained_on_nan_is_neither_verified_nor_certified(reference: Path, tmp_path: Path) -> None:
+    # The same NaN bits in the reference and the rerun agree, and prove nothing (exit 4, as the gates say).
+    diverged = tmp_path / "diverged"
+    shutil.copytree(reference, diverged)
+    edit_record(diverged / "deterministic-0", 4, "loss", float("nan"))
+    result = conclude(load_reference(diverged), as_rerun(diverged, tmp_path))
+    assert result.exit_code == exit_codes.INCOMPLETE
+    assert any("loss NaN first at step 4" in problem for problem in result.verdict.problems), result.verdict.problems
+    out = tmp_path / "diverged.cert"
+    assert certificate_command(diverged, out) == exit_codes.INCOMPLETE and not out.exists()
+
+
+def test_a_secret_the_reference_recorded_redacted_must_be_given_again(reference: Path, tmp_path: Path) -> None:
+    stored = load_reference(reference)
+    config = {**stored.config, "cluster": {**stored.config["cluster"], "setup": ["export HF_TOKEN=<redacted>"]}}
+    with pytest.raises(VerifyError, match=r"cluster.setup\[0\] of the reference held a secret"):
+        rerun_config(dataclasses.replace(stored, config=config), compose_raw(), [], VerifySettings())
 
 
 def test_only_where_and_how_may_be_overridden(certificate: Path) -> None:

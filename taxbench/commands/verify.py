@@ -22,12 +22,14 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from taxbench import exit_codes
-from taxbench.analysis.summary import expected_steps
+from taxbench.analysis.divergence import nonfinite_runs
+from taxbench.analysis.summary import expected_steps, interleaved_runs
 from taxbench.analysis.verdicts import DIFFERS, IDENTICAL, Verdict, compare_runs
 from taxbench.config.pairing import differences
 from taxbench.config.schema import ConfigError, Launcher, TaxbenchConfig, launch_stamp, load_config
+from taxbench.design import run_steps
 from taxbench.preflight import check_before_launch
-from taxbench.redaction import redact
+from taxbench.redaction import REDACTED, redact
 from taxbench.rundir.certificate import (
     Certificate,
     essentials,
@@ -111,9 +113,18 @@ def load_reference(path: Path) -> Reference:
     if not isinstance(config, dict) or f"{manifest.get('arm')}-{manifest.get('replica')}" != RERUN.name:
         raise RecordError(f"{run_dir / MANIFEST}: not the manifest of a {RERUN.name} run with its config; verify "
                           "checks against an experiment's deterministic-0")
-    steps, _, problems = expected_steps(run_dir.parent, config["experiment"])
+    problems = config_problems(run_dir, manifest, config)
+    try:
+        experiment = config["experiment"]
+        rounds_steps, _, stop_problems = expected_steps(run_dir.parent, experiment)
+        # deterministic-0 is timed in the rounds, or (experiment.interleave=policy) a gate-only run of its own length
+        timed = {ref.name for ref in interleaved_runs(experiment)}
+        steps = run_steps(RERUN.name, timed, rounds_steps, experiment)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RecordError(f"{run_dir / MANIFEST}: its config lacks or garbles {exc}; verify needs the manifest an "
+                          "experiment wrote") from None
     frame = load_run(run_dir, empty_ok=True)
-    problems += identity_problems(run_dir, manifest, frame) + config_problems(run_dir, manifest, config)
+    problems += stop_problems + identity_problems(run_dir, manifest, frame)
     world = int(manifest_value(manifest, run_dir, "layout.world_size"))
     return Reference(str(path), run_dir, str(run_dir), str(manifest.get("experiment")), config, steps, world,
                      essentials(manifest), frame, tuple(problems))
@@ -194,10 +205,23 @@ def rerun_config(reference: Reference, composed: DictConfig, overrides: list[str
         raise VerifyError(f"verify reruns the reference's recipe as recorded; only where and how it runs may change "
                           f"(cluster launcher, partition, time limit, threads, out_dir, ...), but these differ: "
                           f"{shown}; drop those overrides")
+    redacted = [key for key, value in _leaves(rerun.get("cluster", {}), "cluster") if REDACTED in str(value)]
+    if redacted:
+        raise VerifyError(f"{', '.join(redacted)} of the reference held a secret, recorded as {REDACTED}; give the "
+                          f"rerun its own, e.g. {redacted[0]}=[...] or cluster=<profile>")
     # The experiment's other runs' settings (warmup, the resumed replica, a precision target) do not apply to the
     # rerun's one whole run; neutral values keep a shorter rerun valid.
     rerun["experiment"].update(warmup_steps=0, resume_step=1, target_half_width=0.0, max_steps=0)
     return rerun
+
+
+def _leaves(node: Any, path: str) -> list[tuple[str, Any]]:
+    """(dotted key, value) of every leaf under `node` (list items by index)."""
+    if isinstance(node, dict):
+        return [leaf for key, value in node.items() for leaf in _leaves(value, f"{path}.{key}")]
+    if isinstance(node, list):
+        return [leaf for i, value in enumerate(node) for leaf in _leaves(value, f"{path}[{i}]")]
+    return [(path, node)]
 
 
 def _exclude_reference_nodes(rerun: dict[str, Any], reference: Reference) -> None:
@@ -275,6 +299,9 @@ def conclude(reference: Reference, root: Path) -> VerifyResult:
     frame, problems = load_checked_run(run_dir, manifest, steps, config)
     common = min(steps, reference.steps)
     ref_problems = [*reference.problems, *reference.grid_problems(common)]  # gaps within the common steps only
+    # Bits that agree with a run that trained on NaN or Inf are NaN or Inf too: no verdict either way (exit 4).
+    problems = [*problems, *(f"{finding.describe()}: trained on non-finite values, no verdict"
+                             for finding in nonfinite_runs({"rerun": _up_to(frame, common)}))]
     verdict = compare_runs("verify", reference.source, _up_to(reference.frame, common), str(run_dir),
                            _up_to(frame, common), 0, tuple(ref_problems + problems))
     rerun_essentials = essentials(manifest)
@@ -330,14 +357,17 @@ def certificate_command(experiment: Path, out: Path) -> int:
     reference = load_reference(experiment)
     if reference.certificate or reference.run_dir is None:
         raise RecordError(f"{experiment}: a certificate is made from an experiment folder, not from a certificate")
-    problems = [*reference.problems, *reference.grid_problems(reference.steps)]
+    frame = _up_to(reference.frame, reference.steps)
+    problems = [*reference.problems, *reference.grid_problems(reference.steps),
+                *(f"{finding.describe()}: trained on non-finite values"
+                  for finding in nonfinite_runs({RERUN.name: frame}))]
     if problems:
         print(f"taxbench: error: {reference.run_dir} is incomplete, so no certificate was written:")
         for problem in problems:
             print(f"  {problem}")
         return exit_codes.INCOMPLETE
     manifest = load_manifest(reference.run_dir)
-    certificate = make_certificate(manifest, reference.frame, reference.steps, str(reference.run_dir))
+    certificate = make_certificate(manifest, frame, reference.steps, str(reference.run_dir))
     write_certificate(out, certificate)
     print(f"taxbench: certificate of {reference.run_dir} ({reference.steps} steps x {reference.world_size} ranks, "
           f"{out.stat().st_size / 1024:.1f} KiB): {out}")

@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from taxbench.rundir.evidence import read_regular
 from taxbench.rundir.records import write_text_atomically
 
 COST_FILE = "cost.json"
@@ -56,10 +57,16 @@ class ScheduleCost:
 
 
 def read_cost(root: Path) -> ScheduleCost | None:
+    """The launch's cost record; None when it is missing (an older experiment), unreadable (a FIFO or device is
+    refused unopened), not JSON or not a cost record (a field that is not a number)."""
     try:
-        return ScheduleCost(**json.loads((root / COST_FILE).read_text(encoding="utf-8")))
-    except (OSError, ValueError, TypeError):  # missing (an older experiment), unreadable or not a cost record
+        stored = json.loads(read_regular(root / COST_FILE, root, limit=1 << 20).decode("utf-8"))
+        cost = ScheduleCost(**stored)
+    except (OSError, ValueError, TypeError):
         return None
+    numbers = all(isinstance(value, int | float) and not isinstance(value, bool)
+                  for name, value in asdict(cost).items() if not (name == "first_step_unix" and value is None))
+    return cost if numbers else None
 
 
 class Stopwatch:

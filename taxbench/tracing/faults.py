@@ -145,15 +145,20 @@ class StepFault:
 
 
 def flip_param_bit(fault: FaultConfig | None, rank: int, step: int,
-                   named_parameters: Iterator[tuple[str, nn.Parameter]], fired: Fired) -> None:
-    """The flip_param_bit fault, when it is this rank's and this step's: flip the first parameter's lowest bit."""
+                   named_parameters: Iterator[tuple[str, torch.Tensor]], fired: Fired) -> None:
+    """The flip_param_bit fault, when it is this rank's and this step's: flip the lowest bit of the first parameter
+    the rank holds elements of (its local shard when sharded; ZeRO-3 leaves the module's own parameters empty, so a
+    stack's engine passes its partitions). Fired only when a bit was flipped."""
     if fault is None or fault.kind in STEP_FAULT_KINDS or fault.step != step or fault.rank != rank:
         return
-    name, first = next(named_parameters)
-    to_local = getattr(first, "to_local", None)  # a sharded parameter: flip this rank's shard
-    with torch.no_grad():
-        flip_lowest_bit(to_local() if callable(to_local) else first)
-    fired(str(fault.kind), step, name)
+    for name, param in named_parameters:
+        to_local = getattr(param, "to_local", None)  # a sharded parameter: flip this rank's shard
+        local = to_local() if callable(to_local) else param
+        if local.numel() and local.dtype is not torch.bool:
+            with torch.no_grad():
+                flip_lowest_bit(local)
+            fired(str(fault.kind), step, name)
+            return
 
 
 def step_fault(fault: FaultConfig | None, rank: int, model: nn.Module, raw_model: Any,

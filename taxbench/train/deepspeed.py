@@ -69,8 +69,11 @@ class DeepSpeedOptions:
     def of(cls, model: ModelConfig) -> DeepSpeedOptions:
         refuse_unknown_options("DeepSpeed", cls, model.stack)
         options = cls(**{k: (dict(v) if k == "config" else v) for k, v in model.stack.items()})
-        if options.zero_stage not in (0, 1, 2, 3):
-            raise ConfigError(f"recipe.model.stack.zero_stage={options.zero_stage}: choose 0, 1, 2 or 3")
+        if options.zero_stage not in (1, 2, 3):
+            # Stage 0 steps a plain torch optimizer, whose engine reports no global gradient norm: every record's
+            # grad_norm would be NaN, and the run "diverged".
+            raise ConfigError(f"recipe.model.stack.zero_stage={options.zero_stage}: choose 1, 2 or 3 (stage 0's "
+                              "engine reports no gradient norm to fingerprint)")
         return options
 
 
@@ -225,8 +228,7 @@ class EngineStep:
         groups = getattr(self.zero, "single_partition_of_fp32_groups", None)  # ZeRO 1 and 2
         if groups is None:
             groups = getattr(self.zero, "fp32_partitioned_groups_flat", None)  # ZeRO 3
-        if groups is None:  # ZeRO 0: the torch optimizer steps the model's own parameters
-            groups = [p for g in self.inner.param_groups for p in g["params"]]
+        assert groups is not None, "ZeRO 1-3 hold fp32 partitions (stage 0 is refused before launch)"
         return list(groups)
 
     def gradients(self) -> list[torch.Tensor]:

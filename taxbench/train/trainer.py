@@ -237,7 +237,9 @@ class Trainer:
         planted_s, planted_mark = (0.0, None) if lane.planted is None else lane.planted.apply(started)
         measured = self.timer.stop(started)
 
-        flip_param_bit(self.fault, self.ctx.rank, self.step, self.raw_model.named_parameters(), self._fault_fired)
+        held = (((f"partition {i}", t) for i, t in enumerate(self.held_tensors()[1])) if self.engine is not None
+                else self.raw_model.named_parameters())
+        flip_param_bit(self.fault, self.ctx.rank, self.step, held, self._fault_fired)
         fingerprint_started = self.timer.start()  # the gates' own cost, outside the timed step, shown beside it
         digests = self.recorder.fingerprints(loss_mean, grads, grad_norm, params, self.optimizer_tensors())
         fingerprint_measured = self.timer.stop(fingerprint_started)
