@@ -142,14 +142,20 @@ def run_taxbench_in_terminal(*args: str, cwd: Path, timeout: float = 600, column
 def localize_planted_op(tmp_path: Path, recipe: str, module: str) -> Any:
     """A 4-step, 2-rank experiment of `recipe` whose deterministic-1 has aten.mm's first output inside `module`
     perturbed at step 2 on rank 1, launched for real, then localized (deterministic-0 vs deterministic-1)."""
+    return localize_planted_fault(tmp_path, recipe, "experiment.fault.kind=nondeterministic_op",
+                                  f"experiment.fault.module={module}", "experiment.fault.op=aten.mm.default")
+
+
+def localize_planted_fault(tmp_path: Path, recipe: str, *fault: str) -> Any:
+    """A 4-step, 2-rank experiment of `recipe` whose deterministic-1 gets the `fault` settings at step 2 on rank 1,
+    launched for real, then localized (deterministic-0 vs deterministic-1)."""
     from taxbench.commands.localize import localize
     from taxbench.launchers.local import launch_local
 
     cfg = prepare(compose_raw(
         f"+recipe={recipe}", "experiment.steps=4", "experiment.block_steps=2", "experiment.resume_step=2",
         "experiment.warmup_steps=0", f"experiment.out_dir={tmp_path}", "experiment.fault.enabled=true",
-        "experiment.fault.step=2", "experiment.fault.rank=1", "experiment.fault.kind=nondeterministic_op",
-        f"experiment.fault.module={module}", "experiment.fault.op=aten.mm.default"))
+        "experiment.fault.step=2", "experiment.fault.rank=1", *fault))
     root = tmp_path / cfg.experiment.name
     root.mkdir(parents=True)
     launch_local(cfg, root)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
-from helpers import compose_typed, localize_planted_op, step_records
+from helpers import compose_typed, localize_planted_fault, localize_planted_op, step_records
 
 from taxbench.config.schema import ConfigError
 from taxbench.launchers.worker import rank_process
@@ -153,3 +153,15 @@ def test_localize_names_a_fault_planted_inside_a_module_deepspeed_trains(tmp_pat
     origin = result.origin
     assert origin is not None
     assert (origin.kind, origin.scope, origin.rank, origin.step) == ("op", module, 1, 2)
+
+
+@pytest.mark.slow
+def test_localize_names_a_flipped_bit_in_the_partition_zero_holds(tmp_path: Path) -> None:
+    # ZeRO leaves the module's own parameters to DeepSpeed's copies: the flip lands in the fp32 partition the
+    # optimizer steps, and rung 1 names that partition (not the parameters the engine copies it into).
+    from taxbench.commands.localize import NAMED
+
+    result = localize_planted_fault(tmp_path, "deepspeed_moe_debug", "experiment.fault.kind=flip_param_bit")
+    assert result.verdict == NAMED and result.origin is not None
+    assert (result.origin.kind, result.origin.name, result.origin.rank, result.origin.step) == (
+        "parameter", "partition 0", 1, 2)

@@ -56,6 +56,8 @@ class TracedStep(Protocol):
 
     def optimizer_tensors(self) -> Iterator[torch.Tensor]: ...
 
+    def named_held_parameters(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
     def held_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The gradients and parameters this rank's optimizer steps (a stack's engine: its ZeRO partitions)."""
         ...
@@ -245,7 +247,7 @@ class Tracer:
         if not self._after_optimizer:
             return  # no optimizer step was captured: nothing to tell a later change from the step's own
         with self.quieted():
-            for name, param in trainer.raw_model.named_parameters():
+            for name, param in trainer.named_held_parameters():
                 before = self._after_optimizer.get(name)
                 if before is not None:
                     self.record("parameter", name, PARAMETERS_SCOPE, [before], self.summaries([param]))
@@ -376,7 +378,7 @@ class Tracer:
                        self.labelled("state", list(trainer.optimizer_tensors()))]
             self.record("optimizer", "optimizer.step", OPTIMIZER_SCOPE, self._optimizer_inputs, outputs)
             self._after_optimizer = {name: self.summaries([param])[0]
-                                     for name, param in trainer.raw_model.named_parameters()}
+                                     for name, param in trainer.named_held_parameters()}
         self.past_optimizer = True
 
     # called by the collective probe (possibly on a communication thread)

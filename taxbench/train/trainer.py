@@ -237,9 +237,7 @@ class Trainer:
         planted_s, planted_mark = (0.0, None) if lane.planted is None else lane.planted.apply(started)
         measured = self.timer.stop(started)
 
-        held = (((f"partition {i}", t) for i, t in enumerate(self.held_tensors()[1])) if self.engine is not None
-                else self.raw_model.named_parameters())
-        flip_param_bit(self.fault, self.ctx.rank, self.step, held, self._fault_fired)
+        flip_param_bit(self.fault, self.ctx.rank, self.step, self.named_held_parameters(), self._fault_fired)
         fingerprint_started = self.timer.start()  # the gates' own cost, outside the timed step, shown beside it
         digests = self.recorder.fingerprints(loss_mean, grads, grad_norm, params, self.optimizer_tensors())
         fingerprint_measured = self.timer.stop(fingerprint_started)
@@ -294,6 +292,13 @@ class Trainer:
                 f"rank {self.ctx.rank}, {run_name(self.arm, self.replica)} step {self.step}: {len(missing)} trainable "
                 f"parameters got no gradient ({shown}); this layout or schedule would leave them untrained"
             )
+
+    def named_held_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The parameters this rank holds and its optimizer steps, by name (a stack's engine: its partitions,
+        "partition <i>", which it copies into the module's parameters after its optimizer step)."""
+        if self.engine is not None:
+            return ((f"partition {i}", t) for i, t in enumerate(self.engine.parameters()))
+        return self.raw_model.named_parameters()
 
     def held_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The gradients and parameters this rank holds, as fingerprinted (a stack's engine: its partitions)."""
