@@ -30,7 +30,8 @@ def test_explicit_recipe_selection_replaces_the_default() -> None:
         (["experiment.steps=61", "experiment.block_steps=6"],
          "experiment.steps=61 is not a multiple of experiment.block_steps=6"),
         (["recipe.global_batch_size=6"], "recipe.global_batch_size=6 is not divisible by micro_batch_size*dp"),
-        (["experiment.resume_step=60"], "experiment.resume_step=60 must be in [1, experiment.steps=60)"),
+        (["experiment.resume_step=60"], "experiment.resume_step=60 must be in [1, experiment.steps=60) so that steps "
+         "remain after the resume to compare; e.g. experiment.resume_step=30"),
         (["recipe.model.n_heads=3"], "recipe.model.d_model=64 is not divisible by recipe.model.n_heads=3"),
         (["mode@arms.baseline=deterministic"], "the baseline arm must be nondeterministic"),
     ],

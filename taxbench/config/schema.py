@@ -577,7 +577,7 @@ def validate(cfg: TaxbenchConfig) -> None:
     _require(
         1 <= exp.resume_step < exp.steps,
         f"experiment.resume_step={exp.resume_step} must be in [1, experiment.steps={exp.steps}) so that steps remain "
-        "after the resume to compare",
+        f"after the resume to compare; e.g. experiment.resume_step={max(exp.steps // 2, 1)}",
     )
     _require(0 < exp.confidence < 1, f"experiment.confidence={exp.confidence} must be in (0, 1), e.g. 0.95")
     _require(exp.interleave in INTERLEAVE_MODES,
