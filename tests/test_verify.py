@@ -155,6 +155,12 @@ def test_a_secret_the_reference_recorded_redacted_must_be_given_again(reference:
         rerun_config(dataclasses.replace(stored, config=config), compose_raw(), [], VerifySettings())
 
 
+def test_a_dry_run_is_no_verification(certificate: Path) -> None:
+    with pytest.raises(VerifyError, match="cluster.dry_run=true runs nothing"):
+        overrides = ["cluster=slurm_cpu", "cluster.cpu_ranks=1", "cluster.dry_run=true"]
+        plan_rerun(load_reference(certificate), compose_raw(*overrides), overrides, VerifySettings())
+
+
 def test_only_where_and_how_may_be_overridden(certificate: Path) -> None:
     reference = load_reference(certificate)
     allowed = ["cluster=slurm_cpu", "cluster.cpu_ranks=1", "cluster.threads_per_rank=2", "cluster.time_min=5",

@@ -245,6 +245,9 @@ def plan_rerun(reference: Reference, composed: DictConfig, overrides: list[str],
                settings: VerifySettings) -> TaxbenchConfig:
     """The rerun's typed config, checked as an experiment's would be before anything launches."""
     cfg = load_config(rerun_config(reference, composed, overrides, settings))
+    if cfg.cluster.dry_run:  # no rerun, no records: a verdict of exit 0 would have no evidence behind it
+        raise VerifyError("verify compares a rerun's records, and cluster.dry_run=true runs nothing; drop it (a job "
+                          "script alone: python -m taxbench ... cluster=slurm cluster.dry_run=true)")
     if cfg.cluster.launcher is Launcher.torchrun:
         raise VerifyError("verify starts its rerun itself; cluster=torchrun is started by someone else: use "
                           "cluster=local, cluster=inprocess or cluster=slurm")
