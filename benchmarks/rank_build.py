@@ -1,5 +1,5 @@
 """What one rank of a big world materialises, measured on this CPU: rank r of N simulated with torch's fake process
-group, built through the trainer's own code path (taxbench.train.build: meta-device model, stage split, experts over
+group, built through the trainer's own code path (taxbench.stacks.native: meta-device model, stage split, experts over
 ep, FSDP2 shards, then this rank's share materialised) up to and including the optimizer's state.
 
     python benchmarks/rank_build.py +recipe=moe_1t cluster.gpus=2432 --ranks 0,1215,2431
@@ -44,7 +44,7 @@ from taxbench.config.schema import ConfigError, TaxbenchConfig, load_config, reg
 from taxbench.parallel import distributed
 from taxbench.parallel.layout import ParallelModel, layout_for
 from taxbench.parallel.plan import make_plan
-from taxbench.train.build import build_optimizer, build_pipeline
+from taxbench.stacks.native import build_optimizer, build_pipeline
 
 TOLERANCE = 0.10
 MIB = 1024**2
@@ -171,7 +171,7 @@ def main() -> int:
     extra = [] if args.checkpoint is None else ["--checkpoint", str(args.checkpoint)]
 
     print(f"{cfg.recipe.name} at {world} ranks (layout {plan.layout}); {plan.total_params / 1e9:.1f}B parameters in "
-          "the whole model. MiB per rank, built by taxbench.train.build on a simulated rank (fake process group):")
+          "the whole model. MiB per rank, built by taxbench.stacks.native on a simulated rank (fake process group):")
     print(f"{'rank':>6} {'stage':>5} {'params':>13} {'weights':>9} {'grads':>9} {'optim':>9} {'held':>9} "
           f"{'plan':>9} {'ratio':>6} {'peak RSS':>9} {'build s':>7}")
     worst, worst_read = 0.0, 0.0

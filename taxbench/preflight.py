@@ -42,8 +42,8 @@ from taxbench.diagnostics import logger
 from taxbench.parallel.layout import layout_for, tensor_parallel_plan
 from taxbench.parallel.pipeline import stage_holding, stage_split
 from taxbench.parallel.recompute import apply_activation_checkpointing
-from taxbench.train.float8 import float8_layers, float8_problem
-from taxbench.train.stacks import foreign_stack, stack_for
+from taxbench.stacks.float8 import float8_layers, float8_problem
+from taxbench.stacks.registry import foreign_stack, stack_for
 from taxbench.workloads import TooLargeForHost, build_model, on_meta_or_host
 
 log = logger(__name__)

@@ -14,7 +14,7 @@ from helpers import compose_typed, localize_planted_fault, localize_planted_op, 
 from taxbench.config.schema import ConfigError
 from taxbench.launchers.worker import rank_process
 from taxbench.parallel.distributed import free_port
-from taxbench.train import deepspeed as ds
+from taxbench.stacks import deepspeed as ds
 from taxbench.train.trainer import RunSpec, Trainer
 
 

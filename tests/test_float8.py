@@ -9,7 +9,7 @@ from helpers import compose_typed
 
 from taxbench.config.schema import ConfigError, Device
 from taxbench.preflight import check_model
-from taxbench.train.float8 import convert_to_float8, float8_layers, float8_problem
+from taxbench.stacks.float8 import convert_to_float8, float8_layers, float8_problem
 from taxbench.workloads import build_model
 
 

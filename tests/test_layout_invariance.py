@@ -1,6 +1,6 @@
 """Layout-invariant initial weights: every layout starts from bitwise the unsplit model's weights.
 
-Each rank builds its share through the trainer's path (taxbench.train.build: meta device, stage split, experts over
+Each rank builds its share through the trainer's path (taxbench.stacks.native: meta device, stage split, experts over
 ep, tensor parallel, FSDP2, then materialised); the shares are gathered with DTensor's own full_tensor() (and the
 expert slices placed at the experts they hold) and compared bit for bit with the whole model built by
 `build_model(seed=)`. A gather that misses a parameter or a row fails too: the global tensors start as NaN.
@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from taxbench.config.schema import DataParallel, Device, ModelConfig, ParallelConfig, PolicyConfig, RecipeConfig
 from taxbench.parallel import distributed
 from taxbench.parallel.materialize import global_view
-from taxbench.train.build import build_pipeline
+from taxbench.stacks.native import build_pipeline
 from taxbench.workloads import build_model
 from taxbench.workloads.init import GlobalView, fill_local, initial_values, parameter_key
 

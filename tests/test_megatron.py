@@ -26,8 +26,8 @@ from taxbench.launchers.worker import rank_process
 from taxbench.parallel.distributed import free_port
 from taxbench.parallel.layout import layout_for, meshes_for
 from taxbench.parallel.plan import make_plan
-from taxbench.train import megatron
-from taxbench.train.build import build_optimizer
+from taxbench.stacks import megatron
+from taxbench.stacks.native import build_optimizer
 
 
 def _has_megatron() -> bool:

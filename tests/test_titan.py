@@ -74,7 +74,7 @@ def test_activation_checkpointing_is_refused_for_torchtitan_rather_than_ignored(
 
 @needs_titan
 def test_the_meta_model_has_torchtitans_module_paths() -> None:
-    from taxbench.train.stacks import stack_for
+    from taxbench.stacks.registry import stack_for
 
     cfg = prepare(compose_raw("+recipe=titan_moe_debug"))
     names = {name for name, _ in stack_for(cfg.recipe.model).meta_model(cfg.recipe).named_modules()}
@@ -98,7 +98,7 @@ def _process_state() -> dict[str, object]:
 
 @needs_titan
 def test_building_titan_twice_in_one_process_leaves_it_as_found_and_builds_the_same_model() -> None:
-    from taxbench.train.titan import TitanStack
+    from taxbench.stacks.titan import TitanStack
 
     cfg = compose_config("+recipe=titan_llama3_debug", "cluster=inprocess")
     weights = []
@@ -117,7 +117,7 @@ def test_building_titan_twice_in_one_process_leaves_it_as_found_and_builds_the_s
 @needs_titan
 def test_the_layouts_weights_digest_holds_torchtitans_moe_router_bias() -> None:
     from taxbench.parallel.logical_digest import gather_digest
-    from taxbench.train.titan import TitanStack
+    from taxbench.stacks.titan import TitanStack
 
     cfg = compose_config("+recipe=titan_moe_debug", "cluster=inprocess")
     with one_rank(cfg) as ctx:
@@ -181,8 +181,8 @@ def test_localize_names_a_fault_planted_inside_a_torchtitan_module(tmp_path: Pat
 
 
 def test_taxbench_own_workloads_are_the_harness_stack_and_stack_options_need_a_foreign_stack() -> None:
-    from taxbench.train.stack import HarnessStack
-    from taxbench.train.stacks import stack_for
+    from taxbench.stacks.native import HarnessStack
+    from taxbench.stacks.registry import stack_for
 
     cfg = prepare(compose_raw())
     stack = stack_for(cfg.recipe.model)

@@ -100,7 +100,7 @@ class ModelConfig:
     moe_d_ff: int = 0
     aux_loss_coef: float = 0.01
     n_shared_experts: int = 0  # MoE: always-active experts of width moe_d_ff each (DeepSeek/Nemotron style)
-    # kind=titan|megatron|deepspeed: the foreign stack's own model selection and switches (taxbench.train.stack)
+    # kind=titan|megatron|deepspeed: the foreign stack's own model selection and switches (taxbench.stacks.protocol)
     stack: dict[str, Any] = field(default_factory=dict)
 
 

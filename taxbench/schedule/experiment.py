@@ -54,9 +54,9 @@ from taxbench.rundir.records import MANIFEST, Stop, op_table_file, read_stop, wr
 from taxbench.schedule.checkpoint_clock import CheckpointClock
 from taxbench.schedule.cost import ScheduleCost, Stopwatch, command_started_unix
 from taxbench.schedule.stopping import StoppingRule
+from taxbench.stacks.registry import stack_for
 from taxbench.train.flops import throughput_manifest
 from taxbench.train.op_profile import profile_steps
-from taxbench.train.stacks import stack_for
 from taxbench.train.trainer import RunSpec, Trainer
 
 

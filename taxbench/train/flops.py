@@ -16,7 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from taxbench.config.schema import ClusterConfig, Precision, RecipeConfig
 from taxbench.parallel.plan import planned_model
-from taxbench.train.stacks import foreign_stack, stack_for
+from taxbench.stacks.registry import foreign_stack, stack_for
 from taxbench.workloads import TooLargeForHost, build_model, on_meta_or_host
 
 # Dense peak TFLOP/s per GPU (no sparsity) by precision: the vendors' datasheets (SXM parts). fp32 steps are held to

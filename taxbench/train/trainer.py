@@ -1,6 +1,6 @@
 """One training run of one arm on one rank, the step loop: timed steps, their records, checkpoint/resume.
 
-It gets a RunSpec; its model share comes from taxbench.train.build, its records from taxbench.train.recorder.
+It gets a RunSpec; its model share comes from taxbench.stacks.native, its records from taxbench.train.recorder.
 Under experiment.interleave=policy one trainer serves every timed arm: each arm is a Lane (its policy, records and
 planted delay) of the one model, and each block runs under the lane it names.
 
@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from taxbench.checkpoint import state as checkpoint_state
+from taxbench.checkpoint.rng import RngSnapshot
 from taxbench.checkpoint.store import CheckpointError
 from taxbench.config import policy
 from taxbench.config.schema import FaultConfig, PolicyConfig, RecipeConfig, TaxbenchConfig, TraceConfig
@@ -30,14 +31,13 @@ from taxbench.design import run_name
 from taxbench.parallel.distributed import DistContext
 from taxbench.parallel.layout import layout_for
 from taxbench.rundir.records import FaultLog, steps_file
+from taxbench.stacks.registry import stack_for
+from taxbench.stacks.step import Batch
 from taxbench.tracing.capture import tracer_for_run
 from taxbench.tracing.faults import flip_param_bit, step_fault
 from taxbench.train.data import build_source
 from taxbench.train.planted import PlantedDelay
 from taxbench.train.recorder import StepRecorder
-from taxbench.train.rng import RngSnapshot
-from taxbench.train.stacks import stack_for
-from taxbench.train.step import Batch
 from taxbench.train.timer import StepTimer, collected_between_blocks, peak_memory, synchronize
 from taxbench.workloads import use_deterministic_kernels
 

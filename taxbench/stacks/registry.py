@@ -1,12 +1,13 @@
-"""Which training stack a recipe names (taxbench.train.stack has the protocol they implement)."""
+"""Which training stack a recipe names (taxbench.stacks.protocol has the protocol they implement)."""
 
 from __future__ import annotations
 
 from taxbench.config.schema import ConfigError, ModelConfig, ModelKind
-from taxbench.train.deepspeed import DeepSpeedStack
-from taxbench.train.megatron import MegatronStack
-from taxbench.train.stack import HarnessStack, TrainingStack
-from taxbench.train.titan import TitanStack
+from taxbench.stacks.deepspeed import DeepSpeedStack
+from taxbench.stacks.megatron import MegatronStack
+from taxbench.stacks.native import HarnessStack
+from taxbench.stacks.protocol import TrainingStack
+from taxbench.stacks.titan import TitanStack
 
 
 def foreign_stack(model: ModelConfig) -> bool:

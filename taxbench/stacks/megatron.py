@@ -14,7 +14,7 @@ all reduced by `finalize_model_grads` at the end of the schedule), its recompute
 its model-parallel gradient norm and clipping. What stays the harness's: the data (the same tokens as every stack), the
 timer marks, AdamW over fp32 parameters (as Megatron's FP32Optimizer, the gradients are the DDP buffers'), bf16 as
 autocast (Megatron's `enable_autocast`), the initial weights (drawn per global parameter name and expert id:
-taxbench.train.megatron_chunks, so every tp/pp/ep layout starts from the same model), fingerprints and DCP checkpoints
+taxbench.stacks.megatron_chunks, so every tp/pp/ep layout starts from the same model), fingerprints and DCP checkpoints
 of the unsplit model (tensor-parallel weights saved as DTensors over the tensor-parallel mesh).
 
 Process groups: each arm's model gets its own (a ProcessGroupCollection over the harness's per-arm DeviceMesh, whose
@@ -56,10 +56,10 @@ from taxbench.config.schema import (
 )
 from taxbench.parallel.distributed import DistContext
 from taxbench.parallel.layout import Layout, Meshes, ParallelModel, layout_for, meshes_for
-from taxbench.train import megatron_chunks
-from taxbench.train.build import RankModel, build_optimizer
-from taxbench.train.stack import not_wired_native, refuse_conflicts, refuse_unknown_options
-from taxbench.train.step import Batch
+from taxbench.stacks import megatron_chunks
+from taxbench.stacks.native import build_optimizer
+from taxbench.stacks.protocol import RankModel, not_wired_native, refuse_conflicts, refuse_unknown_options
+from taxbench.stacks.step import Batch
 
 SUPPORTED_VERSIONS = "0.16.1 (Python 3.11) or 0.19.x (Python 3.12)"
 INSTALL_HINT = "pip install 'taxbench[megatron]'"
@@ -305,7 +305,7 @@ def build_gpt(recipe: RecipeConfig, options: MegatronOptions, config: Any, group
 def rank_chunks(recipe: RecipeConfig, options: MegatronOptions, config: Any, groups: Any, layout: Layout,
                 device: torch.device) -> list[nn.Module]:
     """This rank's model chunks, as Megatron's get_model builds them (one per virtual pipeline stage, in order; its
-    layers and experts only), moved to `device` and filled by global name (taxbench.train.megatron_chunks)."""
+    layers and experts only), moved to `device` and filled by global name (taxbench.stacks.megatron_chunks)."""
     virtual = config.virtual_pipeline_model_parallel_size or 1
     pp, pp_rank = layout.pp, layout.pp_rank
     chunks = [build_gpt(recipe, options, config, groups, first=pp_rank == 0 and v == 0,

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from taxbench.checkpoint.rng import RngSnapshot
 from taxbench.config import policy
 from taxbench.config.schema import (
     ActivationCheckpointing,
@@ -57,10 +58,9 @@ from taxbench.config.schema import (
 from taxbench.config.shape import ParallelShape
 from taxbench.parallel.distributed import DistContext
 from taxbench.parallel.layout import ParallelModel, layout_for
-from taxbench.train.build import RankModel, build_optimizer
-from taxbench.train.rng import RngSnapshot
-from taxbench.train.stack import not_wired_native, refuse_conflicts, refuse_unknown_options
-from taxbench.train.step import Batch
+from taxbench.stacks.native import build_optimizer
+from taxbench.stacks.protocol import RankModel, not_wired_native, refuse_conflicts, refuse_unknown_options
+from taxbench.stacks.step import Batch
 
 TESTED_VERSION = "0.3.0"
 INSTALL_HINT = "pip install 'taxbench[titan]'"

@@ -8,7 +8,7 @@ engine from the recipe: `recipe.model.stack.zero_stage`, the micro-batch size an
 computes, gradient clipping (recipe.optimizer.grad_clip), AdamW (DeepSpeed's torch AdamW: the fused CPU Adam op is not
 built), bf16 or fp32. Initial values are torch's defaults from recipe.seed (not layout invariant).
 
-What DeepSpeed owns here (taxbench.train.step.OwnedStep): the step (`engine.backward` per micro-batch,
+What DeepSpeed owns here (taxbench.stacks.step.OwnedStep): the step (`engine.backward` per micro-batch,
 `engine.step` reducing, clipping and stepping at the accumulation boundary) and the checkpoint (`save_checkpoint` /
 `load_checkpoint`, which is what a DeepSpeed user resumes with). DeepSpeed's client_state is read back from rank 0's
 file only, so each rank's RNG streams and data position go beside it in `rank<R>.pt`. Fingerprints cover what each
@@ -43,9 +43,8 @@ from taxbench.config.schema import ConfigError, DataParallel, ModelConfig, Polic
 from taxbench.parallel.distributed import DistContext
 from taxbench.parallel.layout import ParallelModel, layout_for
 from taxbench.rundir.records import write_atomically
-from taxbench.train.build import RankModel
-from taxbench.train.stack import refuse_conflicts, refuse_unknown_options
-from taxbench.train.step import Batch, cross_entropy
+from taxbench.stacks.protocol import RankModel, refuse_conflicts, refuse_unknown_options
+from taxbench.stacks.step import Batch, cross_entropy
 from taxbench.workloads.dense import GPT, MLP
 
 TESTED_VERSION = "0.19.8"
@@ -191,7 +190,7 @@ def _init_distributed(ctx: DistContext) -> None:
 
 
 class EngineStep:
-    """The DeepSpeed engine's step and checkpoint as the trainer drives them (taxbench.train.step.OwnedStep)."""
+    """The DeepSpeed engine's step and checkpoint as the trainer drives them (taxbench.stacks.step.OwnedStep)."""
 
     def __init__(self, engine: Any, model: nn.Module, aux_loss_coef: float, device: torch.device) -> None:
         self.engine, self.model, self.device = engine, model, device

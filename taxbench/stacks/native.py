@@ -1,4 +1,5 @@
-"""Build what one rank trains: its model parts, pipeline boundaries and step executor, then its optimizer.
+"""taxbench's own stack (HarnessStack), and how it builds what one rank trains: its model parts, pipeline
+boundaries and step executor, then its optimizer.
 
 One entry, as torchtitan's `pipeline_llm`: the model is built on the meta device, activation recompute is applied,
 the model is split into this rank's pipeline stages (layer ranges; each stage a copy without what other stages own),
@@ -14,7 +15,8 @@ before it is sharded: its initial values are its own and not layout invariant.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,29 +24,14 @@ from torch import nn
 from taxbench.config import policy
 from taxbench.config.schema import PolicyConfig, Precision, RecipeConfig
 from taxbench.parallel.distributed import DistContext
-from taxbench.parallel.layout import ModelParts, ParallelModel, layout_for, parallelize
+from taxbench.parallel.layout import layout_for, parallelize
 from taxbench.parallel.materialize import materialize
-from taxbench.parallel.pipeline import Boundary, StageSplit, boundaries, split_model, stage_split
+from taxbench.parallel.pipeline import boundaries, split_model, stage_split
 from taxbench.parallel.recompute import apply_activation_checkpointing
-from taxbench.train.float8 import convert_to_float8
-from taxbench.train.step import OwnedStep, PipelineStep, PlainStep, StepExecutor
+from taxbench.stacks.float8 import convert_to_float8
+from taxbench.stacks.protocol import RankModel
+from taxbench.stacks.step import PipelineStep, PlainStep, StepExecutor
 from taxbench.workloads import build_model, own_workload
-
-
-@dataclass
-class RankModel:
-    """This rank's share of the model and how a step runs it."""
-
-    parallel: ParallelModel  # the wrapped parts, gradient sync, clipping
-    split: StageSplit | None  # the pipeline stages this rank holds (None without pipeline parallelism)
-    boundaries: list[Boundary]  # pipeline stage edges (faults, tracing)
-    executor: StepExecutor  # plain forward/backward over the micro-batches, or the pipeline schedule
-    pipeline: PipelineStep | None
-    engine: OwnedStep | None = None  # a stack whose engine owns the optimizer step and the checkpoint (DeepSpeed)
-
-    @property
-    def parts(self) -> ModelParts:
-        return self.parallel.parts
 
 
 def autocast_dtype(recipe: RecipeConfig) -> torch.dtype | None:
@@ -82,3 +69,27 @@ def build_optimizer(recipe: RecipeConfig, params: Iterable[nn.Parameter]) -> tor
     opt = recipe.optimizer
     return torch.optim.AdamW(params, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
                              weight_decay=opt.weight_decay)
+
+
+class HarnessStack:
+    """taxbench's own GPT/MoE workloads (and custom `_target_` models) on its own layout, step and optimizer."""
+
+    name = "taxbench"
+
+    def switch(self, recipe: RecipeConfig, arm_policy: PolicyConfig) -> dict[str, Any]:
+        del recipe  # taxbench's policy is the whole switch (taxbench.config.policy)
+        return {"deterministic_kernels": arm_policy.deterministic_kernels}
+
+    def build(self, recipe: RecipeConfig, arm_policy: PolicyConfig, ctx: DistContext, micro_batches: int) -> RankModel:
+        return build_pipeline(recipe, arm_policy, ctx, micro_batches)
+
+    def optimizer(self, recipe: RecipeConfig, model: RankModel) -> torch.optim.Optimizer:
+        return build_optimizer(recipe, model.parts.parameters())
+
+    def meta_model(self, recipe: RecipeConfig) -> nn.Module:
+        with torch.device("meta"):
+            return build_model(recipe.model, deterministic_kernels=True)
+
+    def native_policy(self, recipe: RecipeConfig, name: str) -> PolicyConfig:
+        del recipe  # taxbench's own switch is its full policy
+        return replace(policy.full_policy(), name=name)

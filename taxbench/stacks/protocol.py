@@ -1,4 +1,5 @@
-"""The workload protocol: what one experiment needs from a training stack, and which stack a recipe names.
+"""The workload protocol: what one experiment needs from a training stack (taxbench.stacks.registry says which
+stack a recipe names).
 
 A stack (taxbench's own GPT/MoE trainer, torchtitan, Megatron-Core, DeepSpeed) gives the harness six things;
 everything else (the step loop and its timer marks, fingerprints, records, checkpoints, gates, tracing, faults) stays
@@ -15,13 +16,13 @@ the harness's:
   the switch alone, recorded and audited against taxbench's full policy instead of refused where it disagrees);
 - the checkpoint is the harness's DCP state of the parts and optimizer, with the data-loader position and the RNG
   streams beside it (taxbench.checkpoint.state): a stack only has to give DCP-readable parts. A stack whose engine
-  owns the optimizer step and the checkpoint (DeepSpeed) returns an OwnedStep (taxbench.train.step) in its
+  owns the optimizer step and the checkpoint (DeepSpeed) returns an OwnedStep (taxbench.stacks.step) in its
   RankModel instead, and the trainer drives and fingerprints that.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -30,8 +31,25 @@ from torch import nn
 from taxbench.config import policy
 from taxbench.config.schema import ConfigError, PolicyConfig, RecipeConfig
 from taxbench.parallel.distributed import DistContext
-from taxbench.train.build import RankModel, build_optimizer, build_pipeline
-from taxbench.workloads import build_model
+from taxbench.parallel.layout import ModelParts, ParallelModel
+from taxbench.parallel.pipeline import Boundary, StageSplit
+from taxbench.stacks.step import OwnedStep, PipelineStep, StepExecutor
+
+
+@dataclass
+class RankModel:
+    """This rank's share of the model and how a step runs it."""
+
+    parallel: ParallelModel  # the wrapped parts, gradient sync, clipping
+    split: StageSplit | None  # the pipeline stages this rank holds (None without pipeline parallelism)
+    boundaries: list[Boundary]  # pipeline stage edges (faults, tracing)
+    executor: StepExecutor  # plain forward/backward over the micro-batches, or the pipeline schedule
+    pipeline: PipelineStep | None
+    engine: OwnedStep | None = None  # a stack whose engine owns the optimizer step and the checkpoint (DeepSpeed)
+
+    @property
+    def parts(self) -> ModelParts:
+        return self.parallel.parts
 
 
 class TrainingStack(Protocol):
@@ -56,30 +74,6 @@ class TrainingStack(Protocol):
         """What the stack's own determinism switch sets, as policy fields: a stack-native arm runs this and nothing
         else (ConfigError where the stack's switch is not wired as one)."""
         ...
-
-
-class HarnessStack:
-    """taxbench's own GPT/MoE workloads (and custom `_target_` models) on its own layout, step and optimizer."""
-
-    name = "taxbench"
-
-    def switch(self, recipe: RecipeConfig, arm_policy: PolicyConfig) -> dict[str, Any]:
-        del recipe  # taxbench's policy is the whole switch (taxbench.config.policy)
-        return {"deterministic_kernels": arm_policy.deterministic_kernels}
-
-    def build(self, recipe: RecipeConfig, arm_policy: PolicyConfig, ctx: DistContext, micro_batches: int) -> RankModel:
-        return build_pipeline(recipe, arm_policy, ctx, micro_batches)
-
-    def optimizer(self, recipe: RecipeConfig, model: RankModel) -> torch.optim.Optimizer:
-        return build_optimizer(recipe, model.parts.parameters())
-
-    def meta_model(self, recipe: RecipeConfig) -> nn.Module:
-        with torch.device("meta"):
-            return build_model(recipe.model, deterministic_kernels=True)
-
-    def native_policy(self, recipe: RecipeConfig, name: str) -> PolicyConfig:
-        del recipe  # taxbench's own switch is its full policy
-        return replace(policy.full_policy(), name=name)
 
 
 def not_wired_native(stack: str, switch: str) -> ConfigError:
