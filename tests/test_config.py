@@ -89,3 +89,13 @@ def test_zero_bubble_with_fsdp_is_refused_because_its_last_stage_went_untrained(
                                           "untrained"):
         compose_config("+recipe=moe_1t_proxy", f"recipe.parallel.pp_schedule={schedule}",
                        "recipe.parallel.virtual_stages=2", "experiment.name=x")
+
+
+@pytest.mark.parametrize(("overrides", "resume_step"), [
+    ((), 20),  # the default run: steps to spare after step 20
+    (("experiment.steps=20",), 10),  # a short run resumes halfway instead of being refused
+    (("experiment.steps=60", "experiment.gate_steps=16"), 8),  # half the gate runs' steps
+    (("experiment.steps=20", "experiment.resume_step=5"), 5),  # a chosen step is kept
+])
+def test_the_default_resume_step_leaves_steps_to_compare(overrides: tuple[str, ...], resume_step: int) -> None:
+    assert compose_config(*overrides).experiment.resume_step == resume_step

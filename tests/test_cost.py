@@ -71,7 +71,8 @@ def test_without_checkpoints_the_resumed_run_still_restarts_at_resume_step(tmp_p
 
 
 @pytest.mark.parametrize(("override", "expected"), [
-    ("experiment.gate_steps=20", "experiment.resume_step=20 must be below experiment.gate_steps=20"),
+    ("experiment.gate_steps=20 experiment.resume_step=20",
+     "experiment.resume_step=20 must be below experiment.gate_steps=20"),
     ("experiment.gate_steps=-1", "experiment.gate_steps=-1 must be >= 0"),
     ("experiment.checkpoint_every_s=-5", "experiment.checkpoint_every_s=-5.0 must be >= 0"),
     ("experiment.gate_steps=30 experiment.fault.enabled=true experiment.fault.step=40",

@@ -242,7 +242,9 @@ class ExperimentConfig:
     # steps; benchmarks/calibration.py --block).
     block_steps: int = 1
     warmup_steps: int = 6  # fixed minimum warmup, checked by MSER-5
-    resume_step: int = 20  # the restart-replay replica checkpoints here and resumes
+    # The restart-replay replica checkpoints here and resumes. 0: DEFAULT_RESUME_STEP, or half the gate runs' steps
+    # where they are not longer than that (the loader sets the number, so a manifest holds the step that was used).
+    resume_step: int = 0
     # Steps of each gate-only run (those not timed in the rounds: deterministic-resumed, and under interleave=pair or
     # policy the gates' other runs): a gate needs as many steps as divergence takes to show, not as many as a +/-0.5%
     # tax interval. 0: experiment.steps. Never more than the timed rounds took; the gates compare the steps both of
@@ -393,6 +395,8 @@ def load_config(source: DictConfig | dict[str, Any]) -> TaxbenchConfig:
         hint = "; `python -m taxbench --cfg job` prints every valid key with its value"
         raise ConfigError(f"{key + ': ' if key else ''}{first_line}{hint}") from exc
     assert isinstance(typed, TaxbenchConfig)
+    if typed.experiment.resume_step == 0:
+        typed.experiment.resume_step = default_resume_step(typed.experiment)
     if typed.experiment.calibration and "baseline" in typed.arms:
         # The A/A pair: the deterministic arm runs the baseline policy, so that its true tax is the planted one.
         typed.arms["deterministic"] = copy.deepcopy(typed.arms["baseline"])
@@ -408,6 +412,15 @@ def max_steps(exp: ExperimentConfig) -> int:
     if exp.target_half_width <= 0:
         return exp.steps
     return exp.max_steps or MAX_STEPS_FACTOR * exp.steps
+
+
+DEFAULT_RESUME_STEP = 20
+
+
+def default_resume_step(exp: ExperimentConfig) -> int:
+    """experiment.resume_step=0: step 20, or half the gate runs' steps when they are 20 or fewer."""
+    steps = gate_steps(exp)
+    return DEFAULT_RESUME_STEP if DEFAULT_RESUME_STEP < steps else max(steps // 2, 1)
 
 
 def gate_steps(exp: ExperimentConfig) -> int:
