@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from helpers import compose_config
 from test_deepspeed import needs_deepspeed
+from test_megatron import needs_megatron
 
 from taxbench.config.policy import audit, full_policy, validate_policy
 from taxbench.config.schema import ConfigError, Device
@@ -39,6 +40,18 @@ def test_deepspeeds_native_arm_is_its_switch_alone_and_the_audit_names_what_taxb
     validate_policy(arm, Device.cuda)
     with pytest.raises(ConfigError, match="nccl_algo=None"):
         validate_policy(cfg.arms["deterministic"].__class__(**{**vars(arm), "stack_native": False}), Device.cuda)
+
+
+@needs_megatron
+def test_megatrons_native_arm_is_its_deterministic_mode_with_the_environment_it_requires() -> None:
+    cfg = compose_config("+recipe=megatron_moe_debug", NATIVE, "cluster=slurm", "cluster.device=cuda", "cluster.gpus=1")
+    arm = cfg.arms["deterministic"]
+    assert arm.stack_native and arm.deterministic and arm.nccl_algo == "Ring" and not arm.nvte_allow_nondeterministic_algo
+    assert arm.allow_tf32 and arm.cudnn_benchmark  # Megatron's mode leaves TF32 and cuDNN's autotuner as they are
+    lines = stack_native_audits(cfg)["deterministic"]
+    assert "megatron-core's switch sets TF32 (matmul and cuDNN) on; taxbench's policy sets off" in lines
+    assert "megatron-core's switch sets cudnn.benchmark on; taxbench's policy sets off" in lines
+    assert not any("NCCL_ALGO" in line for line in lines)  # Megatron requires Ring, as taxbench's policy does
 
 
 def test_the_audit_lists_every_field_where_a_switch_differs_from_taxbenchs_policy() -> None:

@@ -58,13 +58,20 @@ from taxbench.parallel.distributed import DistContext
 from taxbench.parallel.layout import Layout, Meshes, ParallelModel, layout_for, meshes_for
 from taxbench.stacks import megatron_chunks
 from taxbench.stacks.native import build_optimizer
-from taxbench.stacks.protocol import RankModel, not_wired_native, refuse_conflicts, refuse_unknown_options
+from taxbench.stacks.protocol import RankModel, refuse_conflicts, refuse_unknown_options
 from taxbench.stacks.step import Batch
 
 SUPPORTED_VERSIONS = "0.16.1 (Python 3.11) or 0.19.x (Python 3.12)"
 INSTALL_HINT = "pip install 'taxbench[megatron]'"
 # Megatron's --deterministic-mode environment (megatron/training/arguments.py and its NCCL note).
 SWITCH_ENV = {"NCCL_ALGO": "Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+# Megatron's --deterministic-mode as policy fields (a stack-native arm): torch.use_deterministic_algorithms(True), with
+# torch's default fill of uninitialized memory that comes with it, and the environment Megatron requires beside it
+# (SWITCH_ENV); TF32 and cuDNN's autotuner are left as they are.
+SWITCH_FIELDS = {"deterministic": True, "cudnn_benchmark": True, "allow_tf32": True,
+                 "cublas_workspace_config": SWITCH_ENV["CUBLAS_WORKSPACE_CONFIG"], "nccl_algo": SWITCH_ENV["NCCL_ALGO"],
+                 "nvte_allow_nondeterministic_algo": False, "fill_uninitialized_memory": True,
+                 "deterministic_kernels": False}
 SPECS = ("local", "transformer_engine")
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")
 DISPATCHERS = ("allgather", "alltoall")
@@ -458,7 +465,8 @@ class MegatronStack:
                 "sequence_parallel": options.sequence_parallel, **moe, "env": SWITCH_ENV if on else {}}
 
     def native_policy(self, recipe: RecipeConfig, name: str) -> PolicyConfig:
-        raise not_wired_native(self.name, "--deterministic-mode")
+        del recipe
+        return PolicyConfig(name=name, **SWITCH_FIELDS)
 
     def meta_model(self, recipe: RecipeConfig) -> nn.Module:
         require_megatron(cuda=False)
