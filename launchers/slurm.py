@@ -331,3 +331,60 @@ def dry_run_slurm(cfg: TaxbenchConfig, root: Path) -> Path:
     for warning in secret_warnings(cfg.cluster, script):
         log.warning(warning)
     return script
+
+
+def _job_parameters(executor: submitit.SlurmExecutor) -> dict[str, Any]:
+    return {key: value for key, value in executor.parameters.items() if key != "job_name"}
+
+
+def submit_batch(runs: list[tuple[TaxbenchConfig, Path]], rank_main: RankMain = run_rank) -> list[submitit.Job[Any]]:
+    """Submit several experiments (taxbench verify's reruns of several references) as one Slurm job array: one sbatch,
+    one queue entry, one task per experiment. They must ask for one job shape (an array's tasks share it); the array's
+    submitit folder is the first experiment's, and each experiment folder's slurm_job.json names it."""
+    first_cfg, first_root = runs[0]
+    for cfg, _ in runs:
+        preflight(cfg)
+    executor = make_executor(first_cfg, first_root)
+    for cfg, root in runs[1:]:
+        theirs = _job_parameters(make_executor(cfg, root, ScriptOnlyExecutor))
+        if theirs != _job_parameters(executor):
+            differing = sorted(key for key in {*theirs, *_job_parameters(executor)}
+                               if theirs.get(key) != executor.parameters.get(key))
+            raise ConfigError(f"one Slurm submission (a job array) runs every experiment with one job shape, but "
+                              f"{cfg.experiment.name} and {first_cfg.experiment.name} differ in "
+                              f"{', '.join(differing)}; submit them separately")
+    executor.update_parameters(job_name=f"taxbench-{first_cfg.experiment.name}-and-{len(runs) - 1}-more")
+    make_private_folder(first_cfg, first_root)
+    try:
+        with executor.batch():
+            jobs = [executor.submit(SlurmExperiment(job_config(cfg), str(root), cfg.cluster.master_addr,
+                                                    cfg.cluster.master_port, rank_main)) for cfg, root in runs]
+    except FailedJobError as exc:
+        last = next((line for line in reversed(str(exc).splitlines()) if line.strip()), "no message")
+        raise ConfigError(f"cluster=slurm: sbatch refused the job array: {last.strip()}") from exc
+    folder = submitit_folder(first_cfg, first_root)
+    for job, (_, root) in zip(jobs, runs, strict=True):
+        make_job_files_private(job)
+        root.mkdir(parents=True, exist_ok=True)
+        (root / JOB_FILE).write_text(json.dumps({"job_id": job.job_id, "submitit_folder": str(folder)}, indent=2),
+                                     encoding="utf-8")
+    for warning in secret_warnings(first_cfg.cluster, jobs[0].paths.submission_file):
+        log.warning(warning)
+    return jobs
+
+
+def launch_slurm_batch(runs: list[tuple[TaxbenchConfig, Path]], rank_main: RankMain = run_rank) -> None:
+    """Submit the experiments as one job array and wait for every task; SlurmJobFailed names the first that ended
+    without results (after all have ended)."""
+    jobs = submit_batch(runs, rank_main)
+    array = jobs[0].job_id.partition("_")[0]
+    print(f"taxbench: submitted Slurm job array {array} ({len(jobs)} tasks); logs in {jobs[0].paths.folder.parent}",
+          flush=True)
+    failed: list[SlurmJobFailed] = []
+    for job, (_, root) in zip(jobs, runs, strict=True):
+        try:
+            wait(job, root)
+        except SlurmJobFailed as exc:
+            failed.append(exc)
+    if failed:
+        raise failed[0]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import itertools
 import os
 import re
 import shutil
@@ -27,7 +28,7 @@ import sys
 import textwrap
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -540,7 +541,7 @@ def run_scan_command(argv: list[str]) -> int:
 
 
 VERIFY_USAGE = """\
-usage: taxbench verify EXPERIMENT|CERTIFICATE [overrides]
+usage: taxbench verify EXPERIMENT|CERTIFICATE [...] [overrides]
                        [verify.avoid_reference_nodes=true]
 
 Reruns the reference's deterministic recipe once (its deterministic-0, from the
@@ -551,48 +552,90 @@ qos, time limit, threads_per_rank, nodes, setup, sbatch_args,
 experiment.out_dir/name/steps); any other difference is refused naming the
 keys. With verify.avoid_reference_nodes=true a Slurm rerun excludes the
 reference's hostnames (sbatch --exclude). Writes verify.json beside the rerun.
+Several references (before the overrides) are rerun one after another, or on
+Slurm as one job array (one submission; their jobs must have one shape).
 
   python -m taxbench verify runs/ref
   taxbench certificate runs/ref -o ref.cert
   python -m taxbench verify ref.cert cluster=slurm_cpu
+  python -m taxbench verify certs/a.cert certs/b.cert cluster=slurm_cpu
 
 exit codes: 0 identical, 2 bad input (a damaged or edited certificate), 3 a
 fingerprint differs (first step, rank and metric; the manifests' differences as
-suspects; the localize command), 4 evidence missing
+suspects; the localize command), 4 evidence missing; for several references
+the worst of theirs (3 before 4)
 """
 
 
 def run_verify_command(argv: list[str]) -> int:
-    """`taxbench verify`: rerun a stored deterministic run and compare it bitwise (taxbench.commands.verify)."""
+    """`taxbench verify`: rerun stored deterministic runs and compare them bitwise (taxbench.commands.verify)."""
     if any(arg in ("-h", "--help") for arg in argv):
         return _print_to_a_pipe(VERIFY_USAGE, exit_codes.OK)
-    if not argv:
+    sources = list(itertools.takewhile(lambda arg: "=" not in arg, argv))
+    if not sources:
         fail("taxbench verify needs a reference: an experiment folder (runs/<experiment>) or a certificate file "
              "(taxbench verify --help)")
-    from taxbench.commands.verify import OWN_KEYS, conclude, load_reference, plan_rerun, render, settings_of
+    from taxbench.commands.verify import (
+        OWN_KEYS,
+        conclude,
+        load_reference,
+        overview,
+        plan_rerun,
+        render,
+        settings_of,
+    )
     from taxbench.launchers.local import RankFailed
     from taxbench.launchers.worker import run_rerun_rank
     from taxbench.rundir.read import RecordError
     from taxbench.rundir.records import RunWriteError
 
-    own = {arg.partition("=")[0]: arg.partition("=")[2] for arg in argv[1:] if arg.startswith("verify.")}
+    rest = argv[len(sources):]
+    misplaced = [arg for arg in rest if "=" not in arg]
+    if misplaced:
+        fail(f"{misplaced[0]!r} follows the overrides; name every reference first: taxbench verify REF [REF ...] "
+             "[overrides]")
+    own = {arg.partition("=")[0]: arg.partition("=")[2] for arg in rest if arg.startswith("verify.")}
     unknown = sorted(set(own) - set(OWN_KEYS))
     if unknown:
         fail(f"unknown verify setting {unknown[0]!r}; verify takes {', '.join(OWN_KEYS)}")
-    overrides = [arg for arg in argv[1:] if not arg.startswith("verify.")]
+    overrides = [arg for arg in rest if not arg.startswith("verify.")]
+    if len(sources) > 1 and any(arg.lstrip("+~").startswith("experiment.name=") for arg in overrides):
+        fail(f"experiment.name names one rerun, but {len(sources)} references are verified; drop it (each rerun is "
+             "named verify-<experiment>-<date>-<time>-<n>)")
     with _one_line_input_errors(RecordError, RunWriteError):
-        reference = load_reference(Path(argv[0]))
-        cfg = plan_rerun(reference, _compose(overrides), overrides, settings_of(own))
-        with claimed(cfg, experiment_root(cfg)) as root:
+        references = [load_reference(Path(source)) for source in sources]
+        settings = settings_of(own)
+        several = len(references) > 1
+        cfgs = [plan_rerun(reference, _compose(overrides), overrides, settings, f"-{index}" if several else "")
+                for index, reference in enumerate(references, 1)]
+        with ExitStack() as held:
+            roots = [held.enter_context(claimed(cfg, experiment_root(cfg))) for cfg in cfgs]
             capture_launch()
             try:
-                if not launch(cfg, root, run_rerun_rank):
-                    return exit_codes.OK
+                if len(cfgs) > 1 and cfgs[0].cluster.launcher is Launcher.slurm:
+                    _launch_slurm_batch(list(zip(cfgs, roots, strict=True)), run_rerun_rank)
+                else:
+                    for cfg, root in zip(cfgs, roots, strict=True):
+                        launch(cfg, root, run_rerun_rank)
             except RankFailed as exc:
                 fail(str(exc), exit_codes.FAILED)
-            result = conclude(reference, root)
-        return _print_to_a_pipe(render(result), result.exit_code)
+            results = [conclude(reference, root) for reference, root in zip(references, roots, strict=True)]
+        text = "\n\n".join(render(result) for result in results)
+        if several:
+            text += "\n\n" + overview(results)
+        return _print_to_a_pipe(text, exit_codes.combined(result.exit_code for result in results))
     return exit_codes.CONFIG_ERROR
+
+
+def _launch_slurm_batch(runs: list[tuple[TaxbenchConfig, Path]], rank_main: RankMain) -> None:
+    try:
+        from taxbench.launchers.slurm import SlurmJobFailed, launch_slurm_batch
+    except ImportError as exc:
+        fail(f"cluster=slurm needs submitit ({exc}); install it with: pip install 'taxbench[slurm]'")
+    try:
+        launch_slurm_batch(runs, rank_main)
+    except SlurmJobFailed as exc:
+        fail(str(exc), exit_codes.FAILED)
 
 
 def _print_to_a_pipe(text: str, code: int) -> int:

@@ -54,8 +54,8 @@ def test_a_documented_command_composes(where: str, command: str) -> None:
     if words and words[0] in HYDRA_SUBCOMMANDS + tuple(OWN_KEYS):
         own = OWN_KEYS.get(words[0], ())
         words = [w for w in words[1:] if not w.startswith(own) or not own]
-        if words[:1] and not ("=" in words[0] or words[0].startswith(("+", "~", "-"))):
-            words = words[1:]  # verify/certificate: the reference folder or certificate
+        while words[:1] and not ("=" in words[0] or words[0].startswith(("+", "~", "-"))):
+            words = words[1:]  # verify/certificate: the reference folders or certificates
     overrides = [w for w in words if w not in ("-m", "--multirun") and not w.startswith("-")]
     if any(w in ("--cfg", "-c", "--help", "-h", "--hydra-help", "-sc") for w in words):
         overrides = [w for w in overrides if "=" in w or w.startswith(("+", "~"))]

@@ -201,6 +201,17 @@ def run_ok(*args: str, cwd: Path, code: int = 0) -> str:
     return done.stdout
 
 
+@pytest.mark.parametrize(("args", "expected"), [
+    (["runs/a", "runs/b", "experiment.name=x"], "experiment.name names one rerun, but 2 references are verified"),
+    (["runs/a", "cluster.threads_per_rank=2", "runs/b"], "'runs/b' follows the overrides; name every reference first"),
+])
+def test_several_references_are_refused_in_one_line_where_they_cannot_work(args: list[str], expected: str,
+                                                                         tmp_path: Path) -> None:
+    done = run_taxbench("verify", *args, cwd=tmp_path)
+    assert done.returncode == exit_codes.CONFIG_ERROR and expected in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "runs").exists()
+
+
 @pytest.mark.slow
 def test_verify_an_experiment_and_its_certificate_through_the_local_launcher(tmp_path: Path) -> None:
     run_ok(*REFERENCE, "experiment.name=ref", cwd=tmp_path)
@@ -234,3 +245,10 @@ def test_verify_a_certificate_through_slurm(tmp_path: Path) -> None:
     out = run_ok("verify", "ref.cert", "cluster=slurm_cpu", "experiment.name=onslurm", cwd=tmp_path)
     assert "identical: every fingerprint of 20 steps x 2 ranks" in out
     assert (tmp_path / "runs" / "onslurm" / slurm.JOB_FILE).exists()
+    # Several references: one submission, a job array with a task per rerun, each compared on its own.
+    out = run_ok("verify", "ref.cert", "runs/ref", "cluster=slurm_cpu", cwd=tmp_path)
+    assert "verified 2 references:" in out and out.count("identical: every fingerprint of 20 steps x 2 ranks") == 2
+    job_files = sorted((tmp_path / "runs").glob(f"verify-*/{slurm.JOB_FILE}"))
+    jobs = [json.loads(path.read_text())["job_id"] for path in job_files]
+    assert len(jobs) == 2 and {job.partition("_")[0] for job in jobs} == {jobs[0].partition("_")[0]}, jobs
+    assert sorted(job.partition("_")[2] for job in jobs) == ["0", "1"]

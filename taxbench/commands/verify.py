@@ -182,11 +182,11 @@ def _may_change(key: str, config: dict[str, Any]) -> bool:
     return key == unused or any(key == allowed or key.startswith(allowed + ".") for allowed in RERUN_MAY_CHANGE)
 
 
-def rerun_config(reference: Reference, composed: DictConfig, overrides: list[str],
-                 settings: VerifySettings) -> dict[str, Any]:
+def rerun_config(reference: Reference, composed: DictConfig, overrides: list[str], settings: VerifySettings,
+                 suffix: str = "") -> dict[str, Any]:
     """The reference's config with what the overrides set (a group choice such as cluster=slurm sets its whole node)
-    and the rerun's own name and length; VerifyError naming every setting the overrides change that is not where or
-    how the run executes."""
+    and the rerun's own name (`suffix` tells apart the reruns of one command) and length; VerifyError naming every
+    setting the overrides change that is not where or how the run executes."""
     given = OmegaConf.to_container(composed, resolve=True, enum_to_str=True)
     stored = reference.config
     rerun = copy.deepcopy(stored)
@@ -194,7 +194,7 @@ def rerun_config(reference: Reference, composed: DictConfig, overrides: list[str
     for path in sorted(paths, key=lambda p: p.count(".")):  # a group's node first, then keys inside it
         _assign(rerun, path, _lookup(given, path))
     if "experiment.name" not in paths:
-        rerun["experiment"]["name"] = f"verify-{reference.experiment}-{launch_stamp()}"
+        rerun["experiment"]["name"] = f"verify-{reference.experiment}-{launch_stamp()}{suffix}"
     if "experiment.steps" not in paths:
         rerun["experiment"]["steps"] = reference.steps
     if settings.avoid_reference_nodes:
@@ -241,10 +241,10 @@ def _reference_hosts(reference: Reference) -> list[str]:
     return hostnames(reference.essentials)
 
 
-def plan_rerun(reference: Reference, composed: DictConfig, overrides: list[str],
-               settings: VerifySettings) -> TaxbenchConfig:
+def plan_rerun(reference: Reference, composed: DictConfig, overrides: list[str], settings: VerifySettings,
+               suffix: str = "") -> TaxbenchConfig:
     """The rerun's typed config, checked as an experiment's would be before anything launches."""
-    cfg = load_config(rerun_config(reference, composed, overrides, settings))
+    cfg = load_config(rerun_config(reference, composed, overrides, settings, suffix))
     if cfg.cluster.dry_run:  # no rerun, no records: a verdict of exit 0 would have no evidence behind it
         raise VerifyError("verify compares a rerun's records, and cluster.dry_run=true runs nothing; drop it (a job "
                           "script alone: python -m taxbench ... cluster=slurm cluster.dry_run=true)")
@@ -351,6 +351,21 @@ def render(result: VerifyResult) -> str:
         where = "" if ref.run_dir is not None else " (needs the reference run folder, which is not here)"
         lines.append(f"localize the first difference{where}: {command}")
     lines.append(f"summary: {result.rerun_dir.parent / SUMMARY_FILE}")
+    return "\n".join(lines)
+
+
+def overview(results: list[VerifyResult]) -> str:
+    """One line per reference of a verify of several: what was compared and the outcome."""
+    lines = [f"verified {len(results)} references:"]
+    for result in results:
+        verdict = result.verdict
+        if verdict.outcome == DIFFERS and verdict.first_mismatch is not None:
+            first = verdict.first_mismatch
+            outcome = f"differs at step {first.step}, rank {first.rank}, {first.metric}"
+        else:
+            outcome = verdict.outcome
+        lines.append(f"  {result.reference.source}: {outcome} ({result.compared_steps} steps compared; "
+                     f"{result.rerun_dir.parent / SUMMARY_FILE})")
     return "\n".join(lines)
 
 
