@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
 
@@ -240,3 +241,32 @@ def test_the_deterministic_tree_mode_composes_to_torchtitans_policy() -> None:
     lines = policy.audit(tree, "taxbench")  # what a stack-native arm with this switch would be told
     assert [line.split(" ")[3] for line in lines] == ["NCCL_ALGO", "NCCL_PROTO",
                                                       "NCCL_MIN_NCHANNELS/NCCL_MAX_NCHANNELS"]
+
+
+def test_cli_refuses_an_unpinned_tree_in_one_line(tmp_path, taxbench_cli) -> None:
+    done = taxbench_cli("mode@arms.deterministic=deterministic_tree", "arms.deterministic.nccl_channels=null",
+                        f"experiment.out_dir={tmp_path}", "experiment.name=tree", cwd=tmp_path, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "a Tree all-reduce is deterministic only pinned" in lines[0], lines
+    assert lines[0].startswith("taxbench: error: ") and lines[0].endswith("nccl_channels=1 "
+                                                                           "(mode@arms.deterministic=deterministic_tree)")
+
+
+@pytest.mark.slow
+def test_a_deterministic_tree_pair_runs_on_two_gloo_ranks_and_records_its_nccl_settings(tmp_path, taxbench_cli) -> None:
+    done = taxbench_cli("mode@arms.deterministic=deterministic_tree", "experiment.steps=6", "experiment.warmup_steps=1",
+                        "experiment.resume_step=3", "experiment.block_steps=3", "experiment.checkpoint_every_steps=3",
+                        "report.wandb=false", f"experiment.out_dir={tmp_path}", "experiment.name=tree", cwd=tmp_path,
+                        timeout=600, env={name: "" for name in policy.PER_ARM_ENV_VARS})
+    assert done.returncode == 0, done.stderr[-3000:]
+    manifest = json.loads((tmp_path / "tree" / "deterministic-0" / "manifest.json").read_text())
+    recorded = manifest["policy"]
+    assert (recorded["nccl_algo"], recorded["nccl_proto"], recorded["nccl_channels"]) == ("Ring;allreduce:Tree",
+                                                                                         "Simple", 1)
+    applied = manifest["policy_applied"]
+    assert applied["nccl"] == {"algo": "Ring;allreduce:Tree", "proto": "Simple", "channels": ["1", "1"],
+                               "active": False}  # gloo: recorded, never read
+    assert applied["env"]["NCCL_MIN_NCHANNELS"] == applied["env"]["NCCL_MAX_NCHANNELS"] == "1"
+    baseline = json.loads((tmp_path / "tree" / "baseline-0" / "manifest.json").read_text())["policy_applied"]
+    assert baseline["nccl"] == {"algo": None, "proto": None, "channels": [None, None], "active": False}
