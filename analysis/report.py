@@ -486,7 +486,8 @@ def experiment_report(analysis: ExperimentAnalysis) -> Report:
             f"[{pct(tax.hl_low)}, {pct(tax.hl_high)}]." + (
                 " Timed on one model whose policy switched per block (experiment.interleave=policy: "
                 "baseline-timed, deterministic-timed); its communicators are the baseline's, so the cost of the "
-                "deterministic NCCL_ALGO is not in this tax." if summary.interleave == "policy" else ""),
+                "deterministic NCCL settings (NCCL_ALGO, a pinned protocol and channels) is not in this tax."
+                if summary.interleave == "policy" else ""),
             tone="warn" if tax.drifting or not summary.conclusive else "",
         ),
         TableBlock(

@@ -199,15 +199,20 @@ def render_sweep(sweep: SweepAnalysis, console: Console | None = None, report_pa
     """Compact console table: one line per sweep point."""
     console = console or Console()
     table = Table(title=f"[bold]sweep[/bold] {sweep.root}", title_justify="left", show_edge=False, pad_edge=False)
-    for column, justify in (("recipe", "left"), (world_label(sweep.points), "right"), ("tax", "right"), ("CI", "right"),
-                            ("gates", "left")):
+    # Points that share recipe and world size (a sweep of modes, e.g. the two NCCL policies) are told apart by name.
+    named = bool(sweep.points.duplicated(["recipe", "world_size"], keep=False).any())
+    for column, justify in ((("point", "left"),) if named else ()) + (
+            ("recipe", "left"), (world_label(sweep.points), "right"), ("tax", "right"), ("CI", "right"),
+            ("gates", "left")):
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
     for row in sweep.points.to_dict("records"):
+        point = (escape(str(row["point"])),) if named else ()
         if row["error"]:
-            table.add_row(str(row["experiment"]), "", "", "", f"[red]not analysed[/red]: {escape(row['error'][:60])}")
+            table.add_row(*point, str(row["experiment"]), "", "", "",
+                          f"[red]not analysed[/red]: {escape(row['error'][:60])}")
             continue
         gates = " ".join(_gate_mark(str(row[gate.name]), gate.strict) + gate.label for gate in GATES)
-        table.add_row(str(row["recipe"]), str(row["world_size"]), pct(row["tax"]),
+        table.add_row(*point, str(row["recipe"]), str(row["world_size"]), pct(row["tax"]),
                       escape(f"[{pct(row['low'])}, {pct(row['high'])}]"), gates)
     console.print(table)
     incomplete = sweep.points[sweep.points["outcome"] == INCOMPLETE]

@@ -42,6 +42,17 @@ step interleave_policy 90 $PY -m taxbench "${EXP[@]}" +recipe=moe_tiny experimen
 # The calibrated instrument on GPU: a planted 5% tax on an A/A pair (spin kernel, CUDA event times).
 step planted_5pct 150 $PY -m taxbench "${EXP[@]}" experiment.calibration=true experiment.planted_tax=0.05 \
     experiment.steps=240 experiment.name=planted_gpu
+# The two NCCL policies against one baseline (docs/configuration.md): Megatron's Ring and torchtitan's pinned Tree
+# all-reduce, one sweep point each. NCCL runs no collective on one rank, so this needs 2 GPUs; never run yet.
+if [ "$($PY -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+    # NCCL_DEBUG_SUBSYS=ENV: NCCL logs each NCCL_* value it read ("NCCL_ALGO set by environment to ..."), per arm.
+    step nccl_policies 300 env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=ENV $PY -m taxbench -m cluster.device=cuda cluster.gpus=2 experiment.out_dir="$OUT/runs" \
+        report.wandb=false +recipe=moe_tiny 'mode@arms.deterministic=deterministic,deterministic_tree' \
+        experiment.name=nccl_policies_gpu
+    grep -h "set by environment to" "$OUT/nccl_policies.log" | sed 's/.*NCCL INFO //' | sort | uniq -c
+else
+    echo "fewer than 2 GPUs: nccl_policies not run (one rank runs no NCCL collective)" | tee -a "$OUT/steps.txt"
+fi
 # The op repeat scan on CUDA: the baseline's atomic MoE ops (index_add_ in combine and dispatch backward) named, the
 # deterministic policy clean (exit 0).
 step scan_moe_tiny 120 $PY -m taxbench scan +recipe=moe_tiny cluster.device=cuda cluster.gpus=1 \
@@ -64,5 +75,5 @@ else
     echo "megatron-core not installed: megatron_gpt_debug and megatron_moe_debug not run" | tee -a "$OUT/steps.txt"
 fi
 grep -h -E "tax|deterministic:|planted" "$OUT"/moe_tiny_bf16.log "$OUT"/interleave_policy.log "$OUT"/planted_5pct.log \
-    "$OUT"/megatron_gpt.log "$OUT"/megatron_moe_debug.log 2>/dev/null | head -40
+    "$OUT"/nccl_policies.log "$OUT"/megatron_gpt.log "$OUT"/megatron_moe_debug.log 2>/dev/null | head -40
 exit $failed

@@ -112,7 +112,9 @@ KNOBS = (
          "taxbench's fixed-order kernels for the MoE hot spots (combine, dispatch, top-k)"),
     Knob("tf32_off", ("allow_tf32",), _CUDA, "TF32 off for matmuls and cuDNN"),
     Knob("cudnn_benchmark_off", ("cudnn_benchmark",), _CUDA, "cuDNN autotuning off"),
-    Knob("nccl_ring", ("nccl_algo",), _CUDA, "NCCL_ALGO on the arm's own communicator"),
+    # Switched together: a Tree algorithm is deterministic only with its protocol and channel count pinned.
+    Knob("nccl_algo", ("nccl_algo", "nccl_proto", "nccl_channels"), _CUDA,
+         "NCCL_ALGO (with the protocol and channels it is pinned to) on the arm's own communicator"),
     Knob("fill_uninitialized_memory", ("fill_uninitialized_memory",), _ALL,
          "fill uninitialized memory (acts only under deterministic algorithms)", acts_with="deterministic"),
 )

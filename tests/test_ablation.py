@@ -28,7 +28,7 @@ def test_on_cpu_only_the_knobs_that_act_there_get_arms() -> None:
     plans = {p.knob.name: p for p in plan_ablation(pair_policies(), Device.cpu)}
     assert plans["deterministic_algorithms"].with_status == MEASURED
     assert plans["deterministic_kernels"].with_status == MEASURED
-    for name in ("tf32_off", "cudnn_benchmark_off", "nccl_ring"):
+    for name in ("tf32_off", "cudnn_benchmark_off", "nccl_algo"):
         assert plans[name].with_status == plans[name].without_status == "no-op on cpu"
         assert plans[name].with_run is None and plans[name].without_runs == ()
     # The deterministic mode leaves fill_uninitialized_memory off, as the baseline does.
@@ -39,11 +39,23 @@ def test_on_cuda_the_cuda_knobs_get_arms_and_fill_alone_is_a_no_op() -> None:
     arms = pair_policies()
     arms["deterministic"] = dataclasses.replace(arms["deterministic"], fill_uninitialized_memory=True)
     plans = {p.knob.name: p for p in plan_ablation(arms, Device.cuda)}
-    for name in ("tf32_off", "cudnn_benchmark_off", "nccl_ring"):
+    for name in ("tf32_off", "cudnn_benchmark_off", "nccl_algo"):
         assert plans[name].with_status == plans[name].without_status == MEASURED
     fill = plans["fill_uninitialized_memory"]
     assert fill.with_status == "no-op alone (acts only with deterministic=true)"
     assert fill.without_status == MEASURED  # left out of the deterministic policy, where it does act
+
+
+def test_the_nccl_knob_switches_a_tree_with_its_pins() -> None:
+    arms = compose_config("mode@arms.deterministic=deterministic_tree").arms
+    plan = next(p for p in plan_ablation(arms, Device.cuda) if p.knob.name == "nccl_algo")
+    assert plan.with_status == plan.without_status == MEASURED
+    pinned = ("Ring;allreduce:Tree", "Simple", 1)
+    assert (plan.with_policy.nccl_algo, plan.with_policy.nccl_proto, plan.with_policy.nccl_channels) == pinned
+    assert (plan.without_policy.nccl_algo, plan.without_policy.nccl_proto, plan.without_policy.nccl_channels) == (
+        None, None, None)
+    cpu = next(p for p in plan_ablation(arms, Device.cpu) if p.knob.name == "nccl_algo")
+    assert cpu.with_status == cpu.without_status == "no-op on cpu"  # gloo reads no NCCL variable
 
 
 @pytest.mark.parametrize("device", [Device.cpu, Device.cuda])
@@ -60,7 +72,9 @@ def test_every_knob_arm_differs_from_its_pair_arm_in_that_knob_only(device: Devi
             policy = policies[ref.arm]
             changed = {f.name for f in dataclasses.fields(policy)
                        if getattr(policy, f.name) != getattr(source, f.name)}
-            assert changed == {"name", *plan.knob.fields}, (ref, changed)
+            differing = {f for f in plan.knob.fields
+                         if getattr(arms["baseline"], f) != getattr(arms["deterministic"], f)}
+            assert changed == {"name", *differing} and differing, (ref, changed)
             assert knob_of(ref.arm) == (ref.arm.split("_", 1)[0], plan.knob.name)
     assert knob_of("baseline") is None and knob_of("with_nothing") is None
 

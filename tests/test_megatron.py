@@ -73,6 +73,9 @@ def test_the_deterministic_switch_records_megatrons_mode_and_environment() -> No
     (("+recipe.model.stack.cross_entropy_loss_fusion=true",), "rejects cross-entropy loss fusion"),
     (("arms.deterministic.nccl_algo=CollnetDirect",), "NCCL_ALGO=Ring but the deterministic arm's taxbench policy"),
     (("arms.deterministic.nccl_algo=null",), "NCCL_ALGO=Ring but the deterministic arm's taxbench policy has None"),
+    # Megatron refuses Tree: torchtitan's NCCL policy is for taxbench's own stack (and torchtitan's).
+    (("mode@arms.deterministic=deterministic_tree",),
+     "NCCL_ALGO=Ring but the deterministic arm's taxbench policy has Ring;allreduce:Tree"),
     (("recipe.parallel.pp=2", "recipe.parallel.pp_schedule=GPipe"), "not one of Megatron's schedules"),
     (("recipe.parallel.ep=2",), "recipe.parallel.ep=2 needs MoE layers"),
     (("+recipe.model.stack.use_distributed_optimizer=true",), "use_distributed_optimizer=true is not driven"),

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
 
 import pytest
 import torch
+from helpers import compose_config
 
 from taxbench.config import policy
 from taxbench.config.schema import Device, PolicyConfig
@@ -156,3 +158,115 @@ def test_cli_refuses_a_bad_environment_value_before_launch(tmp_path, taxbench_cl
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("taxbench: error: NCCL_ALGO='Tree' is set in the environment")
     assert not (tmp_path / "env" / "deterministic-0").exists()  # no rank started
+
+
+# ------------------------------------------------------ the two NCCL policies: Megatron's Ring, torchtitan's Tree
+TREE = replace(DETERMINISTIC, nccl_algo="Ring;allreduce:Tree", nccl_proto="Simple", nccl_channels=1)
+
+
+@pytest.mark.parametrize("device", [Device.cuda, Device.cpu])
+@pytest.mark.parametrize("pinned", [TREE, replace(TREE, nccl_channels=4), replace(DETERMINISTIC, nccl_proto="Simple")])
+def test_ring_and_the_pinned_tree_are_accepted(pinned: PolicyConfig, device: Device) -> None:
+    policy.validate_policy(DETERMINISTIC, device, env={})
+    policy.validate_policy(pinned, device, env={})
+
+
+@pytest.mark.parametrize("device", [Device.cuda, Device.cpu])
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"nccl_proto": None}, "nccl_proto=None, nccl_channels=1: a Tree all-reduce is deterministic only pinned"),
+        ({"nccl_channels": None}, "nccl_proto='Simple', nccl_channels=None: a Tree all-reduce is deterministic only"),
+        ({"nccl_algo": "Tree"}, "nccl_algo='Tree' is not accepted for deterministic runs (a bare Tree leaves"),
+        ({"nccl_algo": "allreduce:tree"}, "nccl_algo='allreduce:tree' is not accepted"),
+        ({"nccl_proto": "LL128"}, "nccl_proto='LL128' cannot be vouched for"),
+        ({"nccl_channels": 0}, "nccl_channels=0 must be >= 1"),
+    ],
+)
+def test_an_unpinned_tree_and_bad_nccl_values_are_refused_with_the_fix(change: dict, expected: str,
+                                                                       device: Device) -> None:
+    with pytest.raises(policy.PolicyError) as excinfo:
+        policy.validate_policy(replace(TREE, **change), device, env={})
+    message = str(excinfo.value)
+    assert expected in message and "\n" not in message
+    assert "nccl_proto=Simple and nccl_channels=1" in message or "or null" in message
+    policy.validate_policy(replace(BASELINE, **change), device, env={})  # the baseline makes no determinism promise
+
+
+def test_a_tree_arm_gets_its_pinned_environment_and_the_baseline_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in policy.PER_ARM_ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    with policy.active(TREE):
+        env = policy.applied_state(Device.cpu)
+    assert env["env"]["NCCL_ALGO"] == "Ring;allreduce:Tree" and env["env"]["NCCL_PROTO"] == "Simple"
+    assert env["env"]["NCCL_MIN_NCHANNELS"] == env["env"]["NCCL_MAX_NCHANNELS"] == "1"
+    assert env["nccl"] == {"algo": "Ring;allreduce:Tree", "proto": "Simple", "channels": ["1", "1"], "active": False}
+    assert "gloo runs the collectives" in env["note"]
+    with policy.active(BASELINE):
+        assert not any(name in os.environ for name in policy.PER_ARM_ENV_VARS[:-1])
+    # A site's protocol setting stays for the arms that do not pin one (the baseline, Megatron's Ring).
+    monkeypatch.setenv("NCCL_PROTO", "^LL128")
+    for unpinned in (BASELINE, DETERMINISTIC):
+        with policy.active(unpinned):
+            assert os.environ["NCCL_PROTO"] == "^LL128" and "NCCL_MIN_NCHANNELS" not in os.environ
+
+
+@pytest.mark.parametrize(
+    ("arm", "name", "value"),
+    [(TREE, "NCCL_ALGO", "Ring"), (TREE, "NCCL_PROTO", "LL"), (TREE, "NCCL_MIN_NCHANNELS", "4"),
+     (TREE, "NCCL_MAX_NCHANNELS", "32"), (DETERMINISTIC, "NCCL_ALGO", "Ring;allreduce:Tree")],
+)
+def test_an_environment_overriding_the_arms_nccl_setting_is_refused(arm: PolicyConfig, name: str, value: str) -> None:
+    with pytest.raises(policy.PolicyError) as excinfo:
+        policy.validate_policy(arm, Device.cpu, env={name: value})
+    assert f"{name}={value!r} is set in the environment" in str(excinfo.value)
+    assert f"accepted: {list(policy.env_accepted(arm)[name])}" in str(excinfo.value)
+
+
+def test_the_environment_check_accepts_exactly_what_the_arm_sets() -> None:
+    for arm in (TREE, DETERMINISTIC):
+        set_by_arm = {k: v for k, v in policy.policy_env(arm).items() if v is not None}
+        policy.validate_policy(arm, Device.cuda, env=set_by_arm)  # e.g. a rank started inside the arm's block
+
+
+def test_the_deterministic_tree_mode_composes_to_torchtitans_policy() -> None:
+    cfg = compose_config("mode@arms.deterministic=deterministic_tree")
+    tree = cfg.arms["deterministic"]
+    assert (tree.nccl_algo, tree.nccl_proto, tree.nccl_channels) == ("Ring;allreduce:Tree", "Simple", 1)
+    assert tree.name == "deterministic" and tree.deterministic and tree.deterministic_kernels
+    ring = compose_config().arms["deterministic"]
+    # The two modes differ in the NCCL policy only.
+    assert {k for k, v in vars(tree).items() if vars(ring)[k] != v} == {"nccl_algo", "nccl_proto", "nccl_channels"}
+    assert (ring.nccl_algo, ring.nccl_proto, ring.nccl_channels) == ("Ring", None, None)
+    lines = policy.audit(tree, "taxbench")  # what a stack-native arm with this switch would be told
+    assert [line.split(" ")[3] for line in lines] == ["NCCL_ALGO", "NCCL_PROTO",
+                                                      "NCCL_MIN_NCHANNELS/NCCL_MAX_NCHANNELS"]
+
+
+def test_cli_refuses_an_unpinned_tree_in_one_line(tmp_path, taxbench_cli) -> None:
+    done = taxbench_cli("mode@arms.deterministic=deterministic_tree", "arms.deterministic.nccl_channels=null",
+                        f"experiment.out_dir={tmp_path}", "experiment.name=tree", cwd=tmp_path, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "a Tree all-reduce is deterministic only pinned" in lines[0], lines
+    assert lines[0].startswith("taxbench: error: ") and lines[0].endswith("nccl_channels=1 "
+                                                                           "(mode@arms.deterministic=deterministic_tree)")
+
+
+@pytest.mark.slow
+def test_a_deterministic_tree_pair_runs_on_two_gloo_ranks_and_records_its_nccl_settings(tmp_path, taxbench_cli) -> None:
+    done = taxbench_cli("mode@arms.deterministic=deterministic_tree", "experiment.steps=6", "experiment.warmup_steps=1",
+                        "experiment.resume_step=3", "experiment.block_steps=3", "experiment.checkpoint_every_steps=3",
+                        "report.wandb=false", f"experiment.out_dir={tmp_path}", "experiment.name=tree", cwd=tmp_path,
+                        timeout=600, env={name: "" for name in policy.PER_ARM_ENV_VARS})
+    assert done.returncode == 0, done.stderr[-3000:]
+    manifest = json.loads((tmp_path / "tree" / "deterministic-0" / "manifest.json").read_text())
+    recorded = manifest["policy"]
+    assert (recorded["nccl_algo"], recorded["nccl_proto"], recorded["nccl_channels"]) == ("Ring;allreduce:Tree",
+                                                                                         "Simple", 1)
+    applied = manifest["policy_applied"]
+    assert applied["nccl"] == {"algo": "Ring;allreduce:Tree", "proto": "Simple", "channels": ["1", "1"],
+                               "active": False}  # gloo: recorded, never read
+    assert applied["env"]["NCCL_MIN_NCHANNELS"] == applied["env"]["NCCL_MAX_NCHANNELS"] == "1"
+    baseline = json.loads((tmp_path / "tree" / "baseline-0" / "manifest.json").read_text())["policy_applied"]
+    assert baseline["nccl"] == {"algo": None, "proto": None, "channels": [None, None], "active": False}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -18,7 +19,7 @@ from taxbench import exit_codes
 from taxbench.analysis.publish import publish
 from taxbench.analysis.report import HTML_FILE, MARKDOWN_FILE, REPORT_DIR, STEP_TIME_PNG, SWEEP_PNG
 from taxbench.analysis.summary import analyse_experiment, render
-from taxbench.analysis.sweep import SWEEP_FILE, analyse_sweep, find_experiments
+from taxbench.analysis.sweep import SWEEP_FILE, analyse_sweep, find_experiments, render_sweep
 from taxbench.analysis.synthetic import Injection, SyntheticExperiment, change_config, write_experiment
 from taxbench.config.schema import ReportConfig
 from taxbench.redaction import REDACTED, redact, redact_text
@@ -314,6 +315,26 @@ def test_sweep_exit_code_is_its_worst_point(tmp_path: Path) -> None:
     write_experiment(sweep_root / "c", SyntheticExperiment(ranks=2, seed=3, **small),
                      Injection("deterministic-1", step=3, rank=0))
     assert publish(sweep_root, NO_WANDB, console=QUIET).exit_code == exit_codes.NOT_DETERMINISTIC
+
+
+def test_sweep_points_of_one_recipe_and_size_are_told_apart_by_name(tmp_path: Path) -> None:
+    """A sweep of modes (mode@arms.deterministic=deterministic,deterministic_tree): same recipe, same ranks."""
+    sweep_root = tmp_path / "sweep"
+    mark_sweep(sweep_root)
+    small = {"steps": 12, "block_steps": 3, "resume_step": 6}
+    for seed, where in enumerate(("ring", "tree")):
+        write_experiment(sweep_root / where, SyntheticExperiment(ranks=2, seed=seed, **small))
+    console = Console(file=io.StringIO(), width=200)
+    render_sweep(analyse_sweep(sweep_root), console)
+    lines = console.file.getvalue().splitlines()
+    header = next(i for i, line in enumerate(lines) if "┃" in line)
+    assert lines[header].split()[:2] == ["point", "┃"]
+    assert [line.split()[0] for line in lines[header + 2:header + 4]] == ["ring", "tree"]
+    write_experiment(sweep_root / "four", SyntheticExperiment(ranks=4, seed=3, **small))
+    (sweep_root / "tree").rename(tmp_path / "tree")  # one point per world size: no name column
+    console = Console(file=io.StringIO(), width=200)
+    render_sweep(analyse_sweep(sweep_root), console)
+    assert next(line for line in console.file.getvalue().splitlines() if "┃" in line).split()[0] == "recipe"
 
 
 @pytest.mark.slow  # over 10 s: a real multi-process or CLI run (the fast tier stays under 8 min)

@@ -10,6 +10,13 @@ Two layers:
   so both arms can be interleaved in one process.
 NCCL_ALGO is read when a communicator is created, so each arm gets its own process group created under its value
 (see taxbench.parallel.distributed).
+
+Two NCCL policies are deterministic, each on a fixed topology: Megatron's (NCCL_ALGO=Ring, refusing Tree, whose
+reduction order depends on the topology) and torchtitan's batch-invariant one (a Tree all-reduce on one channel with
+the Simple protocol, torchtitan PR 2994: pinned, an element's reduction order no longer depends on the message size).
+taxbench's Tree value is per collective, `Ring;allreduce:Tree`: NCCL has Tree only for all-reduce, and a bare Tree
+leaves broadcast and all-gather without an algorithm (NVIDIA/nccl#317), as `allreduce:tree` with NCCL_PROTO=Simple does
+on NCCL 2.31 (vllm-project/vllm#58179); the other collectives stay on Ring, never on NVLS.
 """
 
 from __future__ import annotations
@@ -27,6 +34,11 @@ from taxbench.config.schema import ConfigError, Device, PolicyConfig
 
 VALID_CUBLAS_WORKSPACE_CONFIGS = (":4096:8", ":16:8")
 VALID_DETERMINISTIC_NCCL_ALGOS = ("Ring", "CollnetDirect", "CollnetChain", "^NVLS")
+# Tree all-reduce, deterministic only with the protocol and channel count pinned (PINNED_NCCL_PROTOS, nccl_channels).
+TREE_NCCL_ALGOS = ("Ring;allreduce:Tree",)
+# LL and LL128 pack data in flags and chunk by message size; Simple is the protocol torchtitan pins for Tree.
+PINNED_NCCL_PROTOS = ("Simple",)
+NCCL_CHANNEL_VARS = ("NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS")
 
 # Environment variables that determinism or its cost depends on; recorded in every manifest.
 RECORDED_ENV_VARS = (
@@ -45,7 +57,9 @@ RECORDED_ENV_VARS = (
 )
 
 
-# What the deterministic arm accepts in the environment (NCCL_ALGO: a comma-separated list, every token accepted).
+# What the deterministic arm accepts in the environment (NCCL_ALGO: a comma-separated list, every token accepted);
+# a policy that pins the NCCL algorithm to Tree, the protocol or the channels accepts its own values only
+# (`env_accepted`).
 DETERMINISTIC_ENV_ACCEPTED: dict[str, tuple[str, ...]] = {
     "CUBLAS_WORKSPACE_CONFIG": VALID_CUBLAS_WORKSPACE_CONFIGS,
     "NCCL_ALGO": VALID_DETERMINISTIC_NCCL_ALGOS,
@@ -57,17 +71,34 @@ class PolicyError(ConfigError):
     """The requested policy cannot be applied or vouched for."""
 
 
-def _env_value_accepted(name: str, value: str) -> bool:
-    accepted = DETERMINISTIC_ENV_ACCEPTED[name]
+def env_accepted(policy: PolicyConfig) -> dict[str, tuple[str, ...]]:
+    """What the deterministic arm of this policy accepts in the environment: what it would set itself, and for the
+    variables it does not pin, every value it can vouch for (a Ring arm keeps a user's CollnetDirect)."""
+    accepted = dict(DETERMINISTIC_ENV_ACCEPTED)
+    if policy.nccl_algo in TREE_NCCL_ALGOS:
+        accepted["NCCL_ALGO"] = (policy.nccl_algo,)
+    if policy.nccl_proto is not None:
+        accepted["NCCL_PROTO"] = (policy.nccl_proto,)
+    if policy.nccl_channels is not None:
+        accepted.update({name: (str(policy.nccl_channels),) for name in NCCL_CHANNEL_VARS})
+    return accepted
+
+
+def _env_value_accepted(name: str, value: str, accepted: tuple[str, ...]) -> bool:
+    if value in accepted:
+        return True
     tokens = [t.strip() for t in value.split(",")] if name == "NCCL_ALGO" else [value]
     return all(token in accepted for token in tokens)
 
 
 def policy_env(policy: PolicyConfig) -> dict[str, str | None]:
     """The values this policy puts in the environment (None: unset), before any value the user already set."""
+    channels = None if policy.nccl_channels is None else str(policy.nccl_channels)
     return {
         "CUBLAS_WORKSPACE_CONFIG": policy.cublas_workspace_config,
         "NCCL_ALGO": policy.nccl_algo,
+        "NCCL_PROTO": policy.nccl_proto,
+        **dict.fromkeys(NCCL_CHANNEL_VARS, channels),
         "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "1" if policy.nvte_allow_nondeterministic_algo else "0",
     }
 
@@ -82,9 +113,9 @@ def validate_policy_env(policy: PolicyConfig, device: Device, env: Mapping[str, 
         return
     env = os.environ if env is None else env
     defaults = policy_env(policy)
-    for name, accepted in DETERMINISTIC_ENV_ACCEPTED.items():
+    for name, accepted in env_accepted(policy).items():
         value = env.get(name)
-        if not value or _env_value_accepted(name, value):
+        if not value or _env_value_accepted(name, value, accepted):
             continue
         fill = f"unset it (taxbench then sets {defaults[name]})" if defaults[name] else "unset it"
         inactive = " (inactive on CPU, but nondeterministic on CUDA)" if device is Device.cpu else ""
@@ -100,6 +131,7 @@ def validate_policy(policy: PolicyConfig, device: Device, env: Mapping[str, str]
     if not policy.deterministic or policy.stack_native:
         return
     validate_policy_env(policy, device, env)
+    _validate_nccl(policy, device)
     if device is Device.cuda:
         if torch.version.hip is not None:
             raise PolicyError(
@@ -111,12 +143,6 @@ def validate_policy(policy: PolicyConfig, device: Device, env: Mapping[str, str]
                 f"mode {policy.name!r}: cublas_workspace_config={policy.cublas_workspace_config!r} does not make "
                 f"cuBLAS deterministic; use one of {list(VALID_CUBLAS_WORKSPACE_CONFIGS)}"
             )
-        if policy.nccl_algo not in VALID_DETERMINISTIC_NCCL_ALGOS:
-            raise PolicyError(
-                f"mode {policy.name!r}: nccl_algo={policy.nccl_algo!r} is not accepted for deterministic runs "
-                "(Tree and NVLS reduce in a topology-dependent order); "
-                f"use one of {list(VALID_DETERMINISTIC_NCCL_ALGOS)}"
-            )
         if policy.allow_tf32 or policy.cudnn_benchmark:
             raise PolicyError(
                 f"mode {policy.name!r}: allow_tf32={policy.allow_tf32}, cudnn_benchmark={policy.cudnn_benchmark}; "
@@ -127,6 +153,34 @@ def validate_policy(policy: PolicyConfig, device: Device, env: Mapping[str, str]
                 f"mode {policy.name!r}: nvte_allow_nondeterministic_algo=true lets Transformer Engine pick "
                 "nondeterministic attention kernels; set it to false"
             )
+
+
+def _validate_nccl(policy: PolicyConfig, device: Device) -> None:
+    """The NCCL fields of a deterministic policy, on every device (inert under gloo, but the same config goes to a
+    GPU job); only an unset algorithm is left to NCCL on CPU."""
+    name, algo = policy.name, policy.nccl_algo
+    pinned = f"nccl_proto={PINNED_NCCL_PROTOS[0]} and nccl_channels=1 (mode@arms.deterministic=deterministic_tree)"
+    if policy.nccl_channels is not None and policy.nccl_channels < 1:
+        raise PolicyError(f"mode {name!r}: nccl_channels={policy.nccl_channels} must be >= 1 (it sets "
+                          "NCCL_MIN_NCHANNELS=NCCL_MAX_NCHANNELS) or null (NCCL chooses)")
+    if policy.nccl_proto is not None and policy.nccl_proto not in PINNED_NCCL_PROTOS:
+        raise PolicyError(f"mode {name!r}: nccl_proto={policy.nccl_proto!r} cannot be vouched for (LL and LL128 "
+                          f"pack data by message size); use one of {list(PINNED_NCCL_PROTOS)} or null")
+    if algo in TREE_NCCL_ALGOS and (policy.nccl_proto is None or policy.nccl_channels is None):
+        raise PolicyError(f"mode {name!r}: nccl_algo={algo!r} with nccl_proto={policy.nccl_proto!r}, "
+                          f"nccl_channels={policy.nccl_channels!r}: a Tree all-reduce is deterministic only pinned "
+                          f"to a fixed channel count and protocol; set {pinned}")
+    if algo is None:
+        accepted = device is Device.cpu
+    else:
+        accepted = algo in TREE_NCCL_ALGOS or _env_value_accepted("NCCL_ALGO", algo, VALID_DETERMINISTIC_NCCL_ALGOS)
+    if not accepted:
+        tree = " (a bare Tree leaves broadcast and all-gather without an algorithm)" if algo == "Tree" else ""
+        raise PolicyError(
+            f"mode {name!r}: nccl_algo={algo!r} is not accepted for deterministic runs{tree}; "
+            f"use one of {list(VALID_DETERMINISTIC_NCCL_ALGOS)} (Megatron's Ring), or "
+            f"{TREE_NCCL_ALGOS[0]!r} with {pinned}"
+        )
 
 
 def full_policy() -> PolicyConfig:
@@ -144,6 +198,8 @@ AUDITED = {
     "allow_tf32": "TF32 (matmul and cuDNN)",
     "cublas_workspace_config": "CUBLAS_WORKSPACE_CONFIG",
     "nccl_algo": "NCCL_ALGO",
+    "nccl_proto": "NCCL_PROTO",
+    "nccl_channels": "NCCL_MIN_NCHANNELS/NCCL_MAX_NCHANNELS",
     "nvte_allow_nondeterministic_algo": "NVTE_ALLOW_NONDETERMINISTIC_ALGO",
     "fill_uninitialized_memory": "torch.utils.deterministic.fill_uninitialized_memory",
     "deterministic_kernels": "taxbench's fixed-order kernels (its own workloads' MoE routing, dispatch and combine)",
@@ -205,7 +261,10 @@ def prepare_process_env(policies: Iterable[PolicyConfig], device: Device) -> dic
     return wanted
 
 
-PER_ARM_ENV_VARS = ("NCCL_ALGO", "NVTE_ALLOW_NONDETERMINISTIC_ALGO")
+PER_ARM_ENV_VARS = ("NCCL_ALGO", "NCCL_PROTO", *NCCL_CHANNEL_VARS, "NVTE_ALLOW_NONDETERMINISTIC_ALGO")
+# Set by an arm only where its policy pins them; otherwise the user's values (a site's NCCL_PROTO=^LL128) stay, for
+# both arms.
+PINNED_ONLY_ENV_VARS = ("NCCL_PROTO", *NCCL_CHANNEL_VARS)
 # The per-arm variables as they were before the outermost arm_environment: the user's values, which nested or
 # interleaved arm blocks must not mistake for their own.
 _outer_env: list[dict[str, str | None]] = []
@@ -213,10 +272,12 @@ _outer_env: list[dict[str, str | None]] = []
 
 def arm_env_values(policy: PolicyConfig, user_env: Mapping[str, str | None]) -> dict[str, str | None]:
     """The baseline arm sets its policy's values (None: unset); the deterministic arm keeps a value the user set
-    (validated by validate_policy_env) and fills its own only where the variable is unset."""
+    (validated by validate_policy_env) and fills its own only where the variable is unset. NCCL's protocol and
+    channel bounds are set only by a policy that pins them."""
     wanted = policy_env(policy)
     return {
-        name: (user_env.get(name) or wanted[name]) if policy.deterministic else wanted[name]
+        name: (user_env.get(name) or wanted[name]) if policy.deterministic or name in PINNED_ONLY_ENV_VARS
+        else wanted[name]
         for name in PER_ARM_ENV_VARS
     }
 
@@ -299,10 +360,17 @@ def applied_state(device: Device) -> dict[str, Any]:
         "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
         "env": {k: os.environ[k] for k in RECORDED_ENV_VARS if k in os.environ},
     }
+    state["nccl"] = {
+        "algo": os.environ.get("NCCL_ALGO"),
+        "proto": os.environ.get("NCCL_PROTO"),
+        "channels": [os.environ.get(name) for name in NCCL_CHANNEL_VARS],
+        # NCCL reads them when the arm's communicator is created; gloo never reads them.
+        "active": device is Device.cuda,
+    }
     if device is Device.cpu:
         state["note"] = (
             "CPU execution: determinism is vouched for by torch's deterministic algorithms and fixed thread counts; "
-            "CUDA-only settings are recorded but inactive"
+            "CUDA-only settings are recorded but inactive (the NCCL_* variables too: gloo runs the collectives)"
         )
         state["cpu_threads"] = torch.get_num_threads()
     return state

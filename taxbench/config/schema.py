@@ -161,6 +161,10 @@ class PolicyConfig:
     allow_tf32: bool = True
     cublas_workspace_config: str | None = None
     nccl_algo: str | None = None
+    # NCCL_PROTO and NCCL_MIN_NCHANNELS=NCCL_MAX_NCHANNELS=nccl_channels (null: NCCL chooses per message size). A Tree
+    # all-reduce is deterministic only pinned to both (taxbench.config.policy; mode=deterministic_tree).
+    nccl_proto: str | None = None
+    nccl_channels: int | None = None
     nvte_allow_nondeterministic_algo: bool = True
     fill_uninitialized_memory: bool = False
     # Fast paths of custom kernels (e.g. MoE combine via index_put_(accumulate=True)) are used unless this is set.
