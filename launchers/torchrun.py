@@ -28,7 +28,8 @@ from omegaconf import DictConfig
 
 from taxbench import exit_codes
 from taxbench.checkpoint.store import CheckpointError
-from taxbench.config.schema import ConfigError, TaxbenchConfig, layout_problems, load_config
+from taxbench.config.layout_rules import layout_problems
+from taxbench.config.schema import ConfigError, TaxbenchConfig, load_config
 from taxbench.launchers.local import rank_failed
 from taxbench.launchers.outcome import Launched, publish_launch
 from taxbench.launchers.worker import rank_process, run_schedule
