@@ -19,8 +19,9 @@ from rich.console import Console
 from taxbench.analysis.layouts import PLAN_FILE, SUMMARY_FILE, LaunchRecord, LayoutsPlan
 from taxbench.analysis.summary import recipe_label
 from taxbench.config.layout_names import LayoutName, check_layout
-from taxbench.config.schema import ConfigError, TaxbenchConfig, world_size, world_size_key
+from taxbench.config.schema import ConfigError, ReportConfig, TaxbenchConfig, world_size, world_size_key
 from taxbench.launchers.local import RankFailed, start_ranks
+from taxbench.launchers.outcome import Launched
 from taxbench.launchers.worker import run_repeats_rank
 from taxbench.preflight import check_before_launch
 from taxbench.schedule.repeats import REPLICAS
@@ -61,8 +62,10 @@ def check_arm(cfg: TaxbenchConfig, arm: str) -> None:
                           "runs is set with mode@arms.<arm>=<mode>)")
 
 
-def run_layouts(configs: dict[str, TaxbenchConfig], arm: str, root: Path, console: Console | None = None) -> None:
-    """Run every layout's two runs into <root>/<layout>/, recording each launch in <root>/layouts.json."""
+def run_layouts(configs: dict[str, TaxbenchConfig], arm: str, root: Path, settings: ReportConfig,
+                console: Console | None = None) -> Launched:
+    """Run every layout's two runs into <root>/<layout>/, recording each launch in <root>/layouts.json; the whole
+    launch, to publish with `settings`."""
     console = console or Console(stderr=True)
     if (root / PLAN_FILE).exists() or (root / SUMMARY_FILE).exists():
         raise ConfigError(f"{root} already holds layout results; pick another experiment.name instead of "
@@ -86,3 +89,4 @@ def run_layouts(configs: dict[str, TaxbenchConfig], arm: str, root: Path, consol
         record.seconds = time.perf_counter() - started
         plan.launches[name] = record
         plan.write(root)
+    return Launched(root, settings)

@@ -1,6 +1,10 @@
 """Hydra multirun: name each point's overrides as it starts; at the end wait for points queued on Slurm, then print
 the sweep table (tax vs GPU count).
 
+A point queued on Slurm returns its `Queued` outcome to Hydra as its job's return value (taxbench.cli.hydra_entry);
+Hydra's launcher runs the point and this callback in one process and hands that value to `on_job_end`, which keeps it
+until the sweep's end.
+
 Registered in conf/config.yaml under `hydra.callbacks`, so it runs for every multirun, local or Slurm. Each point
 lands in `<out_dir>/<experiment.name>/point<N>/` (taxbench.cli.experiment_root); the sweep folder is their parent.
 It also keeps Hydra's copy of the sweep config (`<sweep folder>/multirun.yaml`) free of secrets.
@@ -9,18 +13,17 @@ It also keeps Hydra's copy of the sweep config (`<sweep folder>/multirun.yaml`) 
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
-from hydra.core.utils import JobReturn
+from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from taxbench.analysis.publish import report
 from taxbench.analysis.sweep import analyse_sweep, render_sweep
 from taxbench.diagnostics import logger
+from taxbench.launchers.outcome import LaunchFailed, Queued, publish_launch
 from taxbench.redaction import redact
 from taxbench.rundir.experiment_folder import mark_sweep
 from taxbench.rundir.provenance import hydra_overrides
@@ -33,6 +36,7 @@ MULTIRUN_YAML = "multirun.yaml"
 class MultirunReport(Callback):
     def __init__(self) -> None:
         self.sweep_roots: list[Path] = []
+        self.queued: list[Queued] = []  # points submitted to Slurm without waiting, in submission order
         self.sweep_config: tuple[Path, dict[str, Any]] | None = None  # Hydra's copy, written at the first job
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -64,35 +68,28 @@ class MultirunReport(Callback):
         root = Path(experiment.out_dir) / experiment.name
         if root not in self.sweep_roots:
             self.sweep_roots.append(root)
+        if job_return.status is JobStatus.COMPLETED and isinstance(job_return.return_value, Queued):
+            self.queued.append(job_return.return_value)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        for root in wait_for_queued_points():
-            try:
-                report(root)
-            except Exception as exc:  # one broken point must not hide the rest of the sweep
-                log.error("%s: not analysed: %s", root, exc)
+        while self.queued:
+            publish_queued(self.queued.pop(0))
         if config.cluster.get("dry_run", False):
             return  # nothing ran: each point printed its job and wrote its script
         for root in self.sweep_roots:
             print_sweep(root)
 
 
-def wait_for_queued_points() -> list[Path]:
-    """Roots of the Slurm points that finished; a failed job is reported and left out."""
-    launcher = sys.modules.get("taxbench.launchers.slurm")
-    if launcher is None:
-        return []
-    finished = []
-    while launcher.SUBMITTED:
-        root, job = launcher.SUBMITTED.pop(0)
-        print(f"taxbench: waiting for Slurm job {job.job_id} ({root})", flush=True)
-        try:
-            launcher.wait(job, root)
-        except launcher.SlurmJobFailed as exc:
-            log.error("%s", exc)
-            continue
-        finished.append(root)
-    return finished
+def publish_queued(queued: Queued) -> None:
+    """Wait for a point queued on Slurm, then publish it as a point that ran in this process is; a failed job or a
+    broken point is reported and the sweep goes on."""
+    root = queued.launched.root
+    try:
+        publish_launch(queued, group=root.parent.name)
+    except LaunchFailed as exc:
+        log.error("%s", exc)
+    except Exception as exc:  # one broken point must not hide the rest of the sweep
+        log.error("%s: not analysed: %s", root, exc)
 
 
 def print_sweep(root: Path) -> None:

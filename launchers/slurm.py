@@ -14,8 +14,9 @@ hydra-submitit-launcher. That plugin would run the whole Hydra job (config, vali
 whose shape comes from the fixed `hydra.launcher` node, so the allocation could not follow `cluster.gpus` per point
 and every task would run the driver. Here Hydra's basic launcher composes and validates each point on the submitting
 machine, each point submits its own job sized from its own `cluster` node (both arms interleaved inside it), and
-under a multirun the points are submitted without waiting: all are queued at once, and the sweep report
-(taxbench.analysis.sweep, a Hydra callback) waits for them and prints tax against GPU count.
+under a multirun the points are submitted without waiting: all are queued at once, each point returns its job as
+a `Queued` outcome (taxbench.launchers.outcome) to Hydra, and the multirun callback (taxbench.launchers.multirun)
+waits for them, publishes each point and prints tax against GPU count.
 
 Dry run (`cluster.dry_run=true`): after the same pre-launch checks, print the plan and the job, and write the sbatch
 script submitit would hand to sbatch to `<experiment>/slurm_dry_run/submission.sh`; nothing is submitted, and no Slurm
@@ -24,6 +25,7 @@ script submitit would hand to sbatch to `<experiment>/slurm_dry_run/submission.s
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -38,6 +40,7 @@ from submitit.core.utils import FailedJobError, UncompletedJobError
 from taxbench.config.schema import ClusterConfig, ConfigError, Device, TaxbenchConfig, world_size
 from taxbench.diagnostics import logger
 from taxbench.launchers.local import RankMain
+from taxbench.launchers.outcome import Launched, LaunchFailed, Queued
 from taxbench.launchers.worker import run_rank
 from taxbench.parallel.plan import make_plan, render_plan
 from taxbench.redaction import redact, redact_text
@@ -50,11 +53,9 @@ JOB_FILE = "slurm_job.json"
 DRY_RUN_DIR = "slurm_dry_run"  # inside the experiment folder
 DRY_RUN_SCRIPT = "submission.sh"
 
-# Jobs submitted without waiting (multirun points), in submission order: (experiment root, job).
-SUBMITTED: list[tuple[Path, submitit.Job[Any]]] = []
 
 
-class SlurmJobFailed(RuntimeError):
+class SlurmJobFailed(LaunchFailed):
     """The Slurm job ended without results; the message names its logs."""
 
 
@@ -264,16 +265,17 @@ def wait(job: submitit.Job[Any], root: Path) -> list[dict[str, Any]]:
         ) from exc
 
 
-def launch_slurm(cfg: TaxbenchConfig, root: Path, block: bool = True, rank_main: RankMain = run_rank) -> bool:
-    """Submit the experiment (or what `rank_main` runs on every task); True once it has finished, False when it was
-    queued without waiting (multirun)."""
+def launch_slurm(cfg: TaxbenchConfig, root: Path, block: bool = True,
+                 rank_main: RankMain = run_rank) -> Launched | Queued:
+    """Submit the experiment (or what `rank_main` runs on every task): Launched once it has finished, or, with
+    block=False (the points of a multirun), Queued at once with the job to wait for."""
     job = submit(cfg, root, rank_main)
     print(f"taxbench: submitted Slurm job {job.job_id} ({root}); logs in {job.paths.folder}", flush=True)
+    launched = Launched(root, cfg.report)
     if not block:
-        SUBMITTED.append((root, job))
-        return False
+        return Queued(launched, job, functools.partial(wait, job, root))
     wait(job, root)
-    return True
+    return launched
 
 
 def write_private(path: Path, text: str) -> None:

@@ -27,10 +27,11 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from taxbench import exit_codes
-from taxbench.analysis.publish import report
 from taxbench.checkpoint.store import CheckpointError
-from taxbench.config.schema import ConfigError, TaxbenchConfig, layout_problems, load_config
+from taxbench.config.layout_rules import layout_problems
+from taxbench.config.schema import ConfigError, TaxbenchConfig, load_config
 from taxbench.launchers.local import rank_failed
+from taxbench.launchers.outcome import Launched, publish_launch
 from taxbench.launchers.worker import rank_process, run_schedule
 from taxbench.parallel.distributed import DistContext
 from taxbench.preflight import prepare
@@ -260,7 +261,7 @@ def _run_rank_zero(raw: DictConfig, ctx: DistContext, control: ControlGroup) -> 
         control.wait_for_all()  # every rank's records are complete before they are analysed
         code = exit_codes.CONFIG_ERROR
         try:
-            code = report(root, cfg.report)
+            code = publish_launch(Launched(root, cfg.report))
         finally:
             # torchrun may stop rank 0 as soon as another rank exits with this code: say everything first.
             sys.stdout.flush()

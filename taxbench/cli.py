@@ -57,6 +57,7 @@ from taxbench.rundir.provenance import capture_launch
 if TYPE_CHECKING:
     from taxbench.commands.scan import ScanSettings
     from taxbench.launchers.local import RankMain
+    from taxbench.launchers.outcome import Outcome, Queued
 
 log = logger(__name__)
 
@@ -71,11 +72,13 @@ def fail_with(exc: Exception) -> None:
     fail(str(exc), getattr(exc, "exit_code", exit_codes.CONFIG_ERROR))
 
 
-def launch(cfg: TaxbenchConfig, root: Path, rank_main: RankMain | None = None) -> bool:
-    """Run the experiment (or what `rank_main` runs on every rank: taxbench verify's rerun); False when there is
-    nothing to report yet: only queued (Slurm points of a multirun: the sweep report waits), or a Slurm dry run
-    (cluster.dry_run=true: the job script is written, nothing submitted)."""
+def launch(cfg: TaxbenchConfig, root: Path, rank_main: RankMain | None = None) -> Outcome:
+    """Run the experiment (or what `rank_main` runs on every rank: taxbench verify's rerun); what it left
+    (taxbench.launchers.outcome): Launched once every rank has finished, Queued for a Slurm point of a multirun (the
+    sweep's end waits for it), DryRun for a Slurm dry run (cluster.dry_run=true: the job script is written, nothing
+    submitted)."""
     from taxbench.launchers.local import launch_inprocess, launch_local
+    from taxbench.launchers.outcome import DryRun, Launched
     from taxbench.launchers.worker import run_rank
 
     rank_main = rank_main or run_rank
@@ -90,14 +93,13 @@ def launch(cfg: TaxbenchConfig, root: Path, rank_main: RankMain | None = None) -
             fail(f"cluster=slurm needs submitit ({exc}); install it with: pip install 'taxbench[slurm]'")
         try:
             if cfg.cluster.dry_run:
-                dry_run_slurm(cfg, root)
-                return False
+                return DryRun(root, dry_run_slurm(cfg, root))
             return launch_slurm(cfg, root, block=not _is_multirun(), rank_main=rank_main)
         except ConfigError as exc:
             fail(str(exc))
     else:
         raise ConfigError(f"cluster.launcher={cfg.cluster.launcher.value!r} is not available in this version")
-    return True
+    return Launched(root, cfg.report)
 
 
 def run_plan(raw: DictConfig) -> int:
@@ -118,11 +120,13 @@ def run_plan(raw: DictConfig) -> int:
     return 0
 
 
-def run_experiment(raw: DictConfig) -> int:
+def run_experiment(raw: DictConfig) -> int | Queued:
+    """The experiment's exit code; for a Slurm point of a multirun, queued without waiting, its Queued outcome (the
+    multirun's end publishes it, taxbench.launchers.multirun)."""
     if raw.get("plan", False):
         return run_plan(raw)
-    from taxbench.analysis.publish import report
     from taxbench.launchers.local import RankFailed
+    from taxbench.launchers.outcome import Launched, Queued, publish_launch
     from taxbench.preflight import prepare, stack_native_audits
     from taxbench.rundir.read import RecordError
 
@@ -134,12 +138,14 @@ def run_experiment(raw: DictConfig) -> int:
             log.debug("experiment folder %s: cluster=%s, %d ranks", root, cfg.cluster.name, world_size(cfg.cluster))
             try:
                 capture_launch()
-                if not launch(cfg, root):
-                    return exit_codes.OK
+                outcome = launch(cfg, root)
             except RankFailed as exc:
                 fail(str(exc), exit_codes.FAILED)
-            code = report(root, cfg.report, group=root.parent.name if _is_multirun() else None)
-            print_audits(stack_native_audits(cfg))
+            if isinstance(outcome, Queued):
+                return outcome
+            code = publish_launch(outcome, group=root.parent.name if _is_multirun() else None)
+            if isinstance(outcome, Launched):
+                print_audits(stack_native_audits(cfg))
             return code
     except (ConfigError, RecordError) as exc:  # RecordError: results that cannot be read back or written
         fail_with(exc)
@@ -174,9 +180,11 @@ register_configs()
 
 
 @hydra.main(version_base="1.3", config_path="pkg://taxbench.conf", config_name="config")
-def hydra_entry(raw: DictConfig) -> int:
+def hydra_entry(raw: DictConfig) -> int | Queued:
+    """Hydra's task function. Under a multirun its return value reaches the multirun callback (Hydra's JobReturn): a
+    point queued on Slurm hands its Queued outcome over that way."""
     code = run_experiment(raw)
-    if code and not _is_multirun():
+    if isinstance(code, int) and code and not _is_multirun():
         raise SystemExit(code)
     return code
 
@@ -460,9 +468,9 @@ def run_layouts_command(argv: list[str]) -> int:
     if any(arg in ("-h", "--help") for arg in argv):
         print(LAYOUTS_USAGE)
         return exit_codes.OK
-    from taxbench.analysis.publish import report
     from taxbench.config.layout_names import parse_layout_list
     from taxbench.launchers.layouts import check_arm, layout_configs, repeat_settings, run_layouts
+    from taxbench.launchers.outcome import publish_launch
     from taxbench.rundir.read import RecordError
 
     own = {"layouts": None, "policy": "deterministic"}
@@ -495,8 +503,7 @@ def run_layouts_command(argv: list[str]) -> int:
         configs = layout_configs(cfg, layouts)
         with claimed(cfg, experiment_root(cfg)) as root:
             capture_launch()
-            run_layouts(configs, policy, root)
-            return report(root, cfg.report)
+            return publish_launch(run_layouts(configs, policy, root, cfg.report))
     return exit_codes.CONFIG_ERROR
 
 

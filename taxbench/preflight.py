@@ -18,6 +18,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from taxbench.config.layout_rules import layout_problems
 from taxbench.config.pairing import validate_pair
 from taxbench.config.policy import audit, validate_policy
 from taxbench.config.schema import (
@@ -30,7 +31,6 @@ from taxbench.config.schema import (
     Precision,
     RecipeConfig,
     TaxbenchConfig,
-    layout_problems,
     load_config,
     validate,
     world_size,
@@ -168,7 +168,7 @@ def check_model(recipe: RecipeConfig) -> nn.Module:
 def check_model_parallel(recipe: RecipeConfig, model: nn.Module) -> None:
     """tp>1 shards the model's taxbench attention and MLP blocks (a foreign stack shards its own): a model without
     them, a custom one, is refused here rather than inside every rank (where it failed with exit 1). ep and pp of a
-    custom model are refused with the layout (taxbench.config.schema.layout_problems)."""
+    custom model are refused with the layout (taxbench.config.layout_rules.layout_problems)."""
     if recipe.parallel.tp == 1 or foreign_stack(recipe.model):
         return
     try:

@@ -61,3 +61,14 @@ def test_a_module_outside_every_layer_is_named(tmp_path: Path) -> None:
     result = _run(copy)
     assert result.returncode == 1
     assert "taxbench.unplaced: in no import-linter contract" in result.stderr
+
+
+def test_the_run_folder_format_loads_no_torch() -> None:
+    # rundir sits below parallel: the manifests' torch facts are gathered by the core and handed in.
+    code = ("import importlib, pkgutil, sys\nimport taxbench.rundir as rundir\n"
+            "for found in pkgutil.iter_modules(rundir.__path__):\n"
+            "    importlib.import_module(f'taxbench.rundir.{found.name}')\n"
+            "print(sorted(name for name in sys.modules if name == 'torch' or name.startswith('torch.')))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

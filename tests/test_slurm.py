@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 import submitit
-from helpers import compose_config, run_taxbench
+from helpers import compose_config, compose_raw, run_taxbench
+from hydra.core.utils import JobReturn, JobStatus
 from submitit.slurm.test_slurm import mocked_slurm
 
 from taxbench.analysis.summary import analyse
@@ -26,6 +27,8 @@ from taxbench.checkpoint.store import RunCheckpoints
 from taxbench.config.schema import ConfigError
 from taxbench.design import ALL_RUNS
 from taxbench.launchers import slurm
+from taxbench.launchers.multirun import MultirunReport
+from taxbench.launchers.outcome import Launched, Queued
 
 TINY = [
     "experiment.steps=12",
@@ -167,6 +170,30 @@ def test_submitit_dir_is_made_private_too(tmp_path: Path) -> None:
         mock.known_cmds.append("sbatch")
         job = slurm.submit(cfg, tmp_path / "d")
     assert shared.stat().st_mode & 0o777 == 0o700 and job.paths.folder.parent == shared
+
+
+def test_a_multirun_point_is_queued_as_a_value_that_the_sweeps_end_waits_for(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    overrides = ["cluster=slurm_cpu", f"experiment.out_dir={tmp_path}", "experiment.name=q"]
+    cfg = compose_config(*overrides)
+    root = tmp_path / "q"
+    with mocked_slurm() as mock:
+        mock.known_cmds.append("sbatch")
+        queued = slurm.launch_slurm(cfg, root, block=False)
+        assert isinstance(queued, Queued) and queued.launched == Launched(root, cfg.report)
+        assert queued.job.job_id == json.loads((root / slurm.JOB_FILE).read_text())["job_id"]
+        assert not hasattr(slurm, "SUBMITTED")  # no queue kept in the module: the point returns it
+
+        # Hydra hands the point's return value to the multirun callback, which publishes it at the sweep's end.
+        callback = MultirunReport()
+        callback.on_job_end(compose_raw(*overrides), JobReturn(status=JobStatus.COMPLETED, _return_value=queued))
+        assert callback.queued == [queued]
+        mock.set_job_state(queued.job.job_id, "FAILED")
+        for task in queued.job._sub_jobs:
+            task._results_timeout_s = 0  # no result file is coming: do not wait for a slow file system
+        callback.on_multirun_end(compose_raw(*overrides))
+    assert callback.queued == []
+    assert f"Slurm job {queued.job.job_id} for {root} ended without results (state FAILED)" in caplog.text
 
 
 def test_cli_without_slurm_is_refused_in_one_line(tmp_path: Path) -> None:
@@ -353,3 +380,20 @@ def test_cancelled_job_fails_clearly_and_keeps_its_records(tmp_path: Path) -> No
         for rank, records in step_lines(root / arm).items():
             steps = [r["step"] for r in records]
             assert steps[:kept] == list(range(1, kept + 1)), (arm, rank)
+
+
+@pytest.mark.slow
+@needs_slurm
+def test_a_slurm_multirun_queues_every_point_then_publishes_each_and_the_sweep(tmp_path: Path) -> None:
+    done = run_taxbench("-m", "cluster=slurm_cpu", "experiment.order_seed=0,1", f"experiment.out_dir={tmp_path}",
+                        "experiment.name=sweep", "report.wandb=false", *TINY, cwd=tmp_path, timeout=480)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    submitted = [i for i, line in enumerate(lines) if line.startswith("taxbench: submitted Slurm job")]
+    waited = [i for i, line in enumerate(lines) if line.startswith("taxbench: waiting for Slurm job")]
+    assert len(submitted) == 2 and len(waited) == 2 and max(submitted) < min(waited)  # all queued, then waited for
+    sweep = tmp_path / "sweep"
+    for point in ("point0", "point1"):  # each point published as a point that ran in the launching process is
+        assert json.loads((sweep / point / "summary.json").read_text())["deterministic_ok"]
+        assert (sweep / point / "report" / "report.html").is_file()
+    assert (sweep / "sweep.csv").is_file()

@@ -13,7 +13,8 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from taxbench.config.schema import ConfigError, DataParallel, ParallelConfig, RecipeConfig, layout_problems
+from taxbench.config.layout_rules import layout_problems
+from taxbench.config.schema import ConfigError, DataParallel, ParallelConfig, RecipeConfig
 from taxbench.config.shape import ParallelShape
 
 _FACTOR = re.compile(r"(pp|tp|dp|ep|v)(\d+)")

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from taxbench.config.schema import PIPELINE_SCHEDULES, RecipeConfig, schedule_kind
+from taxbench.config.layout_rules import PIPELINE_SCHEDULES, schedule_kind
+from taxbench.config.schema import RecipeConfig
 
 
 class StagePlaceholder(nn.Identity):

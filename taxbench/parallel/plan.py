@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
+from taxbench.config.layout_rules import layout_problems
 from taxbench.config.schema import (
     ActivationCheckpointing,
     ConfigError,
@@ -38,7 +39,6 @@ from taxbench.config.schema import (
     Precision,
     RecipeConfig,
     TaxbenchConfig,
-    layout_problems,
 )
 from taxbench.config.shape import ParallelShape
 from taxbench.design import MODELS_HELD

@@ -20,37 +20,30 @@
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 
 from taxbench.checkpoint.store import RunCheckpoints, commit, finish, resume_step
 from taxbench.config import policy
 from taxbench.config.schema import TaxbenchConfig, max_steps
 from taxbench.design import (
     ALL_RUNS,
-    KNOBS_BY_NAME,
-    PROFILE_REPLICA,
     RESUMED,
     ExperimentDesign,
     RunRef,
     design_of,
     gate_run_steps,
-    knob_of,
     round_orders,
 )
 from taxbench.parallel.distributed import DistContext
+from taxbench.parallel.stack_facts import gather_stack
 from taxbench.progress import IDLE, StepProgress
-from taxbench.rundir import manifest, provenance
-from taxbench.rundir.read import load_manifest
-from taxbench.rundir.records import MANIFEST, Stop, op_table_file, read_stop, write_commits, write_manifest
+from taxbench.rundir.manifest import RunFacts, write_run_manifest
+from taxbench.rundir.records import Stop, op_table_file, read_stop, write_commits
 from taxbench.schedule.checkpoint_clock import CheckpointClock
 from taxbench.schedule.cost import ScheduleCost, Stopwatch, command_started_unix
 from taxbench.schedule.stopping import StoppingRule
@@ -104,23 +97,9 @@ class Experiment:
             self._write_manifest(ref, trainer)
         return trainer
 
-    def _attempts(self, ref: RunRef, stack: dict) -> list[dict]:
-        """Every start of this run's processes (a requeue or continue adds one), with where it ran."""
-        attempts = []
-        if (self.root / ref.name / MANIFEST).exists():
-            attempts = load_manifest(self.root / ref.name).get("attempts", [])
-        if not attempts or attempts[-1]["id"] != self.attempt_id:
-            attempts.append({
-                "id": self.attempt_id,
-                "started_utc": datetime.now(UTC).isoformat(timespec="seconds"),
-                "hostnames": stack["hostnames"],
-                "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-                "slurm_restart_count": os.environ.get("SLURM_RESTART_COUNT"),
-            })
-        return attempts
-
     def _write_manifest(self, ref: RunRef, trainer: Trainer) -> None:
-        stack = manifest.gather_stack(self.ctx)
+        """Gather what only this process knows (a collective: every rank calls it); rank 0 writes the manifest."""
+        stack = gather_stack(self.ctx)
         if self.ctx.rank != 0:
             return
         arm_policy = self.design.policies[ref.arm]
@@ -128,58 +107,23 @@ class Experiment:
             applied = policy.applied_state(self.cfg.cluster.device)
         if self._throughput is None:
             self._throughput = throughput_manifest(self.cfg.recipe, self.cfg.cluster)
-        config = OmegaConf.to_container(OmegaConf.structured(self.cfg), resolve=True, enum_to_str=True)
-        write_manifest(
-            self.root / ref.name,
-            {
-                "experiment": self.root.name,
-                "run": ref.name,
-                "arm": ref.arm,
-                "replica": ref.replica,
-                "config": config,
-                "policy": OmegaConf.to_container(OmegaConf.structured(arm_policy)),
-                "policy_applied": applied,
-                # The training stack's own determinism switch for this arm (torchtitan's debug.deterministic, ...).
-                "stack_switch": stack_for(self.cfg.recipe.model).switch(self.cfg.recipe, arm_policy),
-                # A stack-native arm: what taxbench's full policy would add or change over the stack's switch.
-                "stack_native_audit": (policy.audit(arm_policy, stack_for(self.cfg.recipe.model).name)
-                                       if arm_policy.stack_native else None),
-                # Rank 0's view (world, dp/tp/ep sizes, mesh); fingerprints stay per rank in steps.rank<R>.jsonl.
-                "layout": {
-                    **trainer.parallel.layout.manifest(),
-                    "backend": self.ctx.backend,
-                    "grad_accum": trainer.grad_accum,
-                    **trainer.pipeline_manifest(),
-                },
-                "stack": stack,
-                # What shapes step-time noise, as this process has it (rank 0).
-                "timing": {
-                    "torch_threads": torch.get_num_threads(),
-                    "interop_threads": torch.get_num_interop_threads(),
-                    "manual_gc": self.cfg.experiment.manual_gc,
-                    "block_steps": self.cfg.experiment.block_steps,
-                    "interleave": self.cfg.experiment.interleave,
-                    # The runs that trained one model, switching policy per block (experiment.interleave=policy).
-                    "shared_model": sorted(trainer.lanes) if len(trainer.lanes) > 1 else None,
-                },
-                "throughput": self._throughput,
-                "attempts": self._attempts(ref, stack),
-                "provenance": provenance.manifest_provenance(config),
-                **self._ablation_manifest(ref),
+        training_stack = stack_for(self.cfg.recipe.model)
+        facts = RunFacts(
+            policy_applied=applied,
+            stack_switch=training_stack.switch(self.cfg.recipe, arm_policy),
+            stack_native_audit=policy.audit(arm_policy, training_stack.name) if arm_policy.stack_native else None,
+            layout={
+                **trainer.parallel.layout.manifest(),
+                "backend": self.ctx.backend,
+                "grad_accum": trainer.grad_accum,
+                **trainer.pipeline_manifest(),
             },
+            stack=stack,
+            threads={"torch_threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads()},
+            shared_model=sorted(trainer.lanes) if len(trainer.lanes) > 1 else None,
+            throughput=self._throughput,
         )
-
-    def _ablation_manifest(self, ref: RunRef) -> dict[str, Any]:
-        """Which knob a knob arm switches, and which arm a profile run profiles (nothing for the pair's runs)."""
-        found = knob_of(ref.arm)
-        entry: dict[str, Any] = {}
-        if found is not None:
-            direction, name = found
-            entry["knob"] = {"direction": direction, "name": name, "fields": list(KNOBS_BY_NAME[name].fields)}
-        if ref.replica == PROFILE_REPLICA:
-            entry["profile"] = {"warmup_steps": self.cfg.experiment.warmup_steps,
-                                "profiled_steps": self.cfg.experiment.profile_steps}
-        return entry
+        write_run_manifest(self.root, ref, self.cfg, arm_policy, facts, self.attempt_id)
 
     def run(self) -> None:
         """Run the schedule. Restarted after a preemption, it skips finished runs and resumes unfinished ones from
