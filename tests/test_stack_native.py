@@ -46,7 +46,8 @@ def test_deepspeeds_native_arm_is_its_switch_alone_and_the_audit_names_what_taxb
 def test_megatrons_native_arm_is_its_deterministic_mode_with_the_environment_it_requires() -> None:
     cfg = compose_config("+recipe=megatron_moe_debug", NATIVE, "cluster=slurm", "cluster.device=cuda", "cluster.gpus=1")
     arm = cfg.arms["deterministic"]
-    assert arm.stack_native and arm.deterministic and arm.nccl_algo == "Ring" and not arm.nvte_allow_nondeterministic_algo
+    assert arm.stack_native and arm.deterministic and arm.nccl_algo == "Ring"
+    assert not arm.nvte_allow_nondeterministic_algo
     assert arm.allow_tf32 and arm.cudnn_benchmark  # Megatron's mode leaves TF32 and cuDNN's autotuner as they are
     lines = stack_native_audits(cfg)["deterministic"]
     assert "megatron-core's switch sets TF32 (matmul and cuDNN) on; taxbench's policy sets off" in lines
