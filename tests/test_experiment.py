@@ -182,16 +182,25 @@ def test_ranks_die_with_a_killed_launcher(tmp_path: Path) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def _rank_pids(launcher: int) -> list[int]:
-    ranks = []
+def _children(parent: int) -> list[tuple[int, bytes]]:
+    found = []
     for entry in Path("/proc").iterdir():
         try:
             status = (entry / "status").read_text() if entry.name.isdigit() else ""
             cmdline = (entry / "cmdline").read_bytes() if status else b""
         except OSError:
             continue
-        if f"\nPPid:\t{launcher}\n" in status and b"spawn_main" in cmdline:
-            ranks.append(int(entry.name))
+        if f"\nPPid:\t{parent}\n" in status:
+            found.append((int(entry.name), cmdline))
+    return found
+
+
+def _rank_pids(launcher: int) -> list[int]:
+    """The launcher's rank processes: forked by its fork server (taxbench.launchers.local), or spawned by it."""
+    ranks = [pid for pid, cmdline in _children(launcher) if b"spawn_main" in cmdline]
+    for server, cmdline in _children(launcher):
+        if b"forkserver" in cmdline:
+            ranks += [pid for pid, _ in _children(server)]
     return sorted(ranks)
 
 
