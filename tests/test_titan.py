@@ -67,6 +67,43 @@ def test_what_torchtitans_pipeline_is_not_driven_with_is_refused_before_launch(o
 
 
 @needs_titan
+def test_a_recipe_names_torchtitans_own_job_config_and_the_manifest_records_what_it_gives() -> None:
+    from taxbench.stacks.registry import stack_for
+
+    cfg = prepare(compose_raw("+recipe=titan_llama3_pp", "cluster.cpu_ranks=2"))
+    record = stack_for(cfg.recipe.model).switch(cfg.recipe, cfg.arms["deterministic"])
+    assert record["job"][:4] == ["--module", "llama3", "--config", "llama3_debugmodel"]
+    assert record["model"] == "llama3 debugmodel" and record["spmd_backend"] == "partial_dtensor"
+    assert "AdamW" in record["optimizer"] and "'lr': 0.0008" in record["optimizer"]  # the job's, not the recipe's
+    assert "warmup_steps=2" in record["lr_scheduler"] and record["lr_scheduler.steps"] == 10000
+    assert record["set_by_taxbench"] == {"debug.seed": cfg.recipe.seed, "debug.deterministic": True}
+
+
+@needs_titan
+@pytest.mark.parametrize(("overrides", "refusal"), [
+    (("recipe.parallel.pp=1",), "job config has --parallelism.pipeline_parallel_degree 2 but recipe.parallel.pp=1; "
+     "the pair must agree: set --parallelism.pipeline_parallel_degree 1 in recipe.model.stack.job"),
+    (("recipe.precision=bf16",), "--training.mixed_precision_param float32 but recipe.precision=bf16"),
+    (("recipe.model.seq_len=32",), "--training.seq_len 64 but recipe.model.seq_len=32"),
+    (("recipe.optimizer.grad_clip=0.5",), "--training.max_norm 1.0 but recipe.optimizer.grad_clip=0.5"),
+    (("recipe.micro_batch_size=1", "recipe.global_batch_size=2"),
+     "--parallelism.pipeline_parallel_microbatch_size 2 but recipe.micro_batch_size=1"),
+    (("recipe.parallel.data_parallel=ddp",), "(fsdp) but recipe.parallel.data_parallel=ddp"),
+    (("+recipe.model.stack.family=llama3",), "recipe.model.stack.family comes from recipe.model.stack.job"),
+    (("recipe.model.stack.job=[--module,llama3,--config,nope]",), "Config function 'nope' not found"),
+    (("recipe.model.stack.job=[--module,llama3,--config,llama3_debugmodel,--training.bogus,3]",),
+     "Unrecognized options: --training.bogus, 3"),
+    (("recipe.model.stack.job='--module llama3 --config llama3_debugmodel --training.disable_cuda_graphs "
+      "--parallelism.pipeline_parallel_degree 2'",), "activation_checkpoint SelectiveAC"),
+])
+def test_where_the_job_config_and_the_recipe_disagree_the_pair_is_refused_in_one_line(
+        overrides: tuple[str, ...], refusal: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        prepare(compose_raw("+recipe=titan_llama3_pp", "cluster.cpu_ranks=2", *overrides))
+    assert refusal in str(info.value) and "\n" not in str(info.value)
+
+
+@needs_titan
 def test_activation_checkpointing_is_refused_for_torchtitan_rather_than_ignored() -> None:
     with pytest.raises(ConfigError, match="recipe.activation_checkpointing=full is not wired to torchtitan"):
         prepare(compose_raw("+recipe=titan_llama3_debug", "recipe.activation_checkpointing=full"))
