@@ -323,6 +323,31 @@ def _refuse_job_disagreements(recipe: RecipeConfig, job: Any, world: int | None 
                           "recipe.model.stack.job, or change recipe.parallel.data_parallel")
 
 
+def _ac_config(recipe: RecipeConfig, options: TitanOptions) -> Any:
+    """torchtitan's activation checkpointing: the job config's, which recipe.activation_checkpointing must name (both
+    arms run it), or recipe.activation_checkpointing's as torchtitan's FullAC / SelectiveAC. Either wraps each block
+    in torch's checkpoint wrapper; ModelParts names modules and parameters without it."""
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    kinds: dict[str, Any] = {ActivationCheckpointing.none.value: type(None),
+                             ActivationCheckpointing.full.value: FullAC.Config,
+                             ActivationCheckpointing.selective.value: SelectiveAC.Config}
+    ours = str(recipe.activation_checkpointing)
+    if not options.job:
+        return None if ours == ActivationCheckpointing.none.value else kinds[ours]()
+    theirs = job_config(options.job).activation_checkpoint
+    name = next((kind for kind, cls in kinds.items() if type(theirs) is cls), None)
+    if name is None:
+        raise ConfigError(f"torchtitan's job config has activation_checkpoint {type(theirs).__qualname__}, which is "
+                          "not wired to torchtitan's stack here (it needs torch.compile); use activation_checkpoint:"
+                          "full, :selective or :none in recipe.model.stack.job")
+    if name != ours:
+        raise ConfigError(f"torchtitan's job config has activation_checkpoint:{name} but "
+                          f"recipe.activation_checkpointing={ours}; the pair must agree: set activation_checkpoint:"
+                          f"{ours} in recipe.model.stack.job, or recipe.activation_checkpointing={name}")
+    return copy.deepcopy(theirs)
+
+
 def _param_dtype(recipe: RecipeConfig) -> str:
     """torchtitan's mixed_precision_param for recipe.precision (its default, bfloat16, would make an fp32 recipe
     compute in bf16 under FSDP)."""
@@ -359,7 +384,7 @@ def _trainer_config(recipe: RecipeConfig, options: TitanOptions, spec: Any, dete
     debug = DebugConfig(seed=recipe.seed, deterministic=deterministic,
                         deterministic_warn_only=options.deterministic_warn_only)
     return Trainer.Config(model_spec=spec, training=training, parallelism=parallelism, debug=debug,
-                          activation_checkpoint=None)
+                          activation_checkpoint=_ac_config(recipe, options))
 
 
 class TitanStep:
@@ -467,17 +492,9 @@ class TitanStack:
             raise ConfigError(f"recipe.model.stack.attn_backend={options.attn_backend} needs attention masks, which "
                               "taxbench does not pass through torchtitan's pipeline schedule; use attn_backend=sdpa "
                               "with recipe.parallel.pp>1")
-        if str(recipe.activation_checkpointing) != ActivationCheckpointing.none.value:
-            raise ConfigError(f"recipe.activation_checkpointing={recipe.activation_checkpointing} is not wired to "
-                              "torchtitan's stack (its checkpoint wrappers rename the module paths that faults, "
-                              "traces and records use); set recipe.activation_checkpointing=none")
+        _ac_config(recipe, options)
         if options.job:
-            job = job_config(options.job)
-            if job.activation_checkpoint is not None:
-                raise ConfigError(f"torchtitan's job config has activation_checkpoint {job.activation_checkpoint!r}, "
-                                  "which is not wired to torchtitan's stack here; add activation_checkpoint:none to "
-                                  "recipe.model.stack.job")
-            _refuse_job_disagreements(recipe, job)
+            _refuse_job_disagreements(recipe, job_config(options.job))
         spec = _model_config(options)
         config = _trainer_config(recipe, options, spec, False, recipe.parallel.tp * recipe.parallel.ep)
         spec.model.update_from_config(config=config)
@@ -516,14 +533,16 @@ class TitanStack:
 
                     pipeline = pipeline_llm(model, parallel_dims=dims, training=config.training,
                                             parallelism=config.parallelism, compile_config=config.compile,
-                                            ac_config=None, dump_folder=dump_folder, device=ctx.device,
+                                            ac_config=config.activation_checkpoint, dump_folder=dump_folder,
+                                            device=ctx.device,
                                             model_config=spec.model, parallelize_fn=spec.parallelize_fn,
                                             loss_fn=loss_fn)
                     parts = list(pipeline[1])
                 else:
                     parts = [spec.parallelize_fn(model, parallel_dims=dims, training=config.training,
                                                  parallelism=config.parallelism, compile_config=config.compile,
-                                                 ac_config=None, dump_folder=dump_folder)]
+                                                 ac_config=config.activation_checkpoint,
+                                                 dump_folder=dump_folder)]
             for part in parts:
                 if ctx.backend == "gloo":
                     for module in part.modules():
