@@ -2,7 +2,11 @@
 
 The recipe names torchtitan's model in `recipe.model.stack`: `family` (llama3, qwen3, deepseek_v3), `flavor`
 (debugmodel, debugmodel_moe, ...), `attn_backend` (torchtitan's flex | varlen, or sdpa: see below), and optionally
-`deterministic_warn_only` and `spmd_backend`. The model is built on the meta device from torchtitan's config,
+`deterministic_warn_only` and `spmd_backend`; or a whole torchtitan job config as its CLI takes it, `job`: `--module`,
+`--config` (a function of that module's config registry) and dotted overrides, parsed by torchtitan's ConfigManager. The
+job gives the model, parallelism, optimizer, LR schedule and activation checkpointing; where it overlaps the recipe
+(layout, precision, batch, clipping, recompute) the two must agree, or the pair is refused (_refuse_job_disagreements):
+both arms must stay identical but for the policy. The model is built on the meta device from torchtitan's config,
 sharded by torchtitan's `parallelize_fn` on torchtitan's ParallelDims mesh (FSDP2 over every rank, tp and ep as the
 recipe's layout says), materialised with torchtitan's `init_weights`, and each micro-batch runs torchtitan's forward
 and loss as its Trainer's `forward_backward_step` does (loss = token sum / global tokens, gradients summed).
@@ -11,8 +15,11 @@ names per stage, each stage deep-copied with what it does not own deleted and th
 `parallelize_fn`), each part is materialised and initialised as a whole model is, and its schedule (1F1B, GPipe) runs
 the harness's micro-batches (TitanPipelineStep); a part keeps the unsplit model's module names, so checkpoints and
 fingerprints need no mapping.
+The optimizer is torchtitan's OptimizersContainer (the job's, or recipe.optimizer's AdamW mapped onto it), and a job's
+LR schedule steps after each optimizer step and is saved in the checkpoint beside it. Activation checkpointing is
+torchtitan's (its block wrappers; the harness names modules without the wrapper's level: ModelParts).
 What stays the harness's: the data (taxbench's token source, so both stacks read the same tokens), the step loop and
-its timer marks, AdamW from recipe.optimizer, gradient clipping, fingerprints and DCP checkpoints. torchtitan's
+its timer marks, gradient clipping, fingerprints and DCP checkpoints. torchtitan's
 Trainer class itself is not constructed: its __init__ also builds its Hugging Face tokenizer and data loader, metrics
 and checkpointer, which the harness replaces.
 
