@@ -67,9 +67,121 @@ def test_what_torchtitans_pipeline_is_not_driven_with_is_refused_before_launch(o
 
 
 @needs_titan
-def test_activation_checkpointing_is_refused_for_torchtitan_rather_than_ignored() -> None:
-    with pytest.raises(ConfigError, match="recipe.activation_checkpointing=full is not wired to torchtitan"):
-        prepare(compose_raw("+recipe=titan_llama3_debug", "recipe.activation_checkpointing=full"))
+def test_a_recipe_names_torchtitans_own_job_config_and_the_manifest_records_what_it_gives() -> None:
+    from taxbench.stacks.registry import stack_for
+
+    cfg = prepare(compose_raw("+recipe=titan_llama3_pp", "cluster.cpu_ranks=2"))
+    record = stack_for(cfg.recipe.model).switch(cfg.recipe, cfg.arms["deterministic"])
+    assert record["job"][:4] == ["--module", "llama3", "--config", "llama3_debugmodel"]
+    assert record["model"] == "llama3 debugmodel" and record["spmd_backend"] == "partial_dtensor"
+    assert "AdamW" in record["optimizer"] and "'lr': 0.0008" in record["optimizer"]  # the job's, not the recipe's
+    assert "warmup_steps=2" in record["lr_scheduler"] and record["lr_scheduler.steps"] == 10000
+    assert record["set_by_taxbench"] == {"debug.seed": cfg.recipe.seed, "debug.deterministic": True}
+
+
+@needs_titan
+@pytest.mark.parametrize(("overrides", "refusal"), [
+    (("recipe.parallel.pp=1",), "job config has --parallelism.pipeline_parallel_degree 2 but recipe.parallel.pp=1; "
+     "the pair must agree: set --parallelism.pipeline_parallel_degree 1 in recipe.model.stack.job"),
+    (("recipe.precision=bf16",), "--training.mixed_precision_param float32 but recipe.precision=bf16"),
+    (("recipe.model.seq_len=32",), "--training.seq_len 64 but recipe.model.seq_len=32"),
+    (("recipe.optimizer.grad_clip=0.5",), "--training.max_norm 1.0 but recipe.optimizer.grad_clip=0.5"),
+    (("recipe.micro_batch_size=1", "recipe.global_batch_size=2"),
+     "--parallelism.pipeline_parallel_microbatch_size 2 but recipe.micro_batch_size=1"),
+    (("recipe.parallel.data_parallel=ddp",), "(fsdp) but recipe.parallel.data_parallel=ddp"),
+    (("+recipe.model.stack.family=llama3",), "recipe.model.stack.family comes from recipe.model.stack.job"),
+    (("recipe.model.stack.job=[--module,llama3,--config,nope]",), "Config function 'nope' not found"),
+    (("recipe.model.stack.job=[--module,llama3,--config,llama3_debugmodel,--training.bogus,3]",),
+     "Unrecognized options: --training.bogus, 3"),
+    (("recipe.model.stack.job='--module llama3 --config llama3_debugmodel --training.disable_cuda_graphs "
+      "--parallelism.pipeline_parallel_degree 2'",),
+     "job config has activation_checkpoint:selective but recipe.activation_checkpointing=none; the pair must agree: "
+     "set activation_checkpoint:none in recipe.model.stack.job, or recipe.activation_checkpointing=selective"),
+])
+def test_where_the_job_config_and_the_recipe_disagree_the_pair_is_refused_in_one_line(
+        overrides: tuple[str, ...], refusal: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        prepare(compose_raw("+recipe=titan_llama3_pp", "cluster.cpu_ranks=2", *overrides))
+    assert refusal in str(info.value) and "\n" not in str(info.value)
+
+
+@needs_titan
+@pytest.mark.slow
+def test_torchtitans_activation_checkpointing_keeps_module_names_and_gradients_bitwise() -> None:
+    """recipe.activation_checkpointing=full|selective wraps each block in torchtitan's FullAC / SelectiveAC: the
+    modules and parameters keep their names (faults, traces and records use them) and one step's gradients are
+    those without recompute, bit for bit."""
+    from taxbench.stacks.titan import TitanStack
+
+    grads = {}
+    for ac in ("none", "full", "selective"):
+        cfg = compose_config("+recipe=titan_llama3_debug", "cluster=inprocess", f"recipe.activation_checkpointing={ac}")
+        with one_rank(cfg) as ctx:
+            built = TitanStack().build(cfg.recipe, cfg.arms["deterministic"], ctx, 1)
+            wrapped = [n for n, _ in built.parts.parts[0].named_modules() if "_checkpoint_wrapped_module" in n]
+            assert bool(wrapped) == (ac != "none")  # torchtitan's wrappers are there ...
+            names = {n for n, _ in built.parts.named_modules()}
+            assert "layers.1.feed_forward.w1" in names and not [n for n in names if "_checkpoint" in n]  # ... unnamed
+            tokens = torch.randint(0, 2048, (2, 65), generator=torch.Generator().manual_seed(1))
+            built.executor.run([(tokens[:, :-1], tokens[:, 1:])])
+            grads[ac] = {n: p.grad.to_local().clone() for n, p in built.parts.named_parameters()}
+    for ac in ("full", "selective"):
+        assert grads[ac].keys() == grads["none"].keys()
+        assert all(torch.equal(grads[ac][name], grads["none"][name]) for name in grads["none"]), ac
+
+
+# llama3_debugmodel as torchtitan's CLI takes it, at pp=1 on one in-process rank (titan_llama3_pp's job otherwise).
+ONE_RANK_JOB = ("recipe.parallel.pp=1", "cluster=inprocess",
+                "recipe.model.stack.job=[--module,llama3,--config,llama3_debugmodel,--parallelism.spmd_backend,"
+                "partial_dtensor,--training.seq_len,64,--training.local_batch_size,4,--training.mixed_precision_param,"
+                "float32,--training.steps,100,activation_checkpoint:none]")
+
+
+@needs_titan
+@pytest.mark.slow
+def test_torchtitans_optimizer_and_lr_schedule_are_checkpointed_and_resume_bitwise(tmp_path: Path) -> None:
+    """The job's OptimizersContainer (AdamW, lr 8e-4) and warmup-stable-decay schedule train; the checkpoint holds
+    their state (Adam's moments by parameter name, the schedule's step); a fresh build restored from it takes the
+    next step bit for bit as the uninterrupted one."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torchtitan.components.optimizer import OptimizersContainer
+
+    from taxbench.checkpoint import state as checkpoint_state
+    from taxbench.stacks.titan import TitanStack
+
+    cfg = compose_config("+recipe=titan_llama3_pp", *ONE_RANK_JOB)
+    tokens = torch.randint(0, 2048, (3, 4, 65), generator=torch.Generator().manual_seed(1))
+
+    def step(built, optimizer, i: int) -> None:
+        optimizer.zero_grad()
+        built.executor.run([(tokens[i, :, :-1], tokens[i, :, 1:])])
+        optimizer.step()
+
+    def trained(steps: int, restore: Path | None = None):
+        stack = TitanStack()
+        built = stack.build(cfg.recipe, cfg.arms["deterministic"], ctx, 1)
+        optimizer = stack.optimizer(cfg.recipe, built)
+        if restore is not None:
+            checkpoint_state.load(restore, built.parallel, optimizer, 0, ctx.device)
+        for i in range(steps):
+            step(built, optimizer, i if restore is None else 2 + i)
+        return built, optimizer
+
+    with one_rank(cfg) as ctx:
+        built, optimizer = trained(2)
+        assert isinstance(optimizer, OptimizersContainer)
+        assert [g["lr"] for g in optimizer.optimizers[0].param_groups] == [8e-4]  # warmup (2 steps) done
+        checkpoint_state.save(tmp_path, built.parallel, optimizer, {"step": 2}, 0)
+        step(built, optimizer, 2)
+        uninterrupted = {n: p.to_local().clone() for n, p in built.parts.named_parameters()}
+        resumed_built, resumed = trained(1, restore=tmp_path)
+    keys = FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata
+    assert {"optimizer.state.layers.1.feed_forward.w1.weight.exp_avg", "optimizer.state.layers.1.feed_forward.w1.weight"
+            ".exp_avg_sq", "optimizer.state.layers.1.feed_forward.w1.weight.step"} <= set(keys)
+    assert torch.load(tmp_path / "rank0.pt")["lr_scheduler"]["last_epoch"] == 2
+    assert resumed.lr_scheduler.state_dict()["last_epoch"] == 3
+    params = {n: p.to_local() for n, p in resumed_built.parts.named_parameters()}
+    assert all(torch.equal(params[name], uninterrupted[name]) for name in uninterrupted)
 
 
 @needs_titan
@@ -156,12 +268,17 @@ def test_titan_llama3_runs_the_pair_end_to_end_and_passes_the_gates(tmp_path: Pa
 @needs_titan
 @pytest.mark.slow
 def test_titan_llama3_split_by_pipeline_llm_runs_end_to_end_and_passes_the_gates(tmp_path: Path, taxbench_cli) -> None:
-    """torchtitan's own pipeline_llm splits llama3 debugmodel into 2 stages on 2 gloo ranks, torch's 1F1B schedule
-    runs them: every gate identical, each rank holds (and fingerprints) a different stage, both record the same loss."""
+    """torchtitan's own job config (llama3_debugmodel with its CLI overrides), its pipeline_llm splitting the model
+    into 2 stages on 2 gloo ranks, torch's 1F1B schedule, torchtitan's optimizer and LR schedule: every gate
+    identical, each rank holds (and fingerprints) a different stage, both record the same loss."""
     outcomes = _six_step_pair(taxbench_cli, tmp_path, "titan_llama3_pp", "titanpp")
     assert outcomes["repeatability"] == outcomes["restart_replay"] == outcomes["baseline_sanity"] == "identical"
     run = tmp_path / "titanpp" / "deterministic-0"
-    assert json.loads((run / "manifest.json").read_text())["layout"]["pp"] == 2
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["layout"]["pp"] == 2
+    switch = manifest["stack_switch"]
+    assert switch["job"][:4] == ["--module", "llama3", "--config", "llama3_debugmodel"]
+    assert "AdamW" in switch["optimizer"] and "LRSchedulersContainer" in switch["lr_scheduler"]
     first, second = ([json.loads(line) for line in (run / f"steps.rank{rank}.jsonl").read_text().splitlines()]
                      for rank in (0, 1))
     assert [r["loss_bits"] for r in first] == [r["loss_bits"] for r in second]

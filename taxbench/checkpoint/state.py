@@ -8,7 +8,8 @@ A checkpoint is a directory, `<run>/checkpoints/step<S>/`:
   holds a different slice of under the same name (as Megatron-Core's tensor-parallel weights), are saved as one
   DTensor over the whole parameter (ParallelModel.global_view), so every rank's slice lands at its own offsets.
 - what is per rank and not a tensor shard: the step, the data-loader position and the RNG streams, in
-  `rank<R>.pt` beside the DCP files.
+  `rank<R>.pt` beside the DCP files; so is the state of an LR schedule that a stack's optimizer carries
+  (`optimizer.lr_scheduler`: torchtitan's).
 
 `save` returns the files this rank wrote (taxbench.checkpoint.store records their checksums); `load` restores all of it.
 """
@@ -91,8 +92,16 @@ def _param_of_state(key: str, names: set[str]) -> str | None:
     return name if name in names else None
 
 
+def optimizer_parts(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The optimizers that hold the state: torchtitan's OptimizersContainer subclasses Optimizer but keeps its state
+    in the optimizers it holds (one per model part and optimizer type), which DCP's state-dict functions take as a
+    list; any other optimizer is its own."""
+    held = getattr(optimizer, "optimizers", None)
+    return list(held) if held is not None else [optimizer]
+
+
 def _states(parallel: ParallelModel, optimizer: torch.optim.Optimizer) -> _States:
-    model, optim = get_state_dict(parallel.parts.joined(), optimizer, options=OPTIONS)
+    model, optim = get_state_dict(parallel.parts.joined(), optimizer_parts(optimizer), options=OPTIONS)
     return _States(model, optim)
 
 
@@ -105,6 +114,9 @@ def save(directory: Path, parallel: ParallelModel, optimizer: torch.optim.Optimi
     writer = _RecordingWriter(directory)
     with _reported(directory), _single_process_quiet():
         dcp.save(_states(parallel, optimizer).for_dcp(parallel), storage_writer=writer, no_dist=alone or _single())
+    schedule = getattr(optimizer, "lr_scheduler", None)  # a stack's LR schedule stepping with its optimizer
+    if schedule is not None:
+        extras = {**extras, "lr_scheduler": schedule.state_dict()}
     write_atomically(extras_path(directory, rank), lambda handle: torch.save(extras, handle))
     files = [directory / name for name in writer.written] + [extras_path(directory, rank)]
     return files + [directory / METADATA] if rank == 0 or alone else files
@@ -119,8 +131,11 @@ def load(directory: Path, parallel: ParallelModel, optimizer: torch.optim.Optimi
         dcp.load(states.for_dcp(parallel), checkpoint_id=directory, no_dist=alone or _single())
     joined = parallel.parts.joined()
     set_model_state_dict(joined, states.model, options=OPTIONS)
-    set_optimizer_state_dict(joined, optimizer, states.optimizer, options=OPTIONS)
+    set_optimizer_state_dict(joined, optimizer_parts(optimizer), states.optimizer, options=OPTIONS)
     extras: dict[str, Any] = torch.load(extras_path(directory, rank), map_location=map_location, weights_only=False)
+    schedule = getattr(optimizer, "lr_scheduler", None)
+    if schedule is not None:
+        schedule.load_state_dict(extras["lr_scheduler"])  # a checkpoint without it is unreadable (KeyError)
     return extras
 
 

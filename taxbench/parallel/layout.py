@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
@@ -131,6 +132,16 @@ def dtensor_shards(tensor: DTensor) -> int:
     return shards
 
 
+# torch's checkpoint wrapper (torchtitan's activation checkpointing wraps each block in one) holds its block under this
+# name; torch's state-dict functions drop it from checkpoint keys, and so do the names faults, traces and records use.
+WRAPPED_BLOCK = "._checkpoint_wrapped_module"
+
+
+def unwrapped_name(name: str) -> str:
+    """`name` as in the model without checkpoint wrappers (layers.1._checkpoint_wrapped_module.ffn -> layers.1.ffn)."""
+    return name.replace(WRAPPED_BLOCK, "")
+
+
 class ModelParts:
     """This rank's parts of the model (one, or one per pipeline stage it holds), seen as one model: parameters,
     modules (by their names in the unsplit model) and state, in part order."""
@@ -144,13 +155,16 @@ class ModelParts:
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         for part in self.parts:
-            yield from part.named_parameters()
+            for name, param in part.named_parameters():
+                yield unwrapped_name(name), param
 
     def named_modules(self) -> Iterator[tuple[str, nn.Module]]:
+        """The modules by their names in the unsplit model: a checkpoint wrapper (torchtitan's activation
+        checkpointing) is not one of them, the block it wraps is, under the block's own name."""
         for part in self.parts:
             for name, module in part.named_modules():
-                if not isinstance(module, StagePlaceholder):
-                    yield name, module
+                if not isinstance(module, (StagePlaceholder, ActivationWrapper)):
+                    yield unwrapped_name(name), module
 
     def joined(self) -> nn.Module:
         """All parts as one module with the unsplit model's names (what a checkpoint's state dict is read from)."""

@@ -8,7 +8,9 @@ the harness's:
   (what is fingerprinted and checkpointed: parameters, their gradients), and the executor whose `run` is the stack's
   forward and backward; the trainer times it, with gradient finishing, clipping and the optimizer step, between its
   marks;
-- `optimizer`: the optimizer over those parts (its state is fingerprinted and checkpointed);
+- `optimizer`: the optimizer over those parts (its state is fingerprinted and checkpointed; a container of optimizers,
+  torchtitan's, is read through the optimizers it holds, and an LR schedule it carries as `lr_scheduler` is
+  checkpointed with it: taxbench.checkpoint.state);
 - `switch`: the stack's own determinism switch, applied for the arm and returned as the manifest records it; a
   switch that disagrees with taxbench's policy is refused (ConfigError, one line) rather than silently winning;
 - `meta_model`: the model on the meta device, so the preflight checks fault and trace module paths before launch;

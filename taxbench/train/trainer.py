@@ -308,12 +308,15 @@ class Trainer:
         return [p.grad for p in params if p.grad is not None], params
 
     def optimizer_tensors(self) -> Iterator[torch.Tensor]:
-        """Optimizer state in a fixed order, on its parameter's device (Adam keeps `step` on the CPU)."""
+        """Optimizer state in a fixed order, on its parameter's device (Adam keeps `step` on the CPU); a container of
+        optimizers (torchtitan's) is read through the optimizers that hold the state."""
         if self.engine is not None:
             yield from self.engine.optimizer_tensors()
             return
+        states = [part.state for part in checkpoint_state.optimizer_parts(self.optimizer)]
         for param in self.raw_model.parameters():
-            for _, value in sorted(self.optimizer.state.get(param, {}).items()):
+            state = next((held[param] for held in states if param in held), {})
+            for _, value in sorted(state.items()):
                 if isinstance(value, torch.Tensor):
                     yield value if value.device == param.device else value.to(param.device, non_blocking=True)
 
