@@ -18,8 +18,9 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from taxbench.analysis.console import render_sweep
 from taxbench.analysis.publish import report
-from taxbench.analysis.sweep import analyse_sweep, render_sweep
+from taxbench.analysis.sweep import analyse_sweep
 from taxbench.diagnostics import logger
 from taxbench.redaction import redact
 from taxbench.rundir.experiment_folder import mark_sweep

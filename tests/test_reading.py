@@ -15,8 +15,8 @@ import pytest
 from rich.console import Console
 
 from taxbench import exit_codes
+from taxbench.analysis.document import HTML_FILE, MARKDOWN_FILE, REPORT_DIR
 from taxbench.analysis.publish import WITHDRAWN, publish, read_and_report
-from taxbench.analysis.report import HTML_FILE, MARKDOWN_FILE, REPORT_DIR
 from taxbench.analysis.summary import SUMMARY_FILE
 from taxbench.analysis.sweep import SWEEP_FILE
 from taxbench.analysis.synthetic import SyntheticExperiment, write_experiment
