@@ -34,6 +34,7 @@ from taxbench.analysis.equivalence import Equivalence, baseline_equivalence
 from taxbench.analysis.results import finite_or_none
 from taxbench.analysis.throughput import THROUGHPUT_FIELDS, ArmThroughput, arm_throughput, cost_of_tax
 from taxbench.analysis.verdicts import DIFFERS, Verdict, compare_runs
+from taxbench.config.schema import ConfigError, ExperimentConfig, FaultConfig, load_config
 from taxbench.design import (
     EQUIVALENCE_RUNS,
     GATED_RUNS,
@@ -50,6 +51,7 @@ from taxbench.design import (
 from taxbench.rundir.read import (
     FaultEvent,
     RecordError,
+    UnreadableRecords,
     load_checked_run,
     load_fault_events,
     load_manifest,
@@ -57,7 +59,7 @@ from taxbench.rundir.read import (
     step_losses,
     step_times,
 )
-from taxbench.rundir.records import STEPS, STOP_FILE, read_stop
+from taxbench.rundir.records import MANIFEST, STEPS, STOP_FILE, read_stop
 from taxbench.schedule.cost import read_cost
 from taxbench.stats.tax import (
     Checkpoints,
@@ -242,6 +244,17 @@ def run_step_series(frame: pd.DataFrame, times: pd.DataFrame, dp: int) -> pd.Dat
     }).sort_index()
 
 
+def experiment_settings(config: dict[str, Any], run_dir: Path) -> ExperimentConfig:
+    """The experiment's settings as the run's manifest records them, typed (taxbench.config.schema.load_config): the
+    analysis reads the schema's defaults, never defaults of its own. A config the schema refuses is a damaged
+    manifest (exit 4)."""
+    try:
+        return load_config(config).experiment
+    except ConfigError as exc:
+        raise UnreadableRecords(f"{run_dir / MANIFEST}: its config does not load ({exc}); the manifest is damaged "
+                                "or was written by another taxbench version") from exc
+
+
 def expected_steps(root: Path, experiment: dict[str, Any]) -> tuple[int, str, list[str]]:
     """Every timed run's steps, what stopped the rounds, and why that is in doubt. stop.json records the steps the
     timed runs took (a precision target decides them at run time); without a target they must be experiment.steps.
@@ -306,22 +319,19 @@ def rank_medians(timed: dict[str, list[pd.DataFrame]], warmup: int) -> list[floa
     return pd.concat(frames).groupby("rank")["time_s"].median().sort_index().tolist()
 
 
-def _fault_target(experiment: dict[str, Any]) -> str | None:
+def _fault_target(fault: FaultConfig) -> str | None:
     """The run the configured fault corrupts (None without an enabled fault)."""
-    fault = experiment.get("fault") or {}
-    if not isinstance(fault, dict) or not fault.get("enabled"):
-        return None
-    return f"{fault.get('arm')}-{fault.get('replica')}"
+    return f"{fault.arm}-{fault.replica}" if fault.enabled else None
 
 
 def _fault_events(root: Path, target: str) -> list[FaultEvent]:
     return load_fault_events(root / target) if (root / target).is_dir() else []
 
 
-def unrecorded_faults(root: Path, experiment: dict[str, Any], steps: int) -> list[str]:
+def unrecorded_faults(root: Path, fault: FaultConfig, steps: int) -> list[str]:
     """A fault that fired at a step past those the records hold: records cut back to before it are not the evidence
     of the run that was corrupted (incomplete, never a pass)."""
-    target = _fault_target(experiment)
+    target = _fault_target(fault)
     if target is None:
         return []
     return [f"{root / target}: {event.describe()}, but the records hold steps 1-{steps} only: records cut back "
@@ -329,17 +339,16 @@ def unrecorded_faults(root: Path, experiment: dict[str, Any], steps: int) -> lis
             if event.step > steps]
 
 
-def fault_outcome(root: Path, experiment: dict[str, Any], verdicts: list[Verdict]) -> tuple[list[str], bool | None]:
+def fault_outcome(root: Path, fault: FaultConfig, verdicts: list[Verdict]) -> tuple[list[str], bool | None]:
     """Lines saying where the configured fault fired (or that it never did), and whether the self-test tested
     anything: a fault that fired in a run that a gate still finds identical to its reference tested nothing either
     (False, an incomplete outcome), as a fault that never fired."""
-    target = _fault_target(experiment)
+    target = _fault_target(fault)
     if target is None:
         return [], None
-    fault = experiment["fault"]
     events = _fault_events(root, target)
     if not events:
-        return [f"{target}: fault {fault.get('kind')} configured but never fired: the self-test tested nothing"], False
+        return [f"{target}: fault {fault.kind.value} configured but never fired: the self-test tested nothing"], False
     lines = [f"{target}: {event.describe()}" for event in events]
     passing = [v.gate for v in verdicts if v.agree and target in (v.reference, v.candidate)]
     if passing:
@@ -386,6 +395,7 @@ def compute_experiment(root: Path) -> ExperimentAnalysis:
     manifest = load_manifest(root / first)
     config = manifest_value(manifest, root / first, "config")
     experiment = manifest_value(manifest, root / first, "config.experiment")
+    settings = experiment_settings(config, root / first)
     # The gated runs, then timed runs of their own (experiment.interleave=policy: the shared model's <arm>-timed).
     names = GATED_RUNS + tuple(ref.name for ref in interleaved_runs(experiment) if ref.name not in GATED_RUNS)
     manifests = {name: manifest if name == first else load_manifest(root / name) for name in names}
@@ -400,9 +410,9 @@ def compute_experiment(root: Path) -> ExperimentAnalysis:
     timed = timed_runs(runs, experiment)
     timed_incomplete = any(problems[ref.name] for ref in interleaved_runs(experiment)) or bool(stop_problems)
     tax = _tax(timed, experiment, timed_incomplete, checkpoints)
-    target = _fault_target(experiment)
+    target = _fault_target(settings.fault)
     if target in problems:
-        problems[target] += unrecorded_faults(root, experiment, run_steps_of[target])
+        problems[target] += unrecorded_faults(root, settings.fault, run_steps_of[target])
     verdicts = []
     for gate in GATES:
         reference, candidate = gate.reference.name, gate.candidate.name
@@ -411,11 +421,11 @@ def compute_experiment(root: Path) -> ExperimentAnalysis:
         through = min(run_steps_of[reference], run_steps_of[candidate])
         verdicts.append(compare_runs(gate.name, reference, runs[reference], candidate, runs[candidate], from_step,
                                      tuple(problems[reference] + problems[candidate]), through))
-    faults, fired = fault_outcome(root, experiment, verdicts)
+    faults, fired = fault_outcome(root, settings.fault, verdicts)
     device = manifest_value(manifest, root / first, "policy_applied.device")
     knobs = analyse_ablation(root, config, device, timed["baseline"], steps, checkpoints)
     world = int(manifest_value(manifest, root / first, "layout.world_size"))
-    attribution, attribution_problems = ({}, []) if not experiment.get("ablation") else attribute_arms(
+    attribution, attribution_problems = ({}, []) if not settings.ablation else attribute_arms(
         root, step_deltas_us(tax, knobs), world)
     equivalence = baseline_equivalence(runs, int(experiment["warmup_steps"]),
                                        stop_problems + [line for name in EQUIVALENCE_RUNS for line in problems[name]])
@@ -441,10 +451,10 @@ def compute_experiment(root: Path) -> ExperimentAnalysis:
         time_needed_s=steps_needed * step_cost + gate_cost if steps_needed else math.nan,
         steps=steps,
         stopped_by=stopped_by,
-        target_half_width=float(experiment.get("target_half_width", 0.0)),
-        conclusive_half_width=float(experiment.get("conclusive_half_width", 0.02)),
-        planted_tax=float(experiment.get("planted_tax", 0.0)),
-        calibration=bool(experiment.get("calibration", False)),
+        target_half_width=settings.target_half_width,
+        conclusive_half_width=settings.conclusive_half_width,
+        planted_tax=settings.planted_tax,
+        calibration=settings.calibration,
         rank_median_s=rank_medians(timed, tax.warmup_steps),
         throughput=throughput,
         code=code_of(manifest),
