@@ -72,8 +72,6 @@ MANIFEST_SECTIONS = ("policy", "policy_applied", "layout", "stack", "timing", "p
                      "config.cluster", "config.experiment", "config.arm_overrides")
 
 
-# ------------------------------------------------------------------------------------------------------ content
-
 def _value(value: Any) -> str:
     if value is None:
         return "—"
