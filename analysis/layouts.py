@@ -26,12 +26,9 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
 
 from taxbench import exit_codes
-from taxbench.analysis.summary import duration, ms, write_result
+from taxbench.analysis.results import finite_or_none, write_result
 from taxbench.analysis.verdicts import DIFFERS, Verdict, compare_runs
 from taxbench.config.layout_names import parse_layout_name
 from taxbench.config.schema import ConfigError
@@ -140,7 +137,7 @@ class LayoutResult:
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "layout": self.layout, "repeatable": self.repeatable.to_dict(),
                 "digests": self.digests, "weights_elements": self.weights_elements, "problems": self.problems,
-                "notes": self.notes, "seconds": self.seconds, "median_step_s": _finite(self.median_step_s)}
+                "notes": self.notes, "seconds": self.seconds, "median_step_s": finite_or_none(self.median_step_s)}
 
 
 def _whole_job_series(frame: pd.DataFrame, run: str) -> tuple[pd.DataFrame, list[str]]:
@@ -402,90 +399,3 @@ def analyse_layouts(root: Path) -> LayoutsAnalysis:
     summary = LayoutsSummary(str(root), plan, layouts, pairs)
     write_result(root / SUMMARY_FILE, json.dumps(summary.to_dict(), indent=2))
     return LayoutsAnalysis(summary)
-
-
-# ---------------------------------------------------------------------------------------------------------- words
-def _finite(value: float) -> float | None:
-    return value if math.isfinite(value) else None
-
-
-def repeatable_text(verdict: Verdict) -> str:
-    if verdict.agree:
-        return f"yes ({verdict.compared_steps} steps bitwise)"
-    m = verdict.first_mismatch
-    if verdict.outcome == DIFFERS and m is not None:
-        return f"NO (step {m.step}, rank {m.rank}, {m.metric})"
-    return "unknown (incomplete)"
-
-
-def weights_text(identical: bool | None) -> str:
-    return {True: "same", False: "differ", None: "missing"}[identical]
-
-
-def first_difference_text(pair: PairResult) -> str:
-    if pair.first_difference is None:
-        return "none" if pair.final_weights_identical is not None else "none found (digest missing)"
-    step, metric = pair.first_difference
-    return "step 0 weights" if step == 0 else f"{metric} @{step}"
-
-
-def ulp_text(values: list[int | None], steps: list[int]) -> str:
-    """The largest per-step ulp distance and its step: "max 40 @3", "0" when every step is equal, "n/a" if none."""
-    present = [(v, s) for v, s in zip(values, steps, strict=True) if v is not None]
-    if not present:
-        return "n/a"
-    value, step = max(present, key=lambda item: (item[0], -item[1]))
-    return "0" if value == 0 else f"max {value} @{step}"
-
-
-def initial_weights_line(summary: LayoutsSummary) -> tuple[str, str]:
-    identical = summary.initial_weights_identical
-    digests = summary.initial_digests
-    elements = next((layout.weights_elements for layout in summary.layouts if layout.weights_elements), 0)
-    if identical:
-        digest = next(iter(digests.values()))
-        return "good", (f"identical step-0 weights: yes, every run of all {len(summary.layouts)} layouts starts from "
-                        f"model digest {digest} ({elements:,} elements, layout-invariant digest)")
-    if identical is None:
-        missing = [key for key, value in digests.items() if value is None]
-        return "bad", f"identical step-0 weights: unknown, no step-0 digest for {', '.join(missing)}"
-    reference = next(iter(digests.values()))
-    differing = [key for key, value in digests.items() if value != reference]
-    return "bad", (f"identical step-0 weights: NO, {', '.join(differing)} differ from {next(iter(digests))}'s "
-                   f"{reference}")
-
-
-def render_layouts(summary: LayoutsSummary, console: Console | None = None, report: Path | None = None) -> None:
-    console = console or Console()
-    plan = summary.plan
-    tone, line = summary.verdict()
-    colour = {"good": "green", "bad": "red", "warn": "yellow"}
-    console.print(f"[bold]{escape(Path(summary.root).name)}[/bold]  {escape(plan.recipe)} | {plan.world_size} ranks "
-                  f"| {plan.arm} policy | {plan.steps} steps x 2 runs per layout")
-    console.print(f"[bold {colour[tone]}]{escape(line)}[/bold {colour[tone]}]")
-    weights_tone, weights_line = initial_weights_line(summary)
-    console.print(f"[{colour[weights_tone]}]{escape(weights_line)}[/{colour[weights_tone]}]")
-    layouts = Table(title="layouts", title_justify="left", box=None, padding=(0, 1))
-    for column in ("layout", "factors", "repeatable", "median step", "wall"):
-        layouts.add_column(column)
-    for layout in summary.layouts:
-        wall = duration(layout.seconds) if layout.seconds is not None else "n/a"
-        layouts.add_row(layout.name, escape(layout.factors), escape(repeatable_text(layout.repeatable)),
-                        ms(layout.median_step_s), wall)
-    console.print(layouts)
-    pairs = Table(title="layout pairs (replica 0 of each; float32 ulps, largest @ its step; every step in "
-                        f"{SUMMARY_FILE} and the report)", title_justify="left", box=None, padding=(0, 1))
-    for column in ("pair", "step 0", "first diff", "loss", "grad norm", "final"):
-        pairs.add_column(column, overflow="fold")
-    for pair in summary.pairs:
-        pairs.add_row(f"{pair.reference} / {pair.candidate}", weights_text(pair.initial_weights_identical),
-                      first_difference_text(pair), ulp_text(pair.loss_ulp, pair.steps),
-                      ulp_text(pair.grad_norm_ulp, pair.steps), weights_text(pair.final_weights_identical))
-    console.print(pairs)
-    for note in [n for layout in summary.layouts for n in layout.notes]:
-        console.print(f"[yellow]note[/yellow] {escape(note)}")
-    for problem in summary.problems[:5]:
-        console.print(f"[red]incomplete[/red] {escape(problem)}", soft_wrap=True)
-    console.print(f"[bold]results[/bold]  {escape(summary.root)}", soft_wrap=True)
-    if report is not None:
-        console.print(f"[bold]report[/bold]   {escape(str(report))}", soft_wrap=True)

@@ -23,24 +23,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from taxbench.analysis.layouts import analyse_layouts, is_layouts_folder, render_layouts
-from taxbench.analysis.report import (
-    HTML_FILE,
-    MARKDOWN_FILE,
-    REPORT_DIR,
-    write_experiment_report,
-    write_layouts_report,
-    write_sweep_report,
-)
-from taxbench.analysis.summary import (
-    SUMMARY_FILE,
-    ExperimentAnalysis,
-    analyse_experiment,
-    may_write_result,
-    render,
-    write_result,
-)
-from taxbench.analysis.sweep import MAX_DEPTH, PointName, analyse_sweep, find_experiments, is_experiment, render_sweep
+from taxbench.analysis.console import render, render_layouts, render_sweep
+from taxbench.analysis.document import HTML_FILE, MARKDOWN_FILE, REPORT_DIR
+from taxbench.analysis.experiment import ExperimentAnalysis
+from taxbench.analysis.layouts import analyse_layouts, is_layouts_folder
+from taxbench.analysis.report import write_experiment_report, write_layouts_report, write_sweep_report
+from taxbench.analysis.results import may_write_result, write_result
+from taxbench.analysis.summary import SUMMARY_FILE, analyse_experiment
+from taxbench.analysis.sweep import MAX_DEPTH, PointName, analyse_sweep, find_experiments, is_experiment
 from taxbench.analysis.wandb_log import WandbUnavailable, import_wandb, log_experiment, log_layouts, log_sweep
 from taxbench.config.schema import ReportConfig
 from taxbench.design import ALL_RUNS, TIMED

@@ -13,19 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
 
 from taxbench import exit_codes
-from taxbench.analysis.summary import (
-    ExperimentAnalysis,
-    ExperimentSummary,
-    analyse_experiment,
-    pct,
-    write_result,
-)
-from taxbench.analysis.verdicts import IDENTICAL, INCOMPLETE
+from taxbench.analysis.experiment import ExperimentAnalysis, ExperimentSummary
+from taxbench.analysis.results import write_result
+from taxbench.analysis.summary import analyse_experiment
 from taxbench.design import GATES, TIMED
 from taxbench.rundir.read import RecordError, load_manifest
 from taxbench.rundir.records import MANIFEST
@@ -117,11 +109,6 @@ POINT_COLUMNS = ("point", "experiment", "path", "recipe", "device", "world_size"
                  "code", "error")
 
 
-def world_label(points: pd.DataFrame) -> str:
-    """What the sweep's world sizes count: "GPUs", or "ranks" when no point ran on CUDA."""
-    return "GPUs" if "device" in points and (points["device"] == "cuda").any() else "ranks"
-
-
 def point_row(summary: ExperimentSummary, root: Path, name: PointName) -> dict[str, object]:
     tax = summary.tax
     row: dict[str, object] = {
@@ -185,38 +172,3 @@ def analyse_sweep(
     points = points.reset_index(drop=True)
     write_result(root / SWEEP_FILE, points.to_csv(index=False))
     return SweepAnalysis(root, points, summaries, errors)
-
-
-def _gate_mark(outcome: str, strict: bool) -> str:
-    if outcome == IDENTICAL:
-        return "[green]✓[/green]"
-    if outcome == INCOMPLETE:
-        return "[red]?[/red]" if strict else "[yellow]?[/yellow]"
-    return "[red]✗[/red]" if strict else "[yellow]~[/yellow]"
-
-
-def render_sweep(sweep: SweepAnalysis, console: Console | None = None, report_path: Path | None = None) -> None:
-    """Compact console table: one line per sweep point."""
-    console = console or Console()
-    table = Table(title=f"[bold]sweep[/bold] {sweep.root}", title_justify="left", show_edge=False, pad_edge=False)
-    # Points that share recipe and world size (a sweep of modes, e.g. the two NCCL policies) are told apart by name.
-    named = bool(sweep.points.duplicated(["recipe", "world_size"], keep=False).any())
-    for column, justify in ((("point", "left"),) if named else ()) + (
-            ("recipe", "left"), (world_label(sweep.points), "right"), ("tax", "right"), ("CI", "right"),
-            ("gates", "left")):
-        table.add_column(column, justify=justify)  # type: ignore[arg-type]
-    for row in sweep.points.to_dict("records"):
-        point = (escape(str(row["point"])),) if named else ()
-        if row["error"]:
-            table.add_row(*point, str(row["experiment"]), "", "", "",
-                          f"[red]not analysed[/red]: {escape(row['error'][:60])}")
-            continue
-        gates = " ".join(_gate_mark(str(row[gate.name]), gate.strict) + gate.label for gate in GATES)
-        table.add_row(*point, str(row["recipe"]), str(row["world_size"]), pct(row["tax"]),
-                      escape(f"[{pct(row['low'])}, {pct(row['high'])}]"), gates)
-    console.print(table)
-    incomplete = sweep.points[sweep.points["outcome"] == INCOMPLETE]
-    for row in incomplete.to_dict("records"):
-        console.print(f"[red]incomplete[/red] {escape(str(row['path']))}: {escape(str(row['incomplete'])[:300])}")
-    if report_path is not None:
-        console.print(f"report: {report_path}")

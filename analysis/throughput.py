@@ -60,17 +60,3 @@ def cost_of_tax(baseline: ArmThroughput | None, deterministic: ArmThroughput | N
         "tokens_per_s_lost": lost,
         "device_hours_per_day": tax * world * 24 if math.isfinite(tax) else None,
     }
-
-
-def si(value: float | None, unit: str) -> str:
-    """12345 -> "12.3k tok/s"; None or NaN -> "n/a"."""
-    if value is None or not math.isfinite(value):
-        return "n/a"
-    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(value) >= factor:
-            return f"{value / factor:.1f}{prefix} {unit}"
-    return f"{value:.1f} {unit}"
-
-
-def mebibytes(value: int | None) -> str:
-    return "n/a" if value is None else f"{value / 2**20:,.0f} MiB"

@@ -27,21 +27,19 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import pandas as pd
-
 from taxbench.analysis.cost import PARTS
 from taxbench.analysis.equivalence import Equivalence
-from taxbench.analysis.layouts import LayoutsAnalysis, first_difference_text, repeatable_text, weights_text
+from taxbench.analysis.experiment import ARMS, ExperimentAnalysis, ExperimentSummary
+from taxbench.analysis.layouts import LayoutsAnalysis
 from taxbench.analysis.report import EQUIVALENCE_PNG, STEP_TIME_PNG, SWEEP_PNG
-from taxbench.analysis.summary import ExperimentAnalysis, ExperimentSummary, finite_or_none, verdict_line
+from taxbench.analysis.results import finite_or_none
 from taxbench.analysis.sweep import PointName, SweepAnalysis
+from taxbench.analysis.text import first_difference_text, headline, repeatable_text, verdict_line, weights_text
 from taxbench.config.schema import ReportConfig
 from taxbench.design import GATES, TIMED
 from taxbench.redaction import redact
-from taxbench.rundir.read import step_losses, step_times
 
 INSTALL_HINT = "pip install 'taxbench[wandb]'"
-ARMS = ("baseline", "deterministic")
 # Series logged per step (x axis "step") and per block (x axis "block"), one panel per metric with both arms.
 STEP_SERIES = ("step_time/*", "loss/*", "grad_norm/*", "tokens_per_s/*")
 BLOCK_SERIES = ("block_tax/*",)
@@ -131,23 +129,8 @@ def _experiment_config(analysis: ExperimentAnalysis) -> dict[str, Any]:
     }
 
 
-def step_series(frame: pd.DataFrame, dp: int) -> pd.DataFrame:
-    """Per step of one run: the job's step time (slowest rank), the loss (mean over ranks), the global grad norm
-    (as rank 0 recorded it) and the job's tokens/s (rank 0's tokens per step x dp / step time)."""
-    times = step_times(frame).set_index("step")["time_s"]
-    first_rank = frame[frame["rank"] == frame["rank"].min()].drop_duplicates("step").set_index("step")
-    return pd.DataFrame({
-        "step_time": times,
-        "loss": step_losses(frame),
-        "grad_norm": first_rank["grad_norm"],
-        "tokens_per_s": first_rank["tokens"] * dp / times,
-    }).sort_index()
-
-
 def _step_rows(analysis: ExperimentAnalysis) -> list[dict[str, Any]]:
-    series = {arm: step_series(analysis.runs[f"{arm}-0"],
-                               int(analysis.manifests[f"{arm}-0"].get("layout", {}).get("dp", 1)))
-              for arm in ARMS}
+    series = analysis.step_series
     rows = []
     for step in sorted(set().union(*(frame.index for frame in series.values()))):
         row: dict[str, Any] = {"step": int(step)}
@@ -201,7 +184,7 @@ def summary_values(summary: ExperimentSummary) -> dict[str, Any]:
     values["deterministic_ok"] = summary.deterministic_ok
     values["outcome"] = summary.outcome
     values["verdict"] = verdict_line(summary)[1]
-    values["headline"] = summary.headline()
+    values["headline"] = headline(summary)
     values["conclusive"] = summary.conclusive
     values["planted_tax"] = summary.planted_tax
     values["calibration"] = summary.calibration
@@ -255,7 +238,7 @@ def log_experiment(analysis: ExperimentAnalysis, settings: ReportConfig, report_
             run.define_metric(pattern, step_metric="block", summary="none")
         for row in _step_rows(analysis):
             run.log(row)
-        ratios = analysis.block_ratios()
+        ratios = analysis.block_ratios
         for block, ratio in ratios["ratio"].items():
             run.log({"block": int(block), "block_tax/ratio": float(ratio)})
         media: dict[str, Any] = {"gates": wandb.Table(columns=GATE_COLUMNS, data=gate_table_rows(summary))}

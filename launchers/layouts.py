@@ -16,8 +16,8 @@ from pathlib import Path
 
 from rich.console import Console
 
+from taxbench.analysis.experiment import recipe_label
 from taxbench.analysis.layouts import PLAN_FILE, SUMMARY_FILE, LaunchRecord, LayoutsPlan
-from taxbench.analysis.summary import recipe_label
 from taxbench.config.layout_names import LayoutName, check_layout
 from taxbench.config.schema import ConfigError, ReportConfig, TaxbenchConfig, world_size, world_size_key
 from taxbench.launchers.local import RankFailed, start_ranks

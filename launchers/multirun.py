@@ -21,7 +21,8 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from taxbench.analysis.sweep import analyse_sweep, render_sweep
+from taxbench.analysis.console import render_sweep
+from taxbench.analysis.sweep import analyse_sweep
 from taxbench.diagnostics import logger
 from taxbench.launchers.outcome import LaunchFailed, Queued, publish_launch
 from taxbench.redaction import redact

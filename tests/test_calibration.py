@@ -11,7 +11,8 @@ import pytest
 from helpers import Crash, compose_config, crash_after, run_schedule, step_records, tiny_config
 
 from taxbench import exit_codes
-from taxbench.analysis.summary import CALIBRATION, analyse, analyse_experiment
+from taxbench.analysis.experiment import CALIBRATION
+from taxbench.analysis.summary import analyse, analyse_experiment
 from taxbench.config.schema import ConfigError
 from taxbench.rundir.records import STOP_FILE
 from taxbench.schedule.stopping import MIN_ROUNDS
@@ -45,7 +46,7 @@ def test_a_planted_tax_is_recovered_by_an_a_a_pair_labelled_as_a_calibration(tmp
     # Unbiased within its interval (twice the half-width: the benchmark, not a unit test, measures the coverage).
     assert abs(summary.tax.tax - truth) <= 2 * summary.tax.half_width
     # The report's and wandb's per-block tax are the rounds the estimate used: not the slow one after each commit.
-    ratios = analyse_experiment(tmp_path).block_ratios()
+    ratios = analyse_experiment(tmp_path).block_ratios
     assert len(ratios) == summary.tax.pairs and not {10, 20, 30, 40, 50} & set(ratios.index)
     stored = json.loads((tmp_path / "summary.json").read_text())
     assert stored["planted_tax"] == 0.5 and stored["calibration"] is True and "planted +50.00%" in stored["headline"]

@@ -11,6 +11,7 @@ import pytest
 from scipy.signal import lfilter
 
 from taxbench import exit_codes
+from taxbench.analysis.document import HTML_FILE, MARKDOWN_FILE
 from taxbench.analysis.equivalence import (
     ALL_IDENTICAL,
     DIFFERS,
@@ -22,7 +23,7 @@ from taxbench.analysis.equivalence import (
     REQUIRED_SHARE,
     compare_loss_curves,
 )
-from taxbench.analysis.report import EQUIVALENCE_PNG, HTML_FILE, MARKDOWN_FILE, write_experiment_report
+from taxbench.analysis.report import EQUIVALENCE_PNG, write_experiment_report
 from taxbench.analysis.summary import analyse_experiment
 from taxbench.analysis.synthetic import SyntheticExperiment, change_config, write_experiment
 

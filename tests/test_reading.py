@@ -15,11 +15,11 @@ import pytest
 from rich.console import Console
 
 from taxbench import exit_codes
+from taxbench.analysis.document import HTML_FILE, MARKDOWN_FILE, REPORT_DIR
 from taxbench.analysis.publish import WITHDRAWN, publish, read_and_report
-from taxbench.analysis.report import HTML_FILE, MARKDOWN_FILE, REPORT_DIR
 from taxbench.analysis.summary import SUMMARY_FILE
 from taxbench.analysis.sweep import SWEEP_FILE
-from taxbench.analysis.synthetic import SyntheticExperiment, write_experiment
+from taxbench.analysis.synthetic import SyntheticExperiment, change_config, write_experiment
 from taxbench.cli import subcommand
 from taxbench.config.schema import ReportConfig
 from taxbench.rundir.evidence import NotEvidence, check_regular
@@ -260,6 +260,17 @@ def test_a_damaged_manifest_is_unreadable_evidence_but_a_missing_one_is_no_exper
     with pytest.raises(RecordError) as missing:
         publish(root, TEXT, console=QUIET)
     assert missing.value.exit_code == exit_codes.CONFIG_ERROR
+
+
+def test_a_manifest_config_the_schema_refuses_is_unreadable_evidence(tmp_path: Path) -> None:
+    """The analysis reads the experiment's settings typed (the schema's defaults, none of its own): a recorded config
+    the schema cannot load is a damaged manifest (exit 4), named, and no verdict is written."""
+    root = _experiment(tmp_path / "exp")
+    change_config(root, lambda config: config["experiment"].update(planted_tax="a lot"))
+    with pytest.raises(UnreadableRecords, match=r"deterministic-0/manifest.json: its config does not load") as refused:
+        publish(root, TEXT, console=QUIET)
+    assert refused.value.exit_code == exit_codes.INCOMPLETE and "planted_tax" in str(refused.value)
+    assert not (root / SUMMARY_FILE).exists()
 
 
 # ------------------------------------------------------------------------------- rule 3: non-finite training named

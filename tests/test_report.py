@@ -16,10 +16,12 @@ import pytest
 from rich.console import Console
 
 from taxbench import exit_codes
+from taxbench.analysis.console import render, render_sweep
+from taxbench.analysis.document import HTML_FILE, MARKDOWN_FILE, REPORT_DIR
 from taxbench.analysis.publish import publish
-from taxbench.analysis.report import HTML_FILE, MARKDOWN_FILE, REPORT_DIR, STEP_TIME_PNG, SWEEP_PNG
-from taxbench.analysis.summary import analyse_experiment, render
-from taxbench.analysis.sweep import SWEEP_FILE, analyse_sweep, find_experiments, render_sweep
+from taxbench.analysis.report import STEP_TIME_PNG, SWEEP_PNG
+from taxbench.analysis.summary import analyse_experiment
+from taxbench.analysis.sweep import SWEEP_FILE, analyse_sweep, find_experiments
 from taxbench.analysis.synthetic import Injection, SyntheticExperiment, change_config, write_experiment
 from taxbench.config.schema import ReportConfig
 from taxbench.redaction import REDACTED, redact, redact_text

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from taxbench.analysis.document import HTML_FILE, REPORT_DIR
 from taxbench.analysis.publish import publish
-from taxbench.analysis.report import HTML_FILE, REPORT_DIR, write_experiment_report
+from taxbench.analysis.report import write_experiment_report
 from taxbench.analysis.summary import analyse_experiment
 from taxbench.analysis.sweep import analyse_sweep
 from taxbench.analysis.synthetic import Injection, SyntheticExperiment, change_config, write_experiment

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from taxbench import exit_codes
 from taxbench.analysis.divergence import nonfinite_runs
-from taxbench.analysis.summary import expected_steps, interleaved_runs
+from taxbench.analysis.experiment import expected_steps, interleaved_runs
 from taxbench.analysis.verdicts import DIFFERS, IDENTICAL, Verdict, compare_runs
 from taxbench.config.pairing import differences
 from taxbench.config.schema import ConfigError, Launcher, TaxbenchConfig, launch_stamp, load_config
