@@ -63,11 +63,14 @@ def test_the_audit_lists_every_field_where_a_switch_differs_from_taxbenchs_polic
     ]
 
 
-def test_a_stack_whose_switch_is_not_wired_as_native_is_refused_in_one_line() -> None:
-    with pytest.raises(ConfigError, match="wired for DeepSpeed and taxbench's own stack; torchtitan's "
-                                          "debug.deterministic") as info:
-        compose_config("+recipe=titan_llama3_debug", NATIVE)
-    assert "\n" not in str(info.value)
+def test_torchtitans_native_arm_is_debug_deterministic_alone() -> None:
+    cfg = compose_config("+recipe=titan_llama3_debug", NATIVE)
+    arm = cfg.arms["deterministic"]
+    assert arm.stack_native and arm.deterministic and not arm.cudnn_benchmark and not arm.fill_uninitialized_memory
+    assert arm.cublas_workspace_config == ":4096:8" and arm.nccl_algo is None
+    lines = stack_native_audits(cfg)["deterministic"]
+    assert "torchtitan's switch leaves NCCL_ALGO unset; taxbench's policy sets Ring" in lines
+    assert "torchtitan's switch sets TF32 (matmul and cuDNN) on; taxbench's policy sets off" in lines
 
 
 @needs_deepspeed

@@ -78,12 +78,6 @@ class TrainingStack(Protocol):
         ...
 
 
-def not_wired_native(stack: str, switch: str) -> ConfigError:
-    """A stack whose switch is not wired as a stack-native arm yet (it runs under taxbench's full policy)."""
-    return ConfigError(f"mode@arms.deterministic=stack_native is wired for DeepSpeed and taxbench's own stack; "
-                       f"{stack}'s {switch} runs under taxbench's policy: use mode@arms.deterministic=deterministic")
-
-
 def refuse_unknown_options(stack: str, options: Any, given: dict[str, Any]) -> None:
     """Refuse a recipe.model.stack key that the stack's options dataclass does not have (one line)."""
     known = set(options.__dataclass_fields__)

@@ -70,7 +70,7 @@ from taxbench.config.schema import (
 from taxbench.config.shape import ParallelShape
 from taxbench.parallel.distributed import DistContext
 from taxbench.parallel.layout import ParallelModel, layout_for
-from taxbench.stacks.protocol import RankModel, not_wired_native, refuse_conflicts, refuse_unknown_options
+from taxbench.stacks.protocol import RankModel, refuse_conflicts, refuse_unknown_options
 from taxbench.stacks.step import Batch
 
 TESTED_VERSION = "0.3.0"
@@ -79,6 +79,12 @@ FAMILIES = ("llama3", "qwen3", "deepseek_v3")
 ATTN_BACKENDS = ("flex", "varlen", "sdpa")
 # torchtitan's switch puts this in the environment (torchtitan/distributed/utils.py, set_determinism).
 SWITCH_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+# debug.deterministic as policy fields (a stack-native arm): deterministic algorithms with the fill of uninitialized
+# memory off, cuDNN deterministic without its autotuner, and SWITCH_ENV; TF32 and NCCL are left as they are.
+SWITCH_FIELDS = {"deterministic": True, "cudnn_benchmark": False, "allow_tf32": True,
+                 "cublas_workspace_config": SWITCH_ENV["CUBLAS_WORKSPACE_CONFIG"], "nccl_algo": None,
+                 "nvte_allow_nondeterministic_algo": True, "fill_uninitialized_memory": False,
+                 "deterministic_kernels": False}
 SEED_ENV = "PYTHONHASHSEED"  # which it sets to its seed as well
 
 
@@ -486,7 +492,8 @@ class TitanStack:
         return record
 
     def native_policy(self, recipe: RecipeConfig, name: str) -> PolicyConfig:
-        raise not_wired_native(self.name, "debug.deterministic")
+        del recipe
+        return PolicyConfig(name=name, **SWITCH_FIELDS)
 
     def meta_model(self, recipe: RecipeConfig) -> nn.Module:
         require_torchtitan()
