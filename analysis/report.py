@@ -192,6 +192,8 @@ def _training_blocks(analysis: ExperimentAnalysis) -> list[Block]:
     if summary.cost_split is not None:
         split = summary.cost_split
         blocks.append(Paragraph(f"Where the wall clock went ({duration(split.wall_s)}, this launch): {split.line()}."))
+        if split.startup_line() is not None:
+            blocks.append(Paragraph(f"The startup's parts: {split.startup_line()}."))
     curves = (TIMED["baseline"], TIMED["deterministic"], REPEAT, BASELINE_REPEAT)
     names = [ref.name for ref in curves if not analysis.runs[ref.name].empty]
     if names:

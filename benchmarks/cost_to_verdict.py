@@ -71,6 +71,9 @@ def main() -> int:
               f"{runs} runs grow with the steps")
         print(f"  timed share {split['share'].get('timed_steps', float('nan')):.0%} of {split['wall_s']:.1f} s "
               f"({shares})")
+        if split.get("startup_s"):
+            parts = " ".join(f"{part} {seconds:.1f} s" for part, seconds in split["startup_s"].items())
+            print(f"  startup {sum(split['startup_s'].values()):.1f} s: {parts}")
         overhead = in_loop_overhead_s(summary, cost)
         print(f"  in-loop overhead in the rounds {overhead * 1e3:.2f} ms per timed step ({overhead / median:.2f}x "
               "the median step)")

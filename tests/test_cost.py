@@ -11,6 +11,7 @@ from helpers import Crash, compose_config, crash_after, fingerprints, run_schedu
 
 from analysis.summary import analyse
 from analysis.wandb_log import summary_values
+from taxbench.analysis.cost import STARTUP_PARTS
 from taxbench.config.schema import ConfigError
 from taxbench.design import ALL_RUNS, INTERLEAVED
 from taxbench.rundir.records import STOP_FILE, steps_file
@@ -35,6 +36,9 @@ def test_gate_only_runs_take_gate_steps_and_analysis_holds_them_to_it(tmp_path: 
     assert all(value >= 0 for value in split["seconds"].values())
     assert split["seconds"]["timed_steps"] > 0 and split["seconds"]["checkpoints"] > 0
     assert sum(split["seconds"].values()) == pytest.approx(split["wall_s"])
+    # The startup's parts, command -> rank process -> process group -> schedule -> first timed step, add up to it.
+    assert list(split["startup_s"]) == list(STARTUP_PARTS) and all(v >= 0 for v in split["startup_s"].values())
+    assert sum(split["startup_s"].values()) == pytest.approx(split["seconds"]["startup"])
     values = summary_values(summary)  # and wandb's summary keys
     assert values["wall_clock/timed_steps"] == pytest.approx(split["share"]["timed_steps"])
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -24,6 +25,7 @@ class DistContext:
     backend: str
     _arm_groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
     meshes: dict[Any, Any] = field(default_factory=dict)  # DeviceMeshes per (arm, mesh shape): taxbench.parallel.layout
+    ready_unix: float | None = None  # when the default process group was up (the startup's cost split)
 
     def group_for(self, policy: PolicyConfig) -> dist.ProcessGroup:
         """A communicator created under this arm's NCCL_ALGO (NCCL reads it at communicator creation)."""
@@ -62,7 +64,7 @@ def init(
             timeout=timedelta(minutes=10),
             device_id=torch_device if backend == "nccl" else None,
         )
-    return DistContext(rank, world_size, local_rank, torch_device, backend)
+    return DistContext(rank, world_size, local_rank, torch_device, backend, ready_unix=time.time())
 
 
 def simulate(rank: int, world_size: int) -> DistContext:

@@ -43,6 +43,8 @@ def command_started_unix() -> float | None:
 @dataclass
 class ScheduleCost:
     started_unix: float | None = None  # the command's start (None: unknown)
+    rank_started_unix: float | None = None  # rank 0's process started (forked or spawned; None: unknown)
+    process_group_unix: float | None = None  # rank 0's default process group was up
     schedule_start_unix: float = 0.0  # Experiment.run began
     first_step_unix: float | None = None  # the timed rounds' first step began (None: rounds skipped by a continue)
     end_unix: float = 0.0  # the schedule ended
@@ -56,6 +58,9 @@ class ScheduleCost:
         write_text_atomically(root / COST_FILE, json.dumps(asdict(self), indent=2))
 
 
+OPTIONAL_TIMES = ("first_step_unix", "rank_started_unix", "process_group_unix")
+
+
 def read_cost(root: Path) -> ScheduleCost | None:
     """The launch's cost record; None when it is missing (an older experiment), unreadable (a FIFO or device is
     refused unopened), not JSON or not a cost record (a field that is not a number)."""
@@ -65,7 +70,7 @@ def read_cost(root: Path) -> ScheduleCost | None:
     except (OSError, ValueError, TypeError):
         return None
     numbers = all(isinstance(value, int | float) and not isinstance(value, bool)
-                  for name, value in asdict(cost).items() if not (name == "first_step_unix" and value is None))
+                  for name, value in asdict(cost).items() if not (name in OPTIONAL_TIMES and value is None))
     return cost if numbers else None
 
 

@@ -45,7 +45,7 @@ from taxbench.progress import IDLE, StepProgress
 from taxbench.rundir.manifest import RunFacts, write_run_manifest
 from taxbench.rundir.records import Stop, op_table_file, read_stop, write_commits
 from taxbench.schedule.checkpoint_clock import CheckpointClock
-from taxbench.schedule.cost import ScheduleCost, Stopwatch, command_started_unix
+from taxbench.schedule.cost import ScheduleCost, Stopwatch, command_started_unix, process_start_unix
 from taxbench.schedule.stopping import StoppingRule
 from taxbench.stacks.registry import stack_for
 from taxbench.train.flops import throughput_manifest
@@ -74,7 +74,8 @@ class Experiment:
         self.attempt_id = uuid.uuid4().hex[:12]  # this start of the schedule (rank 0 names it in the manifests)
         self._throughput: dict | None = None  # counted once, on rank 0 (see taxbench.train.flops)
         self.design = design_of(cfg)
-        self.cost = ScheduleCost(started_unix=command_started_unix())
+        self.cost = ScheduleCost(started_unix=command_started_unix(), rank_started_unix=process_start_unix(),
+                                 process_group_unix=ctx.ready_unix)
         self._checkpointing = Stopwatch()  # time in commits
 
     def _spec(self, ref: RunRef) -> RunSpec:
