@@ -76,9 +76,14 @@ class TrainingStack(Protocol):
         ...
 
 
-def not_wired_native(stack: str, switch: str) -> ConfigError:
+class NotWiredNative(ConfigError):
+    """A stack-native arm asked of a stack whose switch is not wired as one: `taxbench stacks` shows that cell as "not
+    wired" with this reason instead of refusing the whole matrix."""
+
+
+def not_wired_native(stack: str, switch: str) -> NotWiredNative:
     """A stack whose switch is not wired as a stack-native arm yet (it runs under taxbench's full policy)."""
-    return ConfigError(f"mode@arms.deterministic=stack_native is wired for DeepSpeed and taxbench's own stack; "
+    return NotWiredNative(f"mode@arms.deterministic=stack_native is wired for DeepSpeed and taxbench's own stack; "
                        f"{stack}'s {switch} runs under taxbench's policy: use mode@arms.deterministic=deterministic")
 
 
