@@ -76,6 +76,7 @@ class StacksPlan:
     world_size: int
     device: str
     cells: list[Cell] = field(default_factory=list)
+    shape: str = ""  # the model and batch fields given to every stack that builds its model from them
 
     def write(self, root: Path) -> None:
         write_result(root / PLAN_FILE, json.dumps(asdict(self), indent=2))
@@ -86,7 +87,7 @@ def read_plan(root: Path) -> StacksPlan:
     try:
         cells = [Cell(**cell) for cell in stored["cells"]]
         plan = StacksPlan(str(stored["family"]), int(stored["steps"]), int(stored["world_size"]),
-                          str(stored["device"]), cells)
+                          str(stored["device"]), cells, str(stored.get("shape", "")))
     except (KeyError, TypeError, ValueError) as exc:
         raise UnreadableRecords(f"{root / PLAN_FILE}: not a stacks record ({exc}); the file is damaged") from exc
     names = [cell.name for cell in plan.cells]
@@ -176,7 +177,8 @@ class StacksSummary:
 
     def to_dict(self) -> dict[str, Any]:
         return {"root": self.root, "family": self.plan.family, "steps": self.plan.steps,
-                "world_size": self.plan.world_size, "device": self.plan.device, "verdict": self.verdict()[1],
+                "world_size": self.plan.world_size, "device": self.plan.device, "shape": self.plan.shape,
+                "verdict": self.verdict()[1],
                 "exit_code": self.exit_code, "cells": [cell.to_dict() for cell in self.cells]}
 
 
@@ -296,6 +298,8 @@ def render_stacks(summary: StacksSummary, console: Console | None = None, report
     colour = {"good": "green", "bad": "red", "warn": "yellow"}[tone]
     console.print(f"[bold]{escape(Path(summary.root).name)}[/bold]  stacks matrix | {plan.family} recipes | "
                   f"{plan.world_size} ranks on {plan.device} | {plan.steps} steps per run")
+    if plan.shape:
+        console.print(f"shape    {escape(plan.shape)} (torchtitan: its flavor's own)", soft_wrap=True)
     console.print(f"[bold {colour}]{escape(line)}[/bold {colour}]")
     table = Table(box=None, padding=(0, 1))
     for column in ("stack", "recipe", "params", "arm", "tax", "gates"):
@@ -341,6 +345,9 @@ def stacks_report(summary: StacksSummary, cell_reports: dict[str, Path] | None =
         Paragraph(f"{plan.family} recipes · {plan.world_size} ranks on {plan.device} · {plan.steps} steps per run · "
                   f"results {summary.root} · generated {datetime.now(UTC):%Y-%m-%d %H:%M UTC}"),
         Paragraph(line, tone=tone),
+        *([Paragraph(f"Every stack that builds its model from the recipe's fields (taxbench, DeepSpeed, "
+                     f"Megatron-Core) runs one shape: `{plan.shape}`; torchtitan's model is its flavor's own (its "
+                     "parameter count is in the table).")] if plan.shape else []),
         Heading("Stacks and policies"),
         Paragraph(INTRO),
         TableBlock(HEADER, matrix_rows(summary), [failing(c) for c in summary.cells], links, highlight_class="bad"),

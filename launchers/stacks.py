@@ -12,6 +12,7 @@ launched into <root>/<stack>-<policy>/; a cell whose ranks fail is recorded and 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import time
@@ -40,6 +41,19 @@ RECIPES = {
             "deepspeed": "deepspeed_moe_debug"},
 }
 STACKS = tuple(RECIPES["dense"])
+# The model and batch every stack that builds its model from the recipe's fields runs (taxbench, DeepSpeed,
+# Megatron-Core), so that their rows are the same model size: dense_tiny's, and for moe a shape DeepSpeed's MoE layer
+# takes (no shared experts). torchtitan's model is its flavor's (its registry ignores these fields): its row says how
+# many parameters it has. A field the command line sets wins.
+_DENSE = {"vocab_size": 256, "seq_len": 64, "d_model": 64, "n_layers": 2, "n_heads": 4, "d_ff": 256}
+SHAPES = {
+    "dense": {**{f"recipe.model.{key}": value for key, value in _DENSE.items()}, "recipe.micro_batch_size": 4,
+              "recipe.global_batch_size": 8},
+    "moe": {**{f"recipe.model.{key}": value for key, value in _DENSE.items()}, "recipe.model.n_experts": 4,
+            "recipe.model.top_k": 2, "recipe.model.moe_d_ff": 128, "recipe.model.n_shared_experts": 0,
+            "recipe.micro_batch_size": 8, "recipe.global_batch_size": 16},
+}
+OWN_MODEL = ("titan",)  # stacks whose model is not built from the recipe's fields
 POLICIES = ("stack_native", "deterministic")  # the deterministic arm's mode (conf/mode/), one cell each
 # The matrix sets these per cell; the command line may not.
 OWN_OVERRIDES = ("recipe", "mode@arms.deterministic")
@@ -95,15 +109,31 @@ def cell_overrides(overrides: list[str], given: set[str]) -> list[str]:
 
 
 def parameter_count(recipe: RecipeConfig) -> int:
-    return sum(p.numel() for p in stack_for(recipe.model).meta_model(recipe).parameters())
+    """The whole model's parameters, on the meta device: counted without expert parallelism (DeepSpeed's MoE layer
+    holds only a rank's own experts)."""
+    whole = dataclasses.replace(recipe, parallel=dataclasses.replace(recipe.parallel, ep=1))
+    return sum(p.numel() for p in stack_for(recipe.model).meta_model(whole).parameters())
+
+
+def shape_overrides(family: str, given: set[str]) -> list[str]:
+    return [f"{key}={value}" for key, value in SHAPES[family].items() if key not in given]
+
+
+def shape_text(family: str) -> str:
+    """The shape as the table's header says it."""
+    return ", ".join(f"{key.removeprefix('recipe.').removeprefix('model.')}={value}"
+                     for key, value in SHAPES[family].items())
 
 
 def plan_cell(stack: str, policy: str, family: str, overrides: list[str],
-              compose: Callable[[list[str]], DictConfig]) -> tuple[Cell, TaxbenchConfig | None]:
-    """The cell and the config it runs (None: it does not run here, and the cell says why)."""
+              compose: Callable[[list[str]], DictConfig], shape: list[str] | None = None,
+              ) -> tuple[Cell, TaxbenchConfig | None]:
+    """The cell and the config it runs (None: it does not run here, and the cell says why); `shape` overrides the
+    model and batch of a stack that builds its model from the recipe's fields."""
     recipe = RECIPES[family][stack]
     cell = Cell(stack, policy, recipe, None)
-    raw = compose([f"+recipe={recipe}", f"mode@arms.deterministic={policy}", *overrides,
+    shape = [] if shape is None or stack in OWN_MODEL else shape
+    raw = compose([f"+recipe={recipe}", f"mode@arms.deterministic={policy}", *shape, *overrides,
                    f"experiment.name={cell.name}"])
     typed = load_config(raw)
     kind = str(typed.recipe.model.kind)
@@ -133,10 +163,11 @@ def plan_stacks(stacks: list[str], family: str, overrides: list[str], given: set
                 compose: Callable[[list[str]], DictConfig]) -> tuple[list[Cell], dict[str, TaxbenchConfig]]:
     """Every cell, checked before any runs; the configs of those that run, by cell name."""
     per_cell = cell_overrides(overrides, given)
+    shape = shape_overrides(family, given)
     cells, configs = [], {}
     for stack in stacks:
         for policy in POLICIES:
-            cell, cfg = plan_cell(stack, policy, family, per_cell, compose)
+            cell, cfg = plan_cell(stack, policy, family, per_cell, compose, shape)
             cells.append(cell)
             if cfg is not None:
                 configs[cell.name] = cfg

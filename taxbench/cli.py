@@ -515,7 +515,10 @@ titan, megatron, deepspeed), each under its own determinism switch
 table of tax +/- interval and the three gate verdicts per stack and policy.
 family picks each stack's recipe (dense: dense_tiny, titan_llama3_debug,
 megatron_gpt_debug, deepspeed_dense_debug; moe: moe_tiny, titan_moe_debug,
-megatron_moe_debug, deepspeed_moe_debug). A cell that cannot run here is
+megatron_moe_debug, deepspeed_moe_debug); the stacks that build their model
+from the recipe's fields (all but torchtitan) get one model and batch shape
+(dense_tiny's; a recipe.* override wins), and the table gives each row's
+parameter count. A cell that cannot run here is
 listed, not failed: "needs CUDA" (Megatron-Core), "not installed" (with the
 pip line), "not wired" (a switch not wired as a stack-native arm).
 experiment.steps sets the steps per run (default 8); the other overrides apply
@@ -542,6 +545,7 @@ def run_stacks_command(argv: list[str]) -> int:
         parse_stack_list,
         plan_stacks,
         run_stacks,
+        shape_text,
     )
     from taxbench.rundir.read import RecordError
 
@@ -569,7 +573,8 @@ def run_stacks_command(argv: list[str]) -> int:
         if "experiment.name" not in given:
             cfg.experiment.name = f"stacks-{family}-{cfg.experiment.name.removeprefix(cfg.recipe.name + '-')}"
         steps = next((c.experiment.steps for c in configs.values()), DEFAULT_STEPS)
-        plan = StacksPlan(family, steps, world_size(cfg.cluster), cfg.cluster.device.value, cells)
+        plan = StacksPlan(family, steps, world_size(cfg.cluster), cfg.cluster.device.value, cells,
+                          shape_text(family))
         with claimed(cfg, experiment_root(cfg)) as root:
             capture_launch()
             run_stacks(plan, configs, root)
