@@ -30,6 +30,8 @@ from rich.table import Table
 from taxbench import exit_codes
 from taxbench.analysis.report import REPORT_DIR, Block, Heading, Paragraph, Report, TableBlock, write_report
 from taxbench.analysis.summary import (
+    FAILED,
+    INCOMPLETE_OUTCOME,
     SUMMARY_FILE,
     ExperimentAnalysis,
     ExperimentSummary,
@@ -127,7 +129,9 @@ class CellResult:
     def outcome(self) -> str:
         if not self.ran:
             return str(self.cell.skipped)
-        return self.summary.outcome if self.summary and not self.problems else "incomplete"
+        if self.summary is None or (self.problems and self.summary.outcome != FAILED):
+            return INCOMPLETE_OUTCOME  # a proven difference still outranks the missing evidence, as in exit_code
+        return self.summary.outcome
 
     def verdict(self, gate: str) -> Verdict | None:
         return next((v for v in self.summary.verdicts if v.gate == gate), None) if self.summary else None
