@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import os
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -142,9 +143,11 @@ def plan_cell(stack: str, policy: str, family: str, overrides: list[str],
                                                  "and norms); on a GPU node: cluster.device=cuda cluster.gpus=N")
     require = _REQUIRE.get(kind)
     try:
-        if require is not None:
-            require()
-        cell.parameters = parameter_count(typed.recipe)
+        with warnings.catch_warnings():  # a stack's import-time notices (Megatron's Apex, deprecations): not the cell's
+            warnings.simplefilter("ignore")
+            if require is not None:
+                require()
+            cell.parameters = parameter_count(typed.recipe)
     except ConfigError as exc:  # the stack's extra is missing: its message holds the pip line
         if cell.skipped is None:
             cell.skipped, cell.reason = NOT_INSTALLED, str(exc)
