@@ -276,10 +276,10 @@ def console_rows(summary: StacksSummary) -> list[list[str]]:
              " ".join(_mark(c.verdict(gate.name), gate.strict) for gate in GATES)] for c in summary.cells]
 
 
-def audit_lines(summary: StacksSummary) -> list[str]:
-    return [f"{c.cell.stack}'s own switch: " + ("; ".join(c.audit) if c.audit else
-                                                 "nothing to add (the switch sets everything taxbench's policy does)")
-            for c in summary.cells if c.audit is not None]
+def audits(summary: StacksSummary) -> dict[str, list[str]]:
+    """Per own-switch cell ("<stack>'s own switch"): what taxbench's full policy would add or change."""
+    return {f"{c.cell.stack}'s own switch": c.audit or ["nothing (the switch sets everything taxbench's policy does)"]
+            for c in summary.cells if c.audit is not None}
 
 
 def failing(cell: CellResult) -> bool:
@@ -315,8 +315,10 @@ def render_stacks(summary: StacksSummary, console: Console | None = None, report
     if any(c.summary is not None and not c.summary.conclusive for c in summary.cells):
         console.print("tax: +/- the interval's half-width; * inconclusive (wide, or spans zero): more steps narrow it",
                       soft_wrap=True)
-    for line in audit_lines(summary):
-        console.print(f"[bold]audit[/bold]   {escape(line)}", soft_wrap=True)
+    for switch, lines in audits(summary).items():
+        console.print(f"[bold]audit[/bold]   {escape(switch)}: taxbench's policy would add or change", soft_wrap=True)
+        for line in lines:
+            console.print(f"        - {escape(line)}", soft_wrap=True)
     for note in not_run_lines(summary):
         console.print(f"[yellow]not run[/yellow] {escape(note)}", soft_wrap=True)
     for problem in problem_lines(summary)[:5]:
@@ -356,10 +358,11 @@ def stacks_report(summary: StacksSummary, cell_reports: dict[str, Path] | None =
         Paragraph(INTRO),
         TableBlock(HEADER, matrix_rows(summary), [failing(c) for c in summary.cells], links, highlight_class="bad"),
     ]
-    audits = audit_lines(summary)
-    if audits:
+    audited = audits(summary)
+    if audited:
         blocks += [Heading("What taxbench's policy would add to each own switch", level=3),
-                   TableBlock(["own switch and its audit"], [[line] for line in audits])]
+                   TableBlock(["own switch", "taxbench's policy would add or change"],
+                              [[switch, line] for switch, lines in audited.items() for line in lines])]
     not_run = not_run_lines(summary)
     if not_run:
         blocks += [Heading("Not run here", level=3), TableBlock(["cell and why"], [[n] for n in not_run])]

@@ -160,7 +160,8 @@ def test_the_matrix_runs_each_installed_stack_under_both_policies(matrix: tuple[
     assert "deepspeed_dense_debug" in result.stdout and "needs CUDA" in result.stdout
     report = (root / "report" / "report.md").read_text()
     assert "| [deepspeed](../deepspeed-stack_native/report/report.md) | deepspeed_dense_debug |" in report
-    assert "deepspeed's own switch: deepspeed's switch leaves NCCL_ALGO unset" in report
+    audit = "| deepspeed's own switch | deepspeed's switch leaves NCCL_ALGO unset; taxbench's policy sets Ring |"
+    assert audit in report
 
 
 @pytest.mark.slow
