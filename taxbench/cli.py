@@ -517,10 +517,10 @@ family picks each stack's recipe (dense: dense_tiny, titan_llama3_debug,
 megatron_gpt_debug, deepspeed_dense_debug; moe: moe_tiny, titan_moe_debug,
 megatron_moe_debug, deepspeed_moe_debug); the stacks that build their model
 from the recipe's fields (all but torchtitan) get one model and batch shape
-(dense_tiny's; a recipe.* override wins), and the table gives each row's
-parameter count. A cell that cannot run here is
-listed, not failed: "needs CUDA" (Megatron-Core), "not installed" (with the
-pip line), "not wired" (a switch not wired as a stack-native arm).
+(dense_tiny's, with 4 experts for moe; a recipe.* override wins), and the
+table gives each row's parameter count. A cell that cannot run here is listed,
+not failed: "needs CUDA" (Megatron-Core), "not installed" (with the pip line),
+"not wired" (a switch not wired as a stack-native arm).
 experiment.steps sets the steps per run (default 8); the other overrides apply
 to every cell. taxbench report <folder> renders the matrix again.
 
