@@ -21,6 +21,8 @@ from taxbench.analysis.equivalence import EQUIVALENT, Equivalence
 from taxbench.analysis.experiment import ExperimentSummary
 from taxbench.analysis.layouts import SUMMARY_FILE as LAYOUTS_SUMMARY_FILE
 from taxbench.analysis.layouts import LayoutsSummary
+from taxbench.analysis.stacks_matrix import CellResult, StacksSummary
+from taxbench.analysis.stacks_text import audits, not_run_lines, parameters_text, problem_lines, tax_text
 from taxbench.analysis.summary import SUMMARY_FILE
 from taxbench.analysis.sweep import SweepAnalysis
 from taxbench.analysis.text import (
@@ -43,7 +45,7 @@ from taxbench.analysis.text import (
     weights_text,
     world_label,
 )
-from taxbench.analysis.verdicts import IDENTICAL, INCOMPLETE, Verdict
+from taxbench.analysis.verdicts import DIFFERS, IDENTICAL, INCOMPLETE, Verdict
 from taxbench.design import GATES, MEASURED
 from taxbench.rundir.records import TARGET
 
@@ -246,6 +248,66 @@ def render_layouts(summary: LayoutsSummary, console: Console | None = None, repo
     for note in [n for layout in summary.layouts for n in layout.notes]:
         console.print(f"[yellow]note[/yellow] {escape(note)}")
     for problem in summary.problems[:5]:
+        console.print(f"[red]incomplete[/red] {escape(problem)}", soft_wrap=True)
+    console.print(f"[bold]results[/bold]  {escape(summary.root)}", soft_wrap=True)
+    if report is not None:
+        console.print(f"[bold]report[/bold]   {escape(str(report))}", soft_wrap=True)
+
+
+# -------------------------------------------------------------------------------------------------- a stacks matrix
+def _mark(verdict: Verdict | None, strict: bool) -> str:
+    if verdict is None:
+        return ""
+    return {IDENTICAL: "[green]✓[/green]", DIFFERS: "[red]✗[/red]" if strict else "[yellow]~[/yellow]"}.get(
+        verdict.outcome, "[red]?[/red]" if strict else "[yellow]?[/yellow]")
+
+
+GATES_LEGEND = ("gates: repeatability, restart replay, baseline sanity (✓ identical, ✗ differs, ~ baseline runs "
+                "differ, ? incomplete)")
+
+
+def console_tax(cell: CellResult) -> str:
+    """tax_text, shorter: one decimal, and a trailing * for an inconclusive interval."""
+    tax = cell.summary.tax if cell.summary else None
+    if tax is None or not math.isfinite(tax.tax) or not math.isfinite(tax.half_width):
+        return tax_text(cell)
+    return f"{tax.tax * 100:+.1f}% ±{tax.half_width * 100:.1f}%" + ("" if cell.summary.conclusive else "*")
+
+
+def console_rows(summary: StacksSummary) -> list[list[str]]:
+    """The table as the console shows it, narrow enough for 80 columns: the three gates as marks in one column."""
+    return [[escape(c.cell.stack), escape(c.cell.recipe), parameters_text(c.cell.parameters),
+             "own" if c.cell.policy == "stack_native" else "taxbench", escape(console_tax(c)),
+             " ".join(_mark(c.verdict(gate.name), gate.strict) for gate in GATES)] for c in summary.cells]
+
+
+def render_stacks(summary: StacksSummary, console: Console | None = None, report: Path | None = None) -> None:
+    console = console or Console()
+    plan = summary.plan
+    tone, line = summary.verdict()
+    colour = {"good": "green", "bad": "red", "warn": "yellow"}[tone]
+    console.print(f"[bold]{escape(Path(summary.root).name)}[/bold]  stacks matrix | {plan.family} recipes | "
+                  f"{plan.world_size} ranks on {plan.device} | {plan.steps} steps per run")
+    if plan.shape:
+        console.print(f"shape    {escape(plan.shape)} (torchtitan: its flavor's own)", soft_wrap=True)
+    console.print(f"[bold {colour}]{escape(line)}[/bold {colour}]")
+    table = Table(box=None, padding=(0, 1))
+    for column in ("stack", "recipe", "params", "arm", "tax", "gates"):
+        table.add_column(column, overflow="fold")
+    for cell, row in zip(summary.cells, console_rows(summary), strict=True):
+        table.add_row(*row, style="dim" if not cell.ran else None)
+    console.print(table)
+    console.print(GATES_LEGEND, soft_wrap=True)
+    if any(c.summary is not None and not c.summary.conclusive for c in summary.cells):
+        console.print("tax: +/- the interval's half-width; * inconclusive (wide, or spans zero): more steps narrow it",
+                      soft_wrap=True)
+    for switch, lines in audits(summary).items():
+        console.print(f"[bold]audit[/bold]   {escape(switch)}: taxbench's policy would add or change", soft_wrap=True)
+        for line in lines:
+            console.print(f"        - {escape(line)}", soft_wrap=True)
+    for note in not_run_lines(summary):
+        console.print(f"[yellow]not run[/yellow] {escape(note)}", soft_wrap=True)
+    for problem in problem_lines(summary)[:5]:
         console.print(f"[red]incomplete[/red] {escape(problem)}", soft_wrap=True)
     console.print(f"[bold]results[/bold]  {escape(summary.root)}", soft_wrap=True)
     if report is not None:

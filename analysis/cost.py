@@ -1,8 +1,8 @@
 """Where an experiment's wall clock went, as shares: startup (command to the first timed step, with its parts), timed
 steps, gate-only runs, checkpoint commits, fingerprints, analysis, and the rest (the loop around the steps: data,
-records, the round's all-reduce, trainer builds between runs). From the schedule's cost.json (taxbench.schedule.cost), the
-records' fingerprint_s and the analysis's own time. The parts add up to the wall clock; an unknown start (no /proc)
-leaves startup in "other"."""
+records, the round's all-reduce, trainer builds between runs). From the schedule's cost.json
+(taxbench.schedule.cost), the records' fingerprint_s and the analysis's own time. The parts add up to the wall clock;
+an unknown start (no /proc) leaves startup in "other"."""
 
 from __future__ import annotations
 

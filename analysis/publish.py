@@ -1,7 +1,8 @@
 """After an experiment or for `taxbench report`: analyse, write the HTML/markdown report, log to wandb, print a summary.
 
 A folder holding deterministic-0/ (or a run folder or summary.json of one) is one experiment, a folder holding
-layouts.json the output of `taxbench layouts` (taxbench.analysis.layouts), a folder a taxbench multirun created and
+layouts.json the output of `taxbench layouts` (taxbench.analysis.layouts), a folder holding stacks.json the output of
+`taxbench stacks` (taxbench.analysis.stacks_matrix), a folder a taxbench multirun created and
 marked (taxbench.rundir.experiment_folder.SWEEP_MARKER) a sweep of the experiments below it (taxbench.analysis.sweep).
 Any other folder is refused (exit 2) naming what it holds: a reading command acts on what it was pointed at, never on
 experiments it happens to find below a shared folder.
@@ -23,15 +24,28 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from taxbench.analysis.console import render, render_layouts, render_sweep
+from taxbench.analysis.console import render, render_layouts, render_stacks, render_sweep
 from taxbench.analysis.document import HTML_FILE, MARKDOWN_FILE, REPORT_DIR
 from taxbench.analysis.experiment import ExperimentAnalysis
 from taxbench.analysis.layouts import analyse_layouts, is_layouts_folder
-from taxbench.analysis.report import write_experiment_report, write_layouts_report, write_sweep_report
+from taxbench.analysis.report import (
+    write_experiment_report,
+    write_layouts_report,
+    write_stacks_report,
+    write_sweep_report,
+)
 from taxbench.analysis.results import may_write_result, write_result
+from taxbench.analysis.stacks_matrix import analyse_stacks, is_stacks_folder
 from taxbench.analysis.summary import SUMMARY_FILE, analyse_experiment
 from taxbench.analysis.sweep import MAX_DEPTH, PointName, analyse_sweep, find_experiments, is_experiment
-from taxbench.analysis.wandb_log import WandbUnavailable, import_wandb, log_experiment, log_layouts, log_sweep
+from taxbench.analysis.wandb_log import (
+    WandbUnavailable,
+    import_wandb,
+    log_experiment,
+    log_layouts,
+    log_stacks,
+    log_sweep,
+)
 from taxbench.config.schema import ReportConfig
 from taxbench.design import ALL_RUNS, TIMED
 from taxbench.diagnostics import logger
@@ -90,6 +104,8 @@ def publish(root: Path, settings: ReportConfig, group: str | None = None, strict
             settings = replace(settings, wandb=False)
     if is_layouts_folder(root):
         return _publish_layouts(root, settings, group, strict_wandb, console)
+    if is_stacks_folder(root):
+        return _publish_stacks(root, settings, group, strict_wandb, console)
     if is_experiment(root) or looks_like_experiment(root):
         try:
             return _publish_experiment(root, settings, group, strict_wandb, console)
@@ -171,6 +187,25 @@ def _publish_layouts(root: Path, settings: ReportConfig, group: str | None, stri
     _say_wandb(runs, console)
     summary = analysis.summary
     return Published(not summary.not_repeatable and not summary.problems, html, tuple(runs), summary.exit_code)
+
+
+def _publish_stacks(root: Path, settings: ReportConfig, group: str | None, strict_wandb: bool,
+                    console: Console | None) -> Published:
+    cell_reports: dict[str, Path] = {}
+
+    def each(analysis: ExperimentAnalysis) -> None:
+        html = write_experiment_report(analysis) if settings.html else None
+        if html is not None:
+            cell_reports[Path(analysis.summary.root).name] = html
+
+    summary = analyse_stacks(root, each)
+    html = write_stacks_report(summary, cell_reports) if settings.html else None
+    runs = []
+    if settings.wandb and (run := _wandb(strict_wandb, log_stacks, summary, settings, group)):
+        runs.append(run)
+    render_stacks(summary, console, html)
+    _say_wandb(runs, console)
+    return Published(summary.deterministic_ok, html, tuple(runs), summary.exit_code)
 
 
 def _publish_experiment(root: Path, settings: ReportConfig, group: str | None, strict_wandb: bool,

@@ -36,6 +36,8 @@ from taxbench.analysis.plots import (
     top_ops_plot,
     training_curves_plot,
 )
+from taxbench.analysis.stacks_matrix import HEADER, StacksSummary, failing
+from taxbench.analysis.stacks_text import audits, matrix_rows, not_run_lines, problem_lines
 from taxbench.analysis.sweep import SweepAnalysis
 from taxbench.analysis.text import (
     duration,
@@ -465,3 +467,53 @@ def layouts_report(analysis: LayoutsAnalysis) -> Report:
 
 def write_layouts_report(analysis: LayoutsAnalysis, out_dir: Path | None = None) -> Path | None:
     return write_report(layouts_report(analysis), out_dir or Path(analysis.summary.root) / REPORT_DIR)
+
+
+# -------------------------------------------------------------------------------------------------- a stacks matrix
+STACKS_INTRO = (
+    "The same model size on each training stack, under two policies for the deterministic arm: the stack's **own "
+    "switch** alone (`mode@arms.deterministic=stack_native`: taxbench applies none of its own policy and audits what "
+    "it would add) and **taxbench's policy** (`mode@arms.deterministic=deterministic`). Each cell is one experiment "
+    "(a baseline/deterministic pair with its three gates; its own report is linked). Tax is the deterministic arm's "
+    "step time over the baseline's, with its interval. Cells that cannot run here are listed with the reason, never "
+    "counted as failures."
+)
+
+
+def stacks_report(summary: StacksSummary, cell_reports: dict[str, Path] | None = None) -> Report:
+    """The matrix as report blocks; cell_reports maps a cell's name to its experiment's report.html."""
+    cell_reports = cell_reports or {}
+    plan = summary.plan
+    tone, line = summary.verdict()
+    out_dir = Path(summary.root) / REPORT_DIR
+    links = {(index, 0): os.path.relpath(cell_reports[c.cell.name].parent, out_dir)
+             for index, c in enumerate(summary.cells) if c.cell.name in cell_reports}
+    blocks: list[Block] = [
+        Paragraph(f"{plan.family} recipes · {plan.world_size} ranks on {plan.device} · {plan.steps} steps per run · "
+                  f"results {summary.root} · generated {datetime.now(UTC):%Y-%m-%d %H:%M UTC}"),
+        Paragraph(line, tone=tone),
+        *([Paragraph(f"Every stack that builds its model from the recipe's fields (taxbench, DeepSpeed, "
+                     f"Megatron-Core) runs one shape: `{plan.shape}`; torchtitan's model is its flavor's own (its "
+                     "parameter count is in the table).")] if plan.shape else []),
+        Heading("Stacks and policies"),
+        Paragraph(STACKS_INTRO),
+        TableBlock(HEADER, matrix_rows(summary), [failing(c) for c in summary.cells], links, highlight_class="bad"),
+    ]
+    audited = audits(summary)
+    if audited:
+        blocks += [Heading("What taxbench's policy would add to each own switch", level=3),
+                   TableBlock(["own switch", "taxbench's policy would add or change"],
+                              [[switch, line] for switch, lines in audited.items() for line in lines])]
+    not_run = not_run_lines(summary)
+    if not_run:
+        blocks += [Heading("Not run here", level=3), TableBlock(["cell and why"], [[n] for n in not_run])]
+    problems = problem_lines(summary)
+    if problems:
+        blocks += [Heading("Incomplete evidence", level=3),
+                   TableBlock(["what is missing"], [[p] for p in problems], [True] * len(problems),
+                              highlight_class="bad")]
+    return Report(f"taxbench stacks: {Path(summary.root).name}", blocks)
+
+
+def write_stacks_report(summary: StacksSummary, cell_reports: dict[str, Path] | None = None) -> Path | None:
+    return write_report(stacks_report(summary, cell_reports), Path(summary.root) / REPORT_DIR)

@@ -33,8 +33,16 @@ from taxbench.analysis.experiment import ARMS, ExperimentAnalysis, ExperimentSum
 from taxbench.analysis.layouts import LayoutsAnalysis
 from taxbench.analysis.report import EQUIVALENCE_PNG, STEP_TIME_PNG, SWEEP_PNG
 from taxbench.analysis.results import finite_or_none
+from taxbench.analysis.stacks_matrix import StacksSummary
+from taxbench.analysis.stacks_text import matrix_rows
 from taxbench.analysis.sweep import PointName, SweepAnalysis
-from taxbench.analysis.text import first_difference_text, headline, repeatable_text, verdict_line, weights_text
+from taxbench.analysis.text import (
+    first_difference_text,
+    headline,
+    repeatable_text,
+    verdict_line,
+    weights_text,
+)
 from taxbench.config.schema import ReportConfig
 from taxbench.design import GATES, TIMED
 from taxbench.redaction import redact
@@ -329,6 +337,38 @@ def log_layouts(analysis: LayoutsAnalysis, settings: ReportConfig, group: str | 
                             "initial_weights_identical": summary.initial_weights_identical,
                             "not_repeatable": ", ".join(summary.not_repeatable),
                             "incomplete": "\n".join(summary.problems)})
+        run_dir = Path(run.dir).parent
+    finally:
+        run.finish()
+    return run_dir
+
+
+# HEADER's columns (the words), then the tax as numbers
+STACK_COLUMNS = ["cell", "stack", "recipe", "parameters", "deterministic_arm", "tax_text",
+                 *(gate.name for gate in GATES), "outcome", "tax", "tax_low", "tax_high", "half_width", "conclusive",
+                 "reason"]
+
+
+def log_stacks(summary: StacksSummary, settings: ReportConfig, group: str | None = None) -> Path:
+    """One wandb run for a `taxbench stacks` folder: the matrix as a table (the words the console shows, and the
+    tax and its interval as numbers) and the verdict in the summary. Returns the run folder."""
+    wandb = import_wandb()
+    plan = summary.plan
+    root = Path(summary.root)
+    run = _init(wandb, settings, root, "stacks", root.name, group,
+                {"family": plan.family, "steps": plan.steps, "world_size": plan.world_size, "device": plan.device,
+                 "cells": [cell.name for cell in plan.cells]}, ("stacks",))
+    try:
+        rows = []
+        for cell, words in zip(summary.cells, matrix_rows(summary), strict=True):
+            tax = cell.summary.tax if cell.summary else None
+            numbers = [None] * 4 if tax is None else [finite_or_none(tax.tax), finite_or_none(tax.low),
+                                                      finite_or_none(tax.high), finite_or_none(tax.half_width)]
+            rows.append([cell.cell.name, *words, cell.outcome, *numbers,
+                         None if cell.summary is None else cell.summary.conclusive, cell.cell.reason])
+        run.log({"stacks": wandb.Table(columns=STACK_COLUMNS, data=rows)})
+        run.summary.update({"verdict": summary.verdict()[1], "exit_code": summary.exit_code,
+                            "cells_run": len(summary.ran), "cells": len(summary.cells)})
         run_dir = Path(run.dir).parent
     finally:
         run.finish()

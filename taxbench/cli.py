@@ -8,6 +8,7 @@
     python -m taxbench diff RUN_A RUN_B             # tracing ladder: first origin per rank
     python -m taxbench localize RUN_A RUN_B         # replay deeper rungs until an op is named
     python -m taxbench layouts +recipe=moe_1t_proxy 'layouts=[pp1.dp4, pp2.dp2]'   # cross-layout validation
+    python -m taxbench stacks 'stacks=[taxbench, deepspeed]'   # each stack under its own switch and taxbench's
     python -m taxbench scan +recipe=moe_tiny cluster.threads_per_rank=2   # replay every op of a step
     python -m taxbench build-shards corpus.txt shards/
 
@@ -355,7 +356,8 @@ SUBCOMMANDS = ("analyse", "report", "build-shards", "diff", "localize", "certifi
 LAYOUTS = "layouts"
 SCAN = "scan"
 VERIFY = "verify"
-HYDRA_SUBCOMMANDS = (LAYOUTS, SCAN, VERIFY)
+STACKS = "stacks"
+HYDRA_SUBCOMMANDS = (LAYOUTS, SCAN, VERIFY, STACKS)
 LAYOUTS_USAGE = """\
 usage: taxbench layouts [hydra overrides] 'layouts=[L1, L2, ...]'
                         [policy=deterministic|baseline]
@@ -401,6 +403,9 @@ Work on results (taxbench SUBCOMMAND --help for each):
   localize RUN_A RUN_B       replay deeper rungs until an op is named
   layouts [overrides] 'layouts=[pp1.dp4, pp2.dp2]'
                              one recipe under several parallel layouts
+  stacks [overrides] 'stacks=[taxbench, deepspeed]'
+                             each stack under its own switch and taxbench's
+                             policy: one table of tax and gates
   scan [overrides]           replay every op of one step per policy
   verify EXPERIMENT|CERT [overrides]
                              rerun a stored deterministic run, compare bits
@@ -504,6 +509,82 @@ def run_layouts_command(argv: list[str]) -> int:
         with claimed(cfg, experiment_root(cfg)) as root:
             capture_launch()
             return publish_launch(run_layouts(configs, policy, root, cfg.report))
+    return exit_codes.CONFIG_ERROR
+
+
+STACKS_USAGE = """\
+usage: taxbench stacks [hydra overrides] ['stacks=[S1, S2, ...]']
+                       [family=dense|moe]
+
+Runs the same model size on each training stack named (default: taxbench,
+titan, megatron, deepspeed), each under its own determinism switch
+(mode@arms.deterministic=stack_native) and under taxbench's full policy
+(mode@arms.deterministic=deterministic): one experiment per cell, then one
+table of tax +/- interval and the three gate verdicts per stack and policy.
+family picks each stack's recipe (dense: dense_tiny, titan_llama3_debug,
+megatron_gpt_debug, deepspeed_dense_debug; moe: moe_tiny, titan_moe_debug,
+megatron_moe_debug, deepspeed_moe_debug); the stacks that build their model
+from the recipe's fields (all but torchtitan) get one model and batch shape
+(dense_tiny's, with 4 experts for moe; a recipe.* override wins), and the
+table gives each row's parameter count. A cell that cannot run here is listed,
+not failed: "needs CUDA" (Megatron-Core), "not installed" (with the pip line).
+experiment.steps sets the steps per run (default 8); the other overrides apply
+to every cell. taxbench report <folder> renders the matrix again.
+
+  python -m taxbench stacks 'stacks=[taxbench, deepspeed]' experiment.steps=30
+
+exit codes: 0 every cell that ran passed, 2 bad input (checked for every cell
+before any runs), 3 a strict gate differs in a cell, 4 evidence missing (or no
+cell ran)
+"""
+
+
+def run_stacks_command(argv: list[str]) -> int:
+    """`taxbench stacks`: each stack under its own switch and taxbench's policy (taxbench.launchers.stacks)."""
+    if any(arg in ("-h", "--help") for arg in argv):
+        return _print_to_a_pipe(STACKS_USAGE, exit_codes.OK)
+    from taxbench.analysis.stacks_matrix import StacksPlan
+    from taxbench.launchers.outcome import publish_launch
+    from taxbench.launchers.stacks import (
+        DEFAULT_STEPS,
+        check_family,
+        check_overrides,
+        parse_stack_list,
+        plan_stacks,
+        run_stacks,
+        shape_text,
+    )
+    from taxbench.rundir.read import RecordError
+
+    own: dict[str, str | None] = {"stacks": None, "family": "dense"}
+    overrides = []
+    args = iter(argv)
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if sep and key in own:
+            while key == "stacks" and value.startswith("[") and "]" not in value:  # unquoted: join the list's words
+                value += " " + next(args, "]")
+            own[key] = value
+        else:
+            overrides.append(arg)
+    given = {_override_key(o) for o in overrides}
+    with _one_line_input_errors(RecordError):
+        stacks = parse_stack_list(own["stacks"])
+        family = check_family(str(own["family"]))
+        check_overrides(overrides)
+        cfg = load_config(_compose(overrides))
+        if cfg.cluster.launcher is not Launcher.local:
+            raise ConfigError(f"taxbench stacks launches the cells on this machine; cluster={cfg.cluster.name} is not "
+                              "supported yet, use cluster=local")
+        cells, configs = plan_stacks(stacks, family, overrides, given, _compose)
+        if "experiment.name" not in given:
+            cfg.experiment.name = f"stacks-{family}-{cfg.experiment.name.removeprefix(cfg.recipe.name + '-')}"
+        steps = next((c.experiment.steps for c in configs.values()), DEFAULT_STEPS)
+        plan = StacksPlan(family, steps, world_size(cfg.cluster), cfg.cluster.device.value, cells,
+                          shape_text(family))
+        with claimed(cfg, experiment_root(cfg)) as root:
+            capture_launch()
+            return publish_launch(run_stacks(plan, configs, root, cfg.report))
     return exit_codes.CONFIG_ERROR
 
 
@@ -765,6 +846,8 @@ def main() -> None:
         raise SystemExit(run_scan_command(argv[1:]))
     if argv and argv[0] == VERIFY:
         raise SystemExit(run_verify_command(argv[1:]))
+    if argv and argv[0] == STACKS:
+        raise SystemExit(run_stacks_command(argv[1:]))
     if "--help" in argv or "-h" in argv:
         raise SystemExit(_print_to_a_pipe(main_help(), exit_codes.OK))
     word = _unknown_word(argv)

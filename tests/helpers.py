@@ -28,6 +28,18 @@ register_configs()  # the schema Hydra composes against (the CLI registers it wh
 REPO = Path(__file__).resolve().parents[1]
 
 
+def has_deepspeed() -> bool:
+    """Whether taxbench[deepspeed] is installed (its import, as a deepspeed recipe needs it)."""
+    from taxbench.config.schema import ConfigError
+    from taxbench.stacks.deepspeed import require_deepspeed
+
+    try:
+        require_deepspeed()
+    except ConfigError:
+        return False
+    return True
+
+
 def run_taxbench(*args: str, cwd: Path, timeout: float = 600, env: dict[str, str] | None = None,
                  ) -> subprocess.CompletedProcess[str]:
     """Run the user's entry point, `python -m taxbench ...`, as a real subprocess."""

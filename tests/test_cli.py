@@ -14,6 +14,7 @@ from taxbench.cli import (
     HYDRA_SUBCOMMANDS,
     LAYOUTS_USAGE,
     SCAN_USAGE,
+    STACKS_USAGE,
     SUBCOMMANDS,
     VERIFY_USAGE,
     _parser,
@@ -128,7 +129,7 @@ def test_every_help_fits_80_columns_and_names_the_exit_codes(monkeypatch: pytest
     parser = _parser()
     subcommands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
     texts = {"--help": main_help(), "layouts": LAYOUTS_USAGE, "scan": SCAN_USAGE, "verify": VERIFY_USAGE,
-             **{name: subcommands.choices[name].format_help() for name in SUBCOMMANDS}}
+             "stacks": STACKS_USAGE, **{name: subcommands.choices[name].format_help() for name in SUBCOMMANDS}}
     assert set(texts) == {"--help", *SUBCOMMANDS, *HYDRA_SUBCOMMANDS}
     for name, text in texts.items():
         long_lines = [line for line in text.splitlines() if len(line) > 80]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
-from helpers import compose_typed, localize_planted_fault, localize_planted_op, step_records
+from helpers import compose_typed, has_deepspeed, localize_planted_fault, localize_planted_op, step_records
 
 from taxbench.config.schema import ConfigError
 from taxbench.launchers.worker import rank_process
@@ -17,16 +17,7 @@ from taxbench.parallel.distributed import free_port
 from taxbench.stacks import deepspeed as ds
 from taxbench.train.trainer import RunSpec, Trainer
 
-
-def _has_deepspeed() -> bool:
-    try:
-        ds.require_deepspeed()
-    except ConfigError:
-        return False
-    return True
-
-
-needs_deepspeed = pytest.mark.skipif(not _has_deepspeed(), reason="needs taxbench[deepspeed]")
+needs_deepspeed = pytest.mark.skipif(not has_deepspeed(), reason="needs taxbench[deepspeed]")
 
 
 @pytest.mark.slow  # a CLI process that imports the stacks: about 10 s

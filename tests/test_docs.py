@@ -16,7 +16,8 @@ from taxbench.config.schema import load_config
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 COMMAND = re.compile(r"python -m taxbench\b(?P<rest>(?:[^`\n\\]|\\\n|\\(?!\n))*)")  # \ continues a line
-OWN_KEYS = {"layouts": ("layouts", "policy"), "scan": ("scan.",), "verify": ("verify.",)}
+OWN_KEYS = {"layouts": ("layouts", "policy"), "scan": ("scan.",), "verify": ("verify.",),
+            "stacks": ("stacks", "family")}
 PLACEHOLDER = re.compile(r"<[^>]*>|\.\.\.|\bN\b|MODE|NAME")
 
 

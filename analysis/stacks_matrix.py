@@ -1,0 +1,198 @@
+"""`taxbench stacks`: the matrix no one publishes. One experiment per cell (a training stack under one policy for its
+deterministic arm: the stack's own switch, or taxbench's full policy), read back as one table of tax +/- interval and
+the three gate verdicts per stack and policy.
+
+The folder holds stacks.json (what was asked for: every cell, the recipe and parameter count it ran, and why a cell
+did not run) and one experiment folder per cell that ran (<stack>-<policy>/). A cell that cannot run here is a row of
+its own, never a failure: "not installed" (the stack's extra is missing; the pip line), "needs CUDA" (Megatron-Core on
+a CPU machine).
+
+Outcome: the worst of the run cells' verdicts (taxbench.exit_codes.combined: a strict gate that differs, 3, before
+missing evidence, 4, before a pass). A cell whose ranks failed or whose experiment cannot be analysed is incomplete
+(4); a matrix where no cell ran has no evidence at all (4), never a pass.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from taxbench import exit_codes
+from taxbench.analysis.experiment import FAILED, INCOMPLETE_OUTCOME, ExperimentAnalysis, ExperimentSummary
+from taxbench.analysis.results import write_result
+from taxbench.analysis.summary import SUMMARY_FILE, analyse_experiment
+from taxbench.analysis.verdicts import Verdict
+from taxbench.design import GATES, TIMED
+from taxbench.rundir.read import RecordError, UnreadableRecords, read_json_object
+
+PLAN_FILE = "stacks.json"  # <root>/stacks.json: the cells asked for, what each ran, and why a cell did not
+NOT_INSTALLED, NEEDS_CUDA = "not installed", "needs CUDA"
+SKIPPED = (NOT_INSTALLED, NEEDS_CUDA)
+# The deterministic arm's mode (conf/mode/) per policy column, and how the table names it
+POLICY_LABELS = {"stack_native": "own switch", "deterministic": "taxbench's policy"}
+HEADER = ["stack", "recipe", "parameters", "deterministic arm", "tax +/- interval",
+          *(gate.name.replace("_", " ") for gate in GATES)]
+
+
+# ------------------------------------------------------------------------------------------------ the plan record
+@dataclass
+class Cell:
+    stack: str  # the stack's short name: native, titan, megatron, deepspeed
+    policy: str  # the deterministic arm's mode: stack_native or deterministic
+    recipe: str
+    parameters: int | None  # the recipe's model on the meta device (None: the stack is not installed)
+    skipped: str | None = None  # one of SKIPPED; None: the cell runs
+    reason: str = ""  # why it did not run, one line (the install line, the refusal)
+    seconds: float | None = None  # wall-clock time of its experiment (launch to exit)
+    failure: str | None = None  # a rank that died or raised, one line
+
+    @property
+    def name(self) -> str:
+        """Its experiment's folder under the matrix root."""
+        return f"{self.stack}-{self.policy}"
+
+
+@dataclass
+class StacksPlan:
+    family: str  # dense or moe: which recipe each stack runs
+    steps: int
+    world_size: int
+    device: str
+    cells: list[Cell] = field(default_factory=list)
+    shape: str = ""  # the model and batch fields given to every stack that builds its model from them
+
+    def write(self, root: Path) -> None:
+        write_result(root / PLAN_FILE, json.dumps(asdict(self), indent=2))
+
+
+def read_plan(root: Path) -> StacksPlan:
+    stored = read_json_object(root / PLAN_FILE, "stacks record")
+    try:
+        cells = [Cell(**cell) for cell in stored["cells"]]
+        plan = StacksPlan(str(stored["family"]), int(stored["steps"]), int(stored["world_size"]),
+                          str(stored["device"]), cells, str(stored.get("shape", "")))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UnreadableRecords(f"{root / PLAN_FILE}: not a stacks record ({exc}); the file is damaged") from exc
+    names = [cell.name for cell in plan.cells]
+    wrong = [cell.name for cell in plan.cells if cell.skipped not in (None, *SKIPPED) or
+             cell.policy not in POLICY_LABELS]
+    if not names or len(set(names)) != len(names) or wrong:
+        raise UnreadableRecords(f"{root / PLAN_FILE}: cells {names} are not distinct stack-policy cells "
+                                f"{'(' + ', '.join(wrong) + ')' if wrong else ''}; the file is damaged or edited")
+    return plan
+
+
+def is_stacks_folder(root: Path) -> bool:
+    return (root / PLAN_FILE).is_file()
+
+
+# ------------------------------------------------------------------------------------------------------ the results
+@dataclass
+class CellResult:
+    cell: Cell
+    summary: ExperimentSummary | None  # None: skipped, or its experiment could not be analysed
+    problems: list[str] = field(default_factory=list)  # a failed launch, an experiment that cannot be read
+    # An own-switch cell's audit from its manifest: what taxbench's full policy would add or change (None: not one)
+    audit: list[str] | None = None
+
+    @property
+    def ran(self) -> bool:
+        return self.cell.skipped is None
+
+    @property
+    def exit_code(self) -> int:
+        if not self.ran:
+            return exit_codes.OK
+        codes = [exit_codes.INCOMPLETE] if self.problems or self.summary is None else []
+        return exit_codes.combined(codes + ([self.summary.exit_code] if self.summary else []))
+
+    @property
+    def outcome(self) -> str:
+        if not self.ran:
+            return str(self.cell.skipped)
+        if self.summary is None or (self.problems and self.summary.outcome != FAILED):
+            return INCOMPLETE_OUTCOME  # a proven difference still outranks the missing evidence, as in exit_code
+        return self.summary.outcome
+
+    def verdict(self, gate: str) -> Verdict | None:
+        return next((v for v in self.summary.verdicts if v.gate == gate), None) if self.summary else None
+
+    def to_dict(self) -> dict[str, Any]:
+        s = self.summary
+        return {**asdict(self.cell), "name": self.cell.name, "outcome": self.outcome, "exit_code": self.exit_code,
+                "tax": None if s is None else s.tax.to_dict(), "conclusive": None if s is None else s.conclusive,
+                "gates": {} if s is None else {v.gate: v.outcome for v in s.verdicts},
+                "problems": self.problems + ([] if s is None else s.problems), "audit": self.audit}
+
+
+@dataclass
+class StacksSummary:
+    root: str
+    plan: StacksPlan
+    cells: list[CellResult]
+
+    @property
+    def ran(self) -> list[CellResult]:
+        return [cell for cell in self.cells if cell.ran]
+
+    @property
+    def exit_code(self) -> int:
+        if not self.ran:
+            return exit_codes.INCOMPLETE
+        return exit_codes.combined(cell.exit_code for cell in self.ran)
+
+    @property
+    def deterministic_ok(self) -> bool:
+        return bool(self.ran) and all(c.exit_code == exit_codes.OK and c.summary and c.summary.deterministic_ok
+                                      for c in self.ran)
+
+    def verdict(self) -> tuple[str, str]:
+        """The outcome as one line and its tone ("good", "bad", "warn")."""
+        skipped = len(self.cells) - len(self.ran)
+        not_run = f"; {skipped} cell{'s' if skipped != 1 else ''} not run (listed)" if skipped else ""
+        if not self.ran:
+            return "bad", "no cell ran here: no evidence for any stack (see why below)"
+        failed = [c.cell.name for c in self.ran if c.exit_code == exit_codes.NOT_DETERMINISTIC]
+        if failed:
+            return "bad", f"not bitwise deterministic: {', '.join(failed)} (a strict gate differs){not_run}"
+        incomplete = [c.cell.name for c in self.ran if c.exit_code != exit_codes.OK]
+        if incomplete:
+            return "bad", f"incomplete evidence: {', '.join(incomplete)} (no verdict for those){not_run}"
+        return "good", f"every cell that ran is bitwise deterministic ({len(self.ran)} cells){not_run}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"root": self.root, "family": self.plan.family, "steps": self.plan.steps,
+                "world_size": self.plan.world_size, "device": self.plan.device, "shape": self.plan.shape,
+                "verdict": self.verdict()[1],
+                "exit_code": self.exit_code, "cells": [cell.to_dict() for cell in self.cells]}
+
+
+def analyse_cell(root: Path, cell: Cell, on_experiment: Callable[[ExperimentAnalysis], None] | None) -> CellResult:
+    if cell.skipped is not None:
+        return CellResult(cell, None)
+    problems = [f"{cell.name}: {cell.failure}"] if cell.failure else []
+    try:
+        analysis = analyse_experiment(root / cell.name)
+    except (RecordError, ValueError, KeyError, OSError) as exc:
+        return CellResult(cell, None, [*problems, f"{cell.name}: not analysed ({exc})"])
+    if on_experiment is not None:
+        on_experiment(analysis)
+    manifest = analysis.manifests.get(TIMED["deterministic"].name, {})
+    audit = manifest.get("stack_native_audit") if (manifest.get("policy") or {}).get("stack_native") else None
+    return CellResult(cell, analysis.summary, problems, [str(line) for line in audit] if audit is not None else None)
+
+
+def analyse_stacks(root: Path, on_experiment: Callable[[ExperimentAnalysis], None] | None = None) -> StacksSummary:
+    """Analyse every cell's experiment under `root` (a `taxbench stacks` folder) and write its summary.json;
+    on_experiment sees each cell's full analysis (to write its report) before its records are dropped."""
+    plan = read_plan(root)
+    summary = StacksSummary(str(root), plan, [analyse_cell(root, cell, on_experiment) for cell in plan.cells])
+    write_result(root / SUMMARY_FILE, json.dumps(summary.to_dict(), indent=2))
+    return summary
+
+
+def failing(cell: CellResult) -> bool:
+    return cell.ran and cell.exit_code != exit_codes.OK
