@@ -8,7 +8,7 @@
 # not its whole declared tree (torchtitan declares wandb and more that its import never touches).
 # TORCH_VERSION: the image's torch (major.minor), which picks the torchao release built against it; unknown from here,
 # the default is the one the last lent H200 had (2.11+cu130). PYTHON_VERSION: the image's Python (3.12).
-# Total, measured 2026-12-05 with the defaults: 33 MiB in 55 wheels (32,812 KiB), under the device tool's 64 MiB
+# Total, measured 2026-12-05 with the defaults: 33 MiB in 54 wheels (32,812 KiB), under the device tool's 64 MiB
 # carry limit, so one .wheels serves every step (no split needed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
