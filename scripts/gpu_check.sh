@@ -4,7 +4,8 @@
 # exits 1 if any step failed. Logs go under ${OUT:-/tmp/taxbench-gpu}; step results in $OUT/steps.txt.
 # GPU_STEPS="install megatron_gpt_policy ..." runs only the named steps (a short lease: the never-run ones first);
 # GPU_STEPS=stacks is the install and every stack's pair under its own switch and taxbench's policy, plus fp8
-# (estimated 6-8 minutes on one H200, none of these steps has run on a GPU yet).
+# (estimated 6-10 minutes on one H200, close to a 10-minute device command: steps.txt keeps each finished step, so a
+# cut run can go on with GPU_STEPS naming the rest; none of these steps has run on a GPU yet).
 # GPU_CHECK_DRY=1 prints each step (name, limit, command) instead of running it, every stack taken as installed and
 # GPU_CHECK_GPUS (default 1) as the GPU count; it needs no GPU (tests/test_gpu.py runs it).
 # Offline machines: put wheels of the dependencies the machine lacks in .wheels/ (scripts/gpu_wheels.sh makes them).
@@ -99,9 +100,9 @@ SHORT=(experiment.steps=24 experiment.block_steps=6 experiment.warmup_steps=4 ex
 NATIVE=mode@arms.deterministic=stack_native
 if has deepspeed; then
     # ZeRO-3, dense: one rank is a world of one (its partitions are whole).
-    step deepspeed_dense_policy 120 "$PY" -m taxbench "${EXP[@]}" "${SHORT[@]}" +recipe=deepspeed_dense_debug \
+    step deepspeed_dense_policy 180 "$PY" -m taxbench "${EXP[@]}" "${SHORT[@]}" +recipe=deepspeed_dense_debug \
         experiment.name=deepspeed_dense_gpu
-    native_step deepspeed_dense_native 120 "$PY" -m taxbench "${EXP[@]}" "${SHORT[@]}" +recipe=deepspeed_dense_debug \
+    native_step deepspeed_dense_native 180 "$PY" -m taxbench "${EXP[@]}" "${SHORT[@]}" +recipe=deepspeed_dense_debug \
         "$NATIVE" experiment.name=deepspeed_dense_native_gpu
     # ZeRO-2 with DeepSpeed's MoE layer at ep=2: two ranks, so two GPUs.
     if [ "$GPUS" -ge 2 ]; then
