@@ -35,16 +35,6 @@ step() {  # step NAME LIMIT_S COMMAND...: run one step, log it, record rc and se
     [ "$step_rc" -eq 0 ] || { failed=1; tail -n 25 "$OUT/$name.log"; }
 }
 
-native_step() {  # native_step NAME LIMIT_S COMMAND...: a stack-native arm; where the CLI refuses the stack's switch as
-    # one (exit 2 before launch), the step is skipped with that line instead of failing
-    local name=$1 was=$failed
-    step "$@"
-    if [ "$step_rc" -eq 2 ] && grep -q "stack_native is wired for" "$OUT/$name.log"; then
-        failed=$was
-        echo "$name skipped: $(grep -m1 'taxbench: error:' "$OUT/$name.log")" | tee -a "$OUT/steps.txt"
-    fi
-}
-
 has() {  # has MODULE: whether the stack's import works here (always in the dry mode)
     [ -n "$DRY" ] || $PY -c "import $1" 2>"$OUT/import_$1.err"
 }
@@ -102,14 +92,14 @@ if has deepspeed; then
     # ZeRO-3, dense: one rank is a world of one (its partitions are whole).
     step deepspeed_dense_policy 180 "$PY" -m taxbench "${EXP[@]}" "${SHORT[@]}" +recipe=deepspeed_dense_debug \
         experiment.name=deepspeed_dense_gpu
-    native_step deepspeed_dense_native 180 "$PY" -m taxbench "${EXP[@]}" "${SHORT[@]}" +recipe=deepspeed_dense_debug \
+    step deepspeed_dense_native 180 "$PY" -m taxbench "${EXP[@]}" "${SHORT[@]}" +recipe=deepspeed_dense_debug \
         "$NATIVE" experiment.name=deepspeed_dense_native_gpu
     # ZeRO-2 with DeepSpeed's MoE layer at ep=2: two ranks, so two GPUs.
     if [ "$GPUS" -ge 2 ]; then
         EXP2=(cluster=local cluster.device=cuda cluster.gpus=2 experiment.out_dir="$OUT/runs" report.wandb=false)
         step deepspeed_moe_policy 150 "$PY" -m taxbench "${EXP2[@]}" "${SHORT[@]}" +recipe=deepspeed_moe_debug \
             experiment.name=deepspeed_moe_gpu
-        native_step deepspeed_moe_native 150 "$PY" -m taxbench "${EXP2[@]}" "${SHORT[@]}" +recipe=deepspeed_moe_debug \
+        step deepspeed_moe_native 150 "$PY" -m taxbench "${EXP2[@]}" "${SHORT[@]}" +recipe=deepspeed_moe_debug \
             "$NATIVE" experiment.name=deepspeed_moe_native_gpu
     else
         skip "fewer than 2 GPUs: deepspeed_moe_policy and deepspeed_moe_native not run (its ep=2 needs 2 ranks)"
@@ -117,12 +107,11 @@ if has deepspeed; then
 else
     skip "deepspeed not installed: deepspeed_dense_* and deepspeed_moe_* not run ($(tail -n1 "$OUT/import_deepspeed.err"))"
 fi
-# torchtitan with its FlexAttention. Its switch (debug.deterministic) may still be refused as a stack-native arm: then
-# titan_llama3_native is skipped with the CLI's line and only the policy arm runs.
+# torchtitan with its FlexAttention, under its own switch (debug.deterministic) and under taxbench's policy.
 if has torchtitan.trainer; then
     TITAN=(+recipe=titan_llama3_debug recipe.model.stack.attn_backend=flex)
     step titan_llama3_policy 180 "$PY" -m taxbench "${EXP[@]}" "${SHORT[@]}" "${TITAN[@]}" experiment.name=titan_gpu
-    native_step titan_llama3_native 180 "$PY" -m taxbench "${EXP[@]}" "${SHORT[@]}" "${TITAN[@]}" "$NATIVE" \
+    step titan_llama3_native 180 "$PY" -m taxbench "${EXP[@]}" "${SHORT[@]}" "${TITAN[@]}" "$NATIVE" \
         experiment.name=titan_native_gpu
 else
     skip "torchtitan not installed: titan_llama3_* not run ($(tail -n1 "$OUT/import_torchtitan.trainer.err"))"
@@ -132,11 +121,11 @@ fi
 if has megatron.core; then
     step megatron_tests 200 "$PY" -m pytest -v -p no:cacheprovider tests/test_megatron.py
     step megatron_gpt_policy 150 "$PY" -m taxbench "${EXP[@]}" +recipe=megatron_gpt_debug experiment.name=megatron_gpu
-    native_step megatron_gpt_native 120 "$PY" -m taxbench "${EXP[@]}" "${SHORT[@]}" +recipe=megatron_gpt_debug \
+    step megatron_gpt_native 120 "$PY" -m taxbench "${EXP[@]}" "${SHORT[@]}" +recipe=megatron_gpt_debug \
         "$NATIVE" experiment.name=megatron_native_gpu
     step megatron_moe_policy 150 "$PY" -m taxbench "${EXP[@]}" "${SHORT[@]}" +recipe=megatron_moe_debug \
         experiment.name=megatron_moe_gpu
-    native_step megatron_moe_native 150 "$PY" -m taxbench "${EXP[@]}" "${SHORT[@]}" +recipe=megatron_moe_debug \
+    step megatron_moe_native 150 "$PY" -m taxbench "${EXP[@]}" "${SHORT[@]}" +recipe=megatron_moe_debug \
         "$NATIVE" experiment.name=megatron_moe_native_gpu
 else
     skip "megatron-core not installed: megatron_* not run ($(tail -n1 "$OUT/import_megatron.core.err"))"
@@ -146,7 +135,7 @@ fi
 if has torchao; then
     FP8=(recipe.precision=fp8 recipe.model.d_model=128 recipe.model.d_ff=512)
     step fp8_policy 120 "$PY" -m taxbench "${EXP[@]}" "${SHORT[@]}" "${FP8[@]}" experiment.name=fp8_gpu
-    native_step fp8_native 120 "$PY" -m taxbench "${EXP[@]}" "${SHORT[@]}" "${FP8[@]}" "$NATIVE" \
+    step fp8_native 120 "$PY" -m taxbench "${EXP[@]}" "${SHORT[@]}" "${FP8[@]}" "$NATIVE" \
         experiment.name=fp8_native_gpu
 else
     skip "torchao not installed: fp8_policy and fp8_native not run ($(tail -n1 "$OUT/import_torchao.err"))"

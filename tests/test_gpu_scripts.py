@@ -12,8 +12,6 @@ from pathlib import Path
 import pytest
 from helpers import REPO, compose_typed
 
-from taxbench.stacks.protocol import not_wired_native
-
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
 PAIRS = ["deepspeed_dense", "deepspeed_moe", "titan_llama3", "megatron_gpt", "megatron_moe", "fp8"]
 
@@ -66,12 +64,6 @@ def test_every_experiment_step_composes(tmp_path: Path) -> None:
             continue
         cfg = compose_typed(*argv[3:])
         assert cfg.cluster.device.value == "cuda", name
-
-
-def test_the_script_skips_a_refused_stack_switch_by_the_clis_own_line() -> None:
-    """native_step recognizes the CLI's refusal of a stack switch not wired as a stack-native arm by this phrase."""
-    assert "stack_native is wired for" in str(not_wired_native("torchtitan", "debug.deterministic"))
-    assert 'grep -q "stack_native is wired for"' in SCRIPT.read_text()
 
 
 @pytest.mark.parametrize("script", ["gpu_check.sh", "gpu_wheels.sh"])
