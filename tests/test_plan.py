@@ -143,3 +143,9 @@ def test_a_layout_that_does_not_fit_cpu_ranks_names_cluster_cpu_ranks() -> None:
     with pytest.raises(ConfigError, match=r"world size 3 is not divisible by tp\*pp = 2\*1 = 2; change "
                                           r"cluster.cpu_ranks or"):
         compose_config("recipe.parallel.tp=2", "recipe.model.n_heads=4", "cluster.cpu_ranks=3")
+
+
+def test_torchtitans_own_model_is_not_planned_but_refused_in_one_line() -> None:
+    with pytest.raises(ConfigError, match="recipe titan_llama3_debug is torchtitan's own model") as info:
+        make_plan(compose_typed("+recipe=titan_llama3_debug"))
+    assert "\n" not in str(info.value)

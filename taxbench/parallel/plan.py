@@ -188,6 +188,10 @@ def _learned_positions(model: ModelConfig) -> bool:
 
 def make_plan(cfg: TaxbenchConfig) -> Plan:
     recipe, gpus = cfg.recipe, cfg.cluster.gpus
+    if str(recipe.model.kind) == ModelKind.titan.value:  # its flavor's Llama is no GPT of the recipe's fields
+        raise ConfigError(f"plan=true counts taxbench's GPT/MoE and the Megatron-Core and DeepSpeed models of the "
+                          f"recipe's fields; recipe {recipe.name} is torchtitan's own model, which the planner does "
+                          "not count: run it (or its job config) on the cluster instead")
     with torch.device("meta"):
         model = build_model(planned_model(recipe.model), deterministic_kernels=True)
     kinds, tp_split = _param_kinds(model)
