@@ -16,7 +16,8 @@ from typing import Any
 import pandas as pd
 
 from taxbench.analysis.verdicts import DIFFERS, IDENTICAL, Verdict, compare_runs
-from taxbench.design import KNOB_NEEDED, plans_from_config, run_steps
+from taxbench.config.schema import load_config
+from taxbench.design import KNOB_NEEDED, knob_plans, run_steps
 from taxbench.rundir.read import RecordError, load_checked_run, load_manifest
 from taxbench.stats.tax import Checkpoints, TaxEstimate, estimate_tax, no_estimate
 
@@ -67,7 +68,7 @@ def _knob_tax(baselines: list[pd.DataFrame], frame: pd.DataFrame, experiment: di
         return no_estimate(experiment["confidence"], experiment["warmup_steps"])
 
 
-def analyse_ablation(root: Path, config: dict[str, Any], device: str, baselines: list[pd.DataFrame],
+def analyse_ablation(root: Path, config: dict[str, Any], baselines: list[pd.DataFrame],
                      steps: int, checkpoints: Checkpoints) -> list[KnobResult]:
     """Every knob's row (empty unless the experiment ran with experiment.ablation=true): `steps` are the timed
     rounds' (a with_<knob> arm's); a without_<knob> replica is gate-only (taxbench.design.run_steps)."""
@@ -75,7 +76,7 @@ def analyse_ablation(root: Path, config: dict[str, Any], device: str, baselines:
     if not experiment.get("ablation"):
         return []
     results = []
-    for plan in plans_from_config(config, device):
+    for plan in knob_plans(load_config(config)):
         result = KnobResult(plan.knob.name, plan.knob.description, plan.with_status, plan.without_status)
         if plan.with_run is not None:
             frame, problems = _load(root, plan.with_run.name, steps, config)

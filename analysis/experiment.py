@@ -423,7 +423,7 @@ def compute_experiment(root: Path) -> ExperimentAnalysis:
                                      tuple(problems[reference] + problems[candidate]), through))
     faults, fired = fault_outcome(root, settings.fault, verdicts)
     device = manifest_value(manifest, root / first, "policy_applied.device")
-    knobs = analyse_ablation(root, config, device, timed["baseline"], steps, checkpoints)
+    knobs = analyse_ablation(root, config, timed["baseline"], steps, checkpoints)
     world = int(manifest_value(manifest, root / first, "layout.world_size"))
     attribution, attribution_problems = ({}, []) if not settings.ablation else attribute_arms(
         root, step_deltas_us(tax, knobs), world)

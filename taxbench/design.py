@@ -173,12 +173,6 @@ def plan_ablation(arms: Mapping[str, PolicyConfig], device: Device) -> list[Knob
     return plans
 
 
-def plans_from_config(config: Mapping[str, Any], device: str) -> list[KnobPlan]:
-    """plan_ablation of a config as a manifest records it (plain values)."""
-    arms = {arm: PolicyConfig(**policy) for arm, policy in config["arms"].items()}
-    return plan_ablation(arms, Device(device))
-
-
 def knob_policies(plans: Sequence[KnobPlan]) -> dict[str, PolicyConfig]:
     """Arm name -> policy of every knob arm that runs."""
     policies = {}

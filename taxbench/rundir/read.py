@@ -31,7 +31,8 @@ import pyarrow as pa
 
 from taxbench import exit_codes
 from taxbench.config.pairing import differences, experiment_differences
-from taxbench.design import knob_of, knob_policies, plans_from_config
+from taxbench.config.schema import load_config
+from taxbench.design import knob_of, knob_plans, knob_policies
 from taxbench.redaction import redact
 from taxbench.rundir.evidence import experiment_of, read_regular
 from taxbench.rundir.provenance import config_hash
@@ -369,7 +370,7 @@ def arm_policy(config: dict[str, Any], arm: Any) -> dict[str, Any] | None:
         return None
     if arm in arms:
         return arms[arm]
-    policies = knob_policies(plans_from_config(config, config["cluster"]["device"]))
+    policies = knob_policies(knob_plans(load_config(config)))
     return dataclasses.asdict(policies[arm]) if arm in policies else None
 
 
