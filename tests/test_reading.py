@@ -168,7 +168,8 @@ def test_a_fifo_as_a_step_stream_is_incomplete_evidence_within_seconds(tmp_path:
     assert f"{stream}: cannot be read ({stream}: a FIFO (named pipe), not a regular file" in result.stderr
 
 
-@pytest.mark.parametrize("name", ["steps.rank0.jsonl", "steps.rank0.arrow", "manifest.json", "faults.rank0.jsonl"])
+@pytest.mark.parametrize("name", ["steps.rank0.jsonl", "steps.rank0.arrow", "steps.arrow", "manifest.json",
+                                  "faults.rank0.jsonl"])
 def test_a_fifo_anywhere_in_a_run_folder_never_blocks_analysis(tmp_path: Path, name: str) -> None:
     root = _experiment(tmp_path / "exp")
     target = root / "deterministic-1" / name
