@@ -1,27 +1,40 @@
-"""Report figures (matplotlib, Agg backend: no display needed), returned as PNG bytes."""
+"""Report figures (matplotlib, Agg backend: no display needed), returned as PNG bytes.
+
+matplotlib is imported with the first figure: `taxbench analyse` of a folder without a report draws none, and pyplot
+costs it half a second.
+"""
 
 from __future__ import annotations
 
 import io
 import math
+from typing import TYPE_CHECKING, Any
 
-import matplotlib
+import numpy as np
+import pandas as pd
 
-matplotlib.use("Agg")
+from taxbench.analysis.equivalence import BAND_FACTOR, RELATIVE_FLOOR, Equivalence
+from taxbench.stats.tax import TaxEstimate
 
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot is imported)
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-from matplotlib.ticker import FuncFormatter, MaxNLocator, PercentFormatter  # noqa: E402
-
-from taxbench.analysis.equivalence import BAND_FACTOR, RELATIVE_FLOOR, Equivalence  # noqa: E402
-from taxbench.stats.tax import TaxEstimate  # noqa: E402
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 ARM_COLORS = {"baseline": "#1f77b4", "deterministic": "#d62728"}
 
 
+def _subplots(*args: Any, **kwargs: Any) -> Any:  # noqa: ANN401 (pyplot.subplots' figure and axes)
+    """pyplot.subplots on the Agg backend (chosen before pyplot is first imported)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(*args, **kwargs)
+
+
 def _png(figure: Figure) -> bytes:
+    import matplotlib.pyplot as plt
+
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
     plt.close(figure)
@@ -33,7 +46,9 @@ def step_time_plot(series: dict[str, pd.DataFrame], tax: TaxEstimate, ratios: pd
 
     `series` maps an arm to a frame with step and time_s; `ratios` has one row per block pair with a ratio column.
     """
-    figure, (top, bottom) = plt.subplots(
+    from matplotlib.ticker import MaxNLocator, PercentFormatter
+
+    figure, (top, bottom) = _subplots(
         2, 1, figsize=(9, 6.2), sharex=False, gridspec_kw={"height_ratios": [3, 2]}, layout="constrained"
     )
     for arm, frame in series.items():
@@ -73,7 +88,7 @@ def step_time_plot(series: dict[str, pd.DataFrame], tax: TaxEstimate, ratios: pd
 
 def training_curves_plot(runs: dict[str, pd.DataFrame]) -> bytes:
     """Loss and gradient norm per step (rank 0's record) of each run, as torchtitan and Megatron log them."""
-    figure, (loss_axis, norm_axis) = plt.subplots(1, 2, figsize=(10, 3.6), layout="constrained")
+    figure, (loss_axis, norm_axis) = _subplots(1, 2, figsize=(10, 3.6), layout="constrained")
     for name, frame in runs.items():
         first = frame[frame["rank"] == frame["rank"].min()].sort_values("step")
         arm = name.split("-")[0]
@@ -91,7 +106,9 @@ def training_curves_plot(runs: dict[str, pd.DataFrame]) -> bytes:
 def equivalence_plot(equivalence: Equivalence) -> bytes:
     """The deterministic loss curve over the baseline band (top), and its deviation from the baselines' center against
     the band's half-width (bottom: at the scale of the loss the band is usually too thin to see)."""
-    figure, (curves, residuals) = plt.subplots(
+    from matplotlib.ticker import MaxNLocator
+
+    figure, (curves, residuals) = _subplots(
         2, 1, figsize=(9, 6.2), sharex=True, gridspec_kw={"height_ratios": [3, 2]}, layout="constrained"
     )
     steps, center, band = equivalence.steps, equivalence.center, equivalence.band
@@ -128,7 +145,9 @@ def equivalence_plot(equivalence: Equivalence) -> bytes:
 def sweep_tax_plot(points: pd.DataFrame, world: str = "GPUs") -> bytes:
     """Tax vs GPU count (world size) with the confidence interval of each point; red markers fail a gate, orange
     ones are incomplete (no verdict)."""
-    figure, axis = plt.subplots(figsize=(8, 4.5), layout="constrained")
+    from matplotlib.ticker import FuncFormatter, PercentFormatter
+
+    figure, axis = _subplots(figsize=(8, 4.5), layout="constrained")
     ordered = points.sort_values("world_size")
     for recipe, frame in ordered.groupby("recipe", sort=False):
         x = frame["world_size"].to_numpy()
@@ -163,7 +182,7 @@ def sweep_tax_plot(points: pd.DataFrame, world: str = "GPUs") -> bytes:
 def top_ops_plot(ops: pd.DataFrame, arm: str) -> bytes:
     """Growth of each top op's self time per step in `arm` against the baseline (analysis.attribution's table)."""
     shown = ops.iloc[::-1]  # the largest growth on top
-    figure, axes = plt.subplots(figsize=(9, 0.45 * len(shown) + 1.4), layout="constrained")
+    figure, axes = _subplots(figsize=(9, 0.45 * len(shown) + 1.4), layout="constrained")
     colors = [ARM_COLORS["deterministic"] if d > 0 else ARM_COLORS["baseline"] for d in shown["delta_us"]]
     axes.barh(shown["op"], shown["delta_us"] / 1e3, color=colors)
     axes.axvline(0, color="0.3", lw=0.8)

@@ -25,7 +25,7 @@ from taxbench.config.schema import ReportConfig
 from taxbench.rundir.evidence import NotEvidence, check_regular
 from taxbench.rundir.experiment_folder import LOCK_FILE, SWEEP_MARKER, held_by, is_marked_sweep, mark_sweep
 from taxbench.rundir.read import RecordError, UnreadableRecords, load_run
-from taxbench.rundir.step_stream import mirror_file
+from taxbench.rundir.step_stream import mirror_file, run_mirror_file
 
 SMALL = {"ranks": 2, "steps": 12, "block_steps": 3, "resume_step": 6}
 QUIET = Console(file=open(os.devnull, "w"))  # noqa: SIM115 (lives as long as the tests)
@@ -151,6 +151,7 @@ def test_a_folder_a_live_launch_holds_is_analysed_read_only(tmp_path: Path,
     assert held_by(root) is None  # the holder died: the folder is writable again
     assert read_and_report(root, TEXT) == exit_codes.OK
     assert (root / SUMMARY_FILE).is_file() and mirror_file(root / "baseline-0" / "steps.rank0.jsonl").is_file()
+    assert run_mirror_file(root / "baseline-0").is_file()  # and the run mirror the next analysis reads
 
 
 # ----------------------------------------------------------------------------------- rule 2: regular files inside
@@ -168,7 +169,8 @@ def test_a_fifo_as_a_step_stream_is_incomplete_evidence_within_seconds(tmp_path:
     assert f"{stream}: cannot be read ({stream}: a FIFO (named pipe), not a regular file" in result.stderr
 
 
-@pytest.mark.parametrize("name", ["steps.rank0.jsonl", "steps.rank0.arrow", "manifest.json", "faults.rank0.jsonl"])
+@pytest.mark.parametrize("name", ["steps.rank0.jsonl", "steps.rank0.arrow", "steps.arrow", "manifest.json",
+                                  "faults.rank0.jsonl"])
 def test_a_fifo_anywhere_in_a_run_folder_never_blocks_analysis(tmp_path: Path, name: str) -> None:
     root = _experiment(tmp_path / "exp")
     target = root / "deterministic-1" / name

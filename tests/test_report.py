@@ -28,6 +28,7 @@ from taxbench.redaction import REDACTED, redact, redact_text
 from taxbench.rundir.experiment_folder import mark_sweep
 from taxbench.rundir.read import RecordError, load_run
 from taxbench.rundir.records import SCHEMA_VERSION, write_manifest
+from taxbench.rundir.step_stream import RUN_MIRROR
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 NO_WANDB = ReportConfig(html=True, wandb=False)
@@ -91,19 +92,23 @@ def test_a_mirror_is_tied_to_the_bytes_of_its_stream(tmp_path: Path) -> None:
     assert len(load_run(run)) == 12 + 1
 
 
-def test_every_flipped_byte_of_a_mirror_is_caught(tmp_path: Path) -> None:
-    """A single-byte flip anywhere in steps.rank<R>.arrow (header, data, metadata, trailer) fails the mirror's own
-    hash: the stream is parsed from its JSONL and the frame read back always equals the true one."""
+@pytest.mark.parametrize("name", ["steps.rank0.arrow", RUN_MIRROR])
+def test_every_flipped_byte_of_a_mirror_is_caught(tmp_path: Path, name: str) -> None:
+    """A single-byte flip anywhere in steps.rank<R>.arrow or the run's steps.arrow (header, data, metadata, trailer)
+    fails the mirror's own hash: the run is read stream by stream and the frame read back always equals the true one."""
     root = write_experiment(tmp_path / "exp", SyntheticExperiment(ranks=2, steps=12, block_steps=3, resume_step=6))
     run = root / "baseline-0"
     truth = load_run(run, use_mirrors=False)
-    mirror = run / "steps.rank0.arrow"
+    load_run(run)  # leaves the run mirror
+    mirror = run / name
     good = mirror.read_bytes()
     offsets = sorted(set(range(0, len(good), max(1, len(good) // 300))) | set(range(len(good) - 64, len(good))))
     for offset in offsets:
         flipped = bytearray(good)
         flipped[offset] ^= 0xFF
         mirror.write_bytes(bytes(flipped))
+        if name != RUN_MIRROR:
+            (run / RUN_MIRROR).unlink()  # else the intact run mirror is read and this one never looked at
         assert load_run(run).equals(truth), f"a flip at byte {offset} of {len(good)} changed the frame"
         assert mirror.read_bytes() == good, f"a flip at byte {offset} went unnoticed"  # caught and rewritten
 

@@ -5,17 +5,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pandas as pd
 import pyarrow as pa
 import pytest
 
-from taxbench.rundir.read import load_run
+from taxbench.rundir.read import load_run, stream_files
 from taxbench.rundir.records import SCHEMA_VERSION, steps_file
 from taxbench.rundir.step_stream import (
     StepWriter,
+    covers,
     mirror_file,
     parse_records,
+    read_run_mirror,
     read_stream,
     refresh_mirror,
+    run_mirror_file,
     write_mirror,
 )
 
@@ -125,3 +129,54 @@ def test_ranks_load_in_rank_order_without_a_gather(tmp_path: Path) -> None:
     frame = load_run(tmp_path)
     assert list(frame["rank"]) == [0] * 3 + [1] * 3 + [2] * 3 + [10] * 3
     assert list(frame["step"]) == [1, 2, 3] * 4
+
+
+def _run_of(tmp_path: Path, ranks: int = 3) -> tuple[Path, pd.DataFrame]:
+    """A run of `ranks` closed streams, its frame parsed from the JSONL, and its run mirror left by a first load."""
+    run = tmp_path / "exp" / "baseline-0"
+    for rank in range(ranks):
+        _written(run, range(1, 6), rank=rank)
+    truth = load_run(run, use_mirrors=False)
+    assert not run_mirror_file(run).exists()  # a parse writes no mirror
+    assert load_run(run).equals(truth) and run_mirror_file(run).is_file()
+    return run, truth
+
+
+def test_a_run_mirror_is_left_by_the_first_load_and_gives_the_same_frame(tmp_path: Path) -> None:
+    run, truth = _run_of(tmp_path)
+    for stream in run.glob("steps.rank*.arrow"):
+        stream.unlink()  # the next load reads the run mirror alone: the streams' own mirrors are not needed
+    mirror = read_run_mirror(run)
+    assert mirror is not None and [c.name for c in mirror[1]] == [f"steps.rank{r}.jsonl" for r in range(3)]
+    assert load_run(run).equals(truth)
+    assert not mirror_file(steps_file(run, 0)).exists()  # so the run mirror was used, and nothing rewritten
+
+
+@pytest.mark.parametrize("change", ["edited", "appended", "torn tail", "added", "removed", "mirror damaged"])
+def test_a_run_mirror_is_used_only_for_exactly_the_streams_it_covers(tmp_path: Path, change: str) -> None:
+    run, _ = _run_of(tmp_path)
+    stream = steps_file(run, 1)
+    if change == "edited":  # same length, one digit changed: only the hash tells
+        data = stream.read_bytes()
+        stream.write_bytes(data.replace(b'"step":3', b'"step":4', 1))
+    elif change == "appended":
+        with stream.open("a") as handle:
+            handle.write(json.dumps({"schema_version": SCHEMA_VERSION, **_record(6, rank=1)}) + "\n")
+    elif change == "torn tail":  # a crashed writer's half line is no record: the run mirror still covers it all
+        with stream.open("a") as handle:
+            handle.write('{"schema_version": 3, "ste')
+    elif change == "added":
+        _written(run, range(1, 6), rank=3)
+    elif change == "removed":
+        stream.unlink()
+        mirror_file(stream).unlink()
+    else:
+        data = bytearray(run_mirror_file(run).read_bytes())
+        data[len(data) // 2] ^= 1
+        run_mirror_file(run).write_bytes(bytes(data))
+    covered = read_run_mirror(run)
+    usable = covered is not None and [c.name for c in covered[1]] == [p.name for p in stream_files(run)] and all(
+        covers(run / c.name, c) for c in covered[1])
+    assert usable == (change == "torn tail")
+    assert load_run(run).equals(load_run(run, use_mirrors=False))  # whatever the mirrors: the JSONL's frame
+    assert read_run_mirror(run) is not None and load_run(run).equals(load_run(run, use_mirrors=False))  # rewritten

@@ -1,11 +1,13 @@
 """Load step records of run directories into pandas, rejecting other schema versions, and check them for gaps.
 
-Each rank's stream is read through its columnar mirror (taxbench.rundir.step_stream: Arrow IPC, used only as far as it
-provably matches the JSONL's bytes), and whatever the mirror does not cover is parsed by pyarrow's JSON reader (a
-thousand times fewer Python calls than `json.loads` per line); a parse problem falls back to a line-by-line reader
-only to name the offending line. A stream whose mirror is missing or behind gets a new one, so the next analysis
-reads columnar data: an edited stream, a stale or foreign mirror, or a flipped byte anywhere in a mirror means
-parsing the JSONL, never a different frame. mtimes play no part: a copy (cp, rsync without -t) keeps its mirrors.
+A run is read through its run mirror (taxbench.rundir.step_stream: every stream's rows in one Arrow IPC file) when it
+provably covers the run's streams, byte for byte. Otherwise each rank's stream is read through its own columnar
+mirror (used only as far as it provably matches the JSONL's bytes), and whatever the mirror does not cover is parsed
+by pyarrow's JSON reader (a thousand times fewer Python calls than `json.loads` per line); a parse problem falls back
+to a line-by-line reader only to name the offending line. A stream whose mirror is missing or behind gets a new one,
+and the run a new run mirror, so the next analysis reads columnar data: an edited, added or removed stream, a stale or
+foreign mirror, or a flipped byte anywhere in a mirror means the per-stream path or parsing the JSONL, never a
+different frame. mtimes play no part: a copy (cp, rsync without -t) keeps its mirrors.
 
 `check_run` checks a loaded run against its manifest: every rank of the world, every step 1..steps, nothing twice,
 nothing outside that grid. `identity_problems` and `config_problems` check that the evidence is its run's: the
@@ -20,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +40,18 @@ from taxbench.redaction import redact
 from taxbench.rundir.evidence import experiment_of, read_regular
 from taxbench.rundir.provenance import config_hash
 from taxbench.rundir.records import MANIFEST, METRICS, SCHEMA_VERSION
-from taxbench.rundir.step_stream import STEP_SCHEMA, mirror_file, read_stream, records_of, write_mirror
+from taxbench.rundir.step_stream import (
+    STEP_SCHEMA,
+    Covered,
+    covers,
+    mirror_file,
+    read_run_mirror,
+    read_stream,
+    records_of,
+    run_mirror_file,
+    write_mirror,
+    write_run_mirror,
+)
 from taxbench.rundir.write_scope import may_write
 
 _STREAM_NAME = re.compile(r"steps\.rank(\d+)\.jsonl")
@@ -103,9 +117,10 @@ def _version_ok(table: pa.Table) -> bool:
     return versions.null_count == 0 and bool((versions.to_numpy() == SCHEMA_VERSION).all())
 
 
-def _stream_records(path: Path, use_mirror: bool) -> pa.Table:
-    """One stream's records: its verified mirror, then its JSONL lines after what the mirror covers, parsed; with
-    `use_mirror` a mirror that does not cover every complete line is (re)written for the next reader."""
+def _stream_records(path: Path, use_mirror: bool) -> tuple[pa.Table, Covered]:
+    """One stream's records and the bytes they are the rows of: its verified mirror, then its JSONL lines after what
+    the mirror covers, parsed; with `use_mirror` a mirror that does not cover every complete line is (re)written for
+    the next reader."""
     try:
         read = read_stream(path, use_mirror)
     except OSError as exc:  # also taxbench.rundir.evidence.NotEvidence: a FIFO, a device, a symlink leaving it
@@ -115,12 +130,18 @@ def _stream_records(path: Path, use_mirror: bool) -> pa.Table:
     except (pa.ArrowInvalid, pa.ArrowTypeError):
         raise _diagnose(path) from None
     if use_mirror and not read.mirror_current:
-        try:
-            if may_write(mirror_file(path)):  # not in a folder a live launch holds (taxbench.rundir.write_scope)
-                write_mirror(path, table, read.complete, read.digest)
-        except OSError:
-            pass  # a read-only results folder: analyse without leaving mirrors
-    return table
+        _leave(mirror_file(path), lambda: write_mirror(path, table, read.complete, read.digest))
+    return table, Covered(path.name, read.complete, read.digest)
+
+
+def _leave(mirror: Path, write: Callable[[], None]) -> None:
+    """Write a mirror for the next reader, unless in a folder a live launch holds (taxbench.rundir.write_scope) or
+    a read-only results folder: analysis then goes on without leaving it."""
+    try:
+        if may_write(mirror):
+            write()
+    except OSError:
+        pass
 
 
 def _concat(where: Path, tables: list[pa.Table]) -> pa.Table:
@@ -144,9 +165,9 @@ def load_run(run_dir: Path, use_mirrors: bool = True, empty_ok: bool = False) ->
     """All ranks' step records of one run, sorted by (rank, step).
 
     Rank-major because that is how the records lie (a stream per rank, in step order): the frame of 1,000 ranks x
-    1,000 steps needs no gather. Each stream is read through its columnar mirror as far as the mirror provably
-    matches it (taxbench.rundir.step_stream); `use_mirrors=False` parses every JSONL line instead (and writes no
-    mirror).
+    1,000 steps needs no gather. The run is read through its run mirror when that provably covers every stream, else
+    each stream through its own mirror as far as that provably matches it (taxbench.rundir.step_stream);
+    `use_mirrors=False` parses every JSONL line instead (and writes no mirror).
     Either way the frame is the same. A run without records is an error unless `empty_ok` (the completeness check
     then reports every step missing).
     """
@@ -155,18 +176,48 @@ def load_run(run_dir: Path, use_mirrors: bool = True, empty_ok: bool = False) ->
         if empty_ok:
             return empty_run()
         raise RecordError(f"{run_dir}: no steps.rank<R>.jsonl files; is this a taxbench run directory?")
-    halves = [files[: len(files) // 2], files[len(files) // 2:]]  # one task per reader: 1,000 tasks cost 0.1 s
-    with ThreadPoolExecutor(_READERS) as pool:
-        tables = [t for part in pool.map(lambda part: _records_of(part, use_mirrors), halves) for t in part]
-    if not any(t.num_rows for t in tables):
+    table = _run_mirrored(run_dir, files) if use_mirrors else None
+    if table is None:
+        table = _streams_read(run_dir, files, use_mirrors)
+    if not table.num_rows:
         if empty_ok:
             return empty_run()
         raise UnreadableRecords(f"{run_dir}: the step record files are empty")
-    table = _concat(run_dir, tables)
     if not _version_ok(table):  # a mirror written by another taxbench version
         raise _first_complaint(files)
     # split_blocks keeps numeric columns zero-copy instead of consolidating them into 2-D blocks (5x faster here).
-    return _sorted_by_rank_and_step(_copied(table)).to_pandas(split_blocks=True)
+    return _sorted_by_rank_and_step(table).to_pandas(split_blocks=True)
+
+
+def _halves(files: list[Path]) -> list[list[Path]]:
+    """The streams in one task per reader: 1,000 tasks cost 0.1 s."""
+    return [files[: len(files) // 2], files[len(files) // 2:]]
+
+
+def _run_mirrored(run_dir: Path, files: list[Path]) -> pa.Table | None:
+    """The run's rows from its run mirror when it covers exactly `files`, each to its last complete line; None
+    otherwise (no run mirror, a damaged or stale one, a stream edited, added or removed)."""
+    mirror = read_run_mirror(run_dir)
+    if mirror is None:
+        return None
+    table, covered = mirror
+    if [c.name for c in covered] != [f.name for f in files]:
+        return None
+    by_name = dict(zip((f.name for f in files), covered, strict=True))
+    with ThreadPoolExecutor(_READERS) as pool:
+        proven = all(pool.map(lambda part: all(covers(f, by_name[f.name]) for f in part), _halves(files)))
+    return table if proven else None
+
+
+def _streams_read(run_dir: Path, files: list[Path], use_mirrors: bool) -> pa.Table:
+    """The run's rows stream by stream (each through its own mirror as far as it goes), in memory of their own; with
+    `use_mirrors` a run mirror of them is left for the next reader."""
+    with ThreadPoolExecutor(_READERS) as pool:
+        reads = [r for part in pool.map(lambda part: _records_of(part, use_mirrors), _halves(files)) for r in part]
+    table = _copied(_concat(run_dir, [t for t, _ in reads]))
+    if use_mirrors and table.num_rows and _version_ok(table):
+        _leave(run_mirror_file(run_dir), lambda: write_run_mirror(run_dir, table, [c for _, c in reads]))
+    return table
 
 
 def _copied(table: pa.Table) -> pa.Table:
@@ -176,7 +227,7 @@ def _copied(table: pa.Table) -> pa.Table:
     return pa.Table.from_arrays(columns, schema=table.schema)
 
 
-def _records_of(files: list[Path], use_mirrors: bool) -> list[pa.Table]:
+def _records_of(files: list[Path], use_mirrors: bool) -> list[tuple[pa.Table, Covered]]:
     return [_stream_records(path, use_mirrors) for path in files]
 
 
@@ -427,7 +478,9 @@ def check_run(run: str, run_dir: Path, frame: pd.DataFrame, steps: int, world: i
         first = int(np.flatnonzero(~inside)[0])
         problems.append(f"{run}: {_records(int((~inside).sum()))} outside steps 1-{steps} x ranks 0-{world - 1} "
                         f"(first: step {_number(step[first])}, rank {_number(rank[first])})")
-    keys = np.sort(rank[inside].astype(np.int64) * (steps + 1) + step[inside].astype(np.int64))
+    keys = rank[inside].astype(np.int64) * (steps + 1) + step[inside].astype(np.int64)
+    if not (keys[1:] >= keys[:-1]).all():  # load_run's frames are in (rank, step) order: no sort needed
+        keys = np.sort(keys)
     repeated = np.zeros(keys.size, dtype=bool)
     repeated[1:] = keys[1:] == keys[:-1]
     unique = keys[~repeated]

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from scipy import stats
+from scipy import special  # ndtri, stdtrit: the normal and t quantiles (scipy.stats costs analysis 1 s to import)
 
 from taxbench.design import checkpoint_after
 from taxbench.rundir.read import step_times
@@ -73,7 +73,7 @@ def _hodges_lehmann(logs: np.ndarray, confidence: float) -> tuple[float, float, 
     if n < 2:
         return center, math.nan, math.nan
     # Normal approximation of the signed-rank critical value (exact enough for n >= 6; conservative below).
-    z = stats.norm.ppf(0.5 + confidence / 2)
+    z = special.ndtri(0.5 + confidence / 2)  # = stats.norm.ppf
     m = len(walsh)
     k = int(math.floor(n * (n + 1) / 4 - z * math.sqrt(n * (n + 1) * (2 * n + 1) / 24)))
     k = min(max(k, 0), m - 1)
@@ -154,7 +154,7 @@ def estimate_tax(
         )
     mean = float(logs.mean())
     if n >= 2:
-        half = float(stats.t.ppf(0.5 + confidence / 2, n - 1) * logs.std(ddof=1) / math.sqrt(n))
+        half = float(special.stdtrit(n - 1, 0.5 + confidence / 2) * logs.std(ddof=1) / math.sqrt(n))  # = stats.t.ppf
     else:
         half = math.nan
     hl, hl_low, hl_high = _hodges_lehmann(logs, confidence)
