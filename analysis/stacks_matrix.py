@@ -21,7 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from taxbench import exit_codes
-from taxbench.analysis.experiment import FAILED, INCOMPLETE_OUTCOME, ExperimentAnalysis, ExperimentSummary
+from taxbench.analysis.experiment import (
+    CALIBRATION,
+    FAILED,
+    INCOMPLETE_OUTCOME,
+    ExperimentAnalysis,
+    ExperimentSummary,
+)
 from taxbench.analysis.results import write_result
 from taxbench.analysis.summary import SUMMARY_FILE, analyse_experiment
 from taxbench.analysis.verdicts import Verdict
@@ -31,6 +37,7 @@ from taxbench.rundir.read import RecordError, UnreadableRecords, read_json_objec
 PLAN_FILE = "stacks.json"  # <root>/stacks.json: the cells asked for, what each ran, and why a cell did not
 NOT_INSTALLED, NEEDS_CUDA = "not installed", "needs CUDA"
 SKIPPED = (NOT_INSTALLED, NEEDS_CUDA)
+STACK_NAMES = ("taxbench", "titan", "megatron", "deepspeed")  # a cell's stack, as the table and its folder name it
 # The deterministic arm's mode (conf/mode/) per policy column, and how the table names it
 POLICY_LABELS = {"stack_native": "own switch", "deterministic": "taxbench's policy"}
 HEADER = ["stack", "recipe", "parameters", "deterministic arm", "tax +/- interval",
@@ -78,7 +85,7 @@ def read_plan(root: Path) -> StacksPlan:
         raise UnreadableRecords(f"{root / PLAN_FILE}: not a stacks record ({exc}); the file is damaged") from exc
     names = [cell.name for cell in plan.cells]
     wrong = [cell.name for cell in plan.cells if cell.skipped not in (None, *SKIPPED) or
-             cell.policy not in POLICY_LABELS]
+             cell.policy not in POLICY_LABELS or cell.stack not in STACK_NAMES]
     if not names or len(set(names)) != len(names) or wrong:
         raise UnreadableRecords(f"{root / PLAN_FILE}: cells {names} are not distinct stack-policy cells "
                                 f"{'(' + ', '.join(wrong) + ')' if wrong else ''}; the file is damaged or edited")
@@ -106,7 +113,9 @@ class CellResult:
     def exit_code(self) -> int:
         if not self.ran:
             return exit_codes.OK
-        codes = [exit_codes.INCOMPLETE] if self.problems or self.summary is None else []
+        # A cell whose deterministic arm was the baseline's (the A/A calibration) holds no evidence for its switch.
+        no_evidence = self.problems or self.summary is None or self.summary.outcome == CALIBRATION
+        codes = [exit_codes.INCOMPLETE] if no_evidence else []
         return exit_codes.combined(codes + ([self.summary.exit_code] if self.summary else []))
 
     @property

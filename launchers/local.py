@@ -23,6 +23,7 @@ import shutil
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -52,7 +53,15 @@ PRELOADED = ["taxbench.launchers.local", "taxbench.launchers.worker"]
 
 
 def start_method() -> str:
-    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    """forkserver where a rank can watch the launcher through a pidfd (die_with_parent); spawn elsewhere (a kernel
+    before 5.3, a seccomp profile that refuses pidfd_open), where the launcher is the rank's parent."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except (AttributeError, OSError):
+        return "spawn"
+    return "forkserver"
 
 
 def die_with_parent(launcher_pid: int) -> None:
@@ -98,6 +107,18 @@ def _spawned(local_rank: int, launcher_pid: int, environment: dict[str, str], cw
     rank_main(local_rank, world, local_rank, cfg, root, addr, port)
 
 
+_launches = 0  # launches this process has started: the first counts from the command's start, later ones from their own
+
+
+def launch_started() -> float | None:
+    """When this launch started, for the cost split: the command's start for the first launch of the process (its
+    imports and config are the launch's startup), the moment of the launch for a later one (a multirun's next point,
+    verify's next rerun)."""
+    global _launches
+    _launches += 1
+    return process_start_unix() if _launches == 1 else time.time()
+
+
 def start_ranks(cfg: TaxbenchConfig, root: Path, rank_main: RankMain = run_rank) -> None:
     """Run `rank_main` in a process per rank of the world and wait for them; RankFailed (what happened, one line)
     when one dies or raises."""
@@ -107,14 +128,15 @@ def start_ranks(cfg: TaxbenchConfig, root: Path, rank_main: RankMain = run_rank)
     # torch logs a warning per surviving rank it terminates after a failure; RankFailed already says what happened.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     log.debug("starting %d rank processes (gloo/NCCL rendezvous at %s:%d)", world, addr, port)
-    started = process_start_unix()  # the command's start, for the cost split (spawned ranks inherit the environment)
-    if started is not None:
-        os.environ.setdefault(STARTED_ENV, repr(started))
+    environment = dict(os.environ)
+    started = launch_started()
+    if started is not None:  # the ranks' cost split counts from it (taxbench.schedule.cost.command_started_unix)
+        environment[STARTED_ENV] = repr(started)
     method = start_method()
     if method == "forkserver":
         multiprocessing.set_forkserver_preload(PRELOADED)  # read when the server starts: the first launch here
     try:
-        mp.start_processes(_spawned, args=(os.getpid(), dict(os.environ), os.getcwd(),
+        mp.start_processes(_spawned, args=(os.getpid(), environment, os.getcwd(),
                                            logging.getLogger(NAMESPACE).getEffectiveLevel(), world, cfg, str(root),
                                            addr, port, rank_main),
                            nprocs=world, join=True, start_method=method)

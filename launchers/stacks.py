@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import time
 import warnings
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 from rich.console import Console
 
-from taxbench.analysis.stacks_matrix import NEEDS_CUDA, NOT_INSTALLED, PLAN_FILE, Cell, StacksPlan
+from taxbench.analysis.stacks_matrix import NEEDS_CUDA, NOT_INSTALLED, PLAN_FILE, STACK_NAMES, Cell, StacksPlan
 from taxbench.config.schema import (
     ConfigError,
     Device,
@@ -36,7 +35,6 @@ from taxbench.config.schema import (
 from taxbench.launchers.local import RankFailed, start_ranks
 from taxbench.launchers.outcome import Launched
 from taxbench.preflight import prepare
-from taxbench.schedule.cost import STARTED_ENV
 from taxbench.stacks.deepspeed import require_deepspeed
 from taxbench.stacks.megatron import require_megatron
 from taxbench.stacks.registry import stack_for
@@ -49,7 +47,8 @@ RECIPES = {
     "moe": {"taxbench": "moe_tiny", "titan": "titan_moe_debug", "megatron": "megatron_moe_debug",
             "deepspeed": "deepspeed_moe_debug"},
 }
-STACKS = tuple(RECIPES["dense"])
+STACKS = STACK_NAMES
+assert all(tuple(recipes) == STACKS for recipes in RECIPES.values())
 # The model and batch every stack that builds its model from the recipe's fields runs (taxbench, DeepSpeed,
 # Megatron-Core), so that their rows are the same model size: dense_tiny's, and for moe a shape DeepSpeed's MoE layer
 # takes (no shared experts). torchtitan's model is its flavor's (its registry ignores these fields): its row says how
@@ -66,6 +65,9 @@ OWN_MODEL = ("titan",)  # stacks whose model is not built from the recipe's fiel
 POLICIES = ("stack_native", "deterministic")  # the deterministic arm's mode (conf/mode/), one cell each
 # The matrix sets these per cell; the command line may not.
 OWN_OVERRIDES = ("recipe", "mode@arms.deterministic")
+# A planted tax or the A/A calibration pair makes each cell's deterministic arm other than the policy it is labelled
+# with: the matrix would answer for no stack's switch.
+NOT_IN_A_MATRIX = ("experiment.calibration", "experiment.planted_tax")
 DEFAULT_STEPS = 8  # per run: a cheap matrix; set experiment.steps for a tax interval worth quoting
 # Unless the command line sets them: a short warmup, no periodic checkpoint (the restart replay's own is taken), the
 # two *-0 runs timed (two models in memory per rank, not four).
@@ -102,6 +104,10 @@ def check_overrides(overrides: list[str]) -> None:
         if key in OWN_OVERRIDES:
             raise ConfigError(f"{override}: taxbench stacks chooses each cell's recipe and deterministic arm itself; "
                               "drop it (family=dense|moe picks the recipes, stacks=[...] the stacks)")
+        if key in NOT_IN_A_MATRIX:
+            raise ConfigError(f"{override}: a stacks matrix answers for each stack's own switch and taxbench's "
+                              "policy; calibrate the instrument on one pair instead (python -m taxbench "
+                              "experiment.calibration=true ...)")
 
 
 def cell_overrides(overrides: list[str], given: set[str]) -> list[str]:
@@ -112,7 +118,7 @@ def cell_overrides(overrides: list[str], given: set[str]) -> list[str]:
         key, _, value = override.lstrip("+").partition("=")
         if key == "experiment.steps":
             steps = int(value) if value.isdigit() else steps  # a bad value is refused by the cell's own check
-    defaults = {"experiment.steps": str(steps), "experiment.resume_step": str(max(1, steps // 2)), **CELL_DEFAULTS}
+    defaults = {"experiment.steps": str(steps), **CELL_DEFAULTS}
     own = [o for o in overrides if o.lstrip("+").partition("=")[0] != "experiment.name"]
     return own + [f"{key}={value}" for key, value in defaults.items() if key not in given]
 
@@ -150,15 +156,19 @@ def plan_cell(stack: str, policy: str, family: str, overrides: list[str],
         cell.skipped, cell.reason = NEEDS_CUDA, ("Megatron-Core trains on CUDA only (its schedule, gradient buffers "
                                                  "and norms); on a GPU node: cluster.device=cuda cluster.gpus=N")
     require = _REQUIRE.get(kind)
-    try:
-        with warnings.catch_warnings():  # a stack's import-time notices (Megatron's Apex, deprecations): not the cell's
-            warnings.simplefilter("ignore")
+    with warnings.catch_warnings():  # a stack's import-time notices (Megatron's Apex, deprecations): not the cell's
+        warnings.simplefilter("ignore")
+        try:
             if require is not None:
                 require()
-            cell.parameters = parameter_count(typed.recipe)
-    except ConfigError as exc:  # the stack's extra is missing: its message holds the pip line
-        if cell.skipped is None:
-            cell.skipped, cell.reason = NOT_INSTALLED, str(exc)
+        except ConfigError as exc:  # the stack's extra is missing: its message holds the pip line
+            if cell.skipped is None:
+                cell.skipped, cell.reason = NOT_INSTALLED, str(exc)
+        else:
+            try:
+                cell.parameters = parameter_count(typed.recipe)
+            except ConfigError as exc:  # the recipe as the overrides leave it is refused by the stack: bad input
+                raise ConfigError(f"{stack} ({recipe}, mode@arms.deterministic={policy}): {exc}") from exc
     if cell.skipped is not None:
         return cell, None
     try:
@@ -197,7 +207,6 @@ def run_stacks(plan: StacksPlan, configs: dict[str, TaxbenchConfig], root: Path,
                       f"on {world_size(cfg.cluster)} ranks")
         folder = root / cell.name
         folder.mkdir()
-        os.environ[STARTED_ENV] = repr(time.time())  # each cell's cost split counts from its own launch
         started = time.perf_counter()
         try:
             start_ranks(cfg, folder)

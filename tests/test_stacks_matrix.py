@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import compose_raw, has_deepspeed, run_taxbench
+from helpers import compose_raw, compose_typed, has_deepspeed, run_taxbench
 
 from taxbench import exit_codes
 from taxbench.analysis.publish import publish
@@ -37,14 +37,15 @@ def test_the_stack_list_names_each_known_stack_once() -> None:
             parse_stack_list(bad)
 
 
-def test_a_cell_runs_few_steps_unless_told_and_its_restart_point_follows_the_steps() -> None:
-    assert cell_overrides([], set()) == [f"experiment.steps={DEFAULT_STEPS}",
-                                         f"experiment.resume_step={DEFAULT_STEPS // 2}", "experiment.warmup_steps=2",
+def test_a_cell_runs_few_steps_unless_told() -> None:
+    assert cell_overrides([], set()) == [f"experiment.steps={DEFAULT_STEPS}", "experiment.warmup_steps=2",
                                          "experiment.checkpoint_every_s=0", "experiment.interleave=pair"]
     given = ["experiment.steps=30", "experiment.interleave=all", "experiment.name=mine"]
     assert cell_overrides(given, {"experiment.steps", "experiment.interleave", "experiment.name"}) == [
-        "experiment.steps=30", "experiment.interleave=all", "experiment.resume_step=15", "experiment.warmup_steps=2",
+        "experiment.steps=30", "experiment.interleave=all", "experiment.warmup_steps=2",
         "experiment.checkpoint_every_s=0"]  # the matrix's experiment.name names its folder, not a cell
+    # the restart point follows the steps (the loader's default: half the gate runs' steps when they are few)
+    assert compose_typed(*cell_overrides([], set())).experiment.resume_step == DEFAULT_STEPS // 2
 
 
 @pytest.mark.parametrize(("args", "words"), [
@@ -54,6 +55,8 @@ def test_a_cell_runs_few_steps_unless_told_and_its_restart_point_follows_the_ste
     (["+recipe=moe_tiny"], "+recipe=moe_tiny: taxbench stacks chooses each cell's recipe and deterministic arm"),
     (["mode@arms.deterministic=baseline"], "taxbench stacks chooses each cell's recipe and deterministic arm"),
     (["cluster=slurm_cpu"], "taxbench stacks launches the cells on this machine; cluster=slurm_cpu"),
+    (["experiment.calibration=true"], "a stacks matrix answers for each stack's own switch"),
+    (["stacks=[deepspeed]", "recipe.parallel.tp=2"], "deepspeed (deepspeed_dense_debug, mode@arms.deterministic="),
     (["stacks=[taxbench]", "experiment.steps=6", "experiment.resume_step=9"],
      "taxbench (dense_tiny, mode@arms.deterministic=stack_native): "),  # a cell's own check, before any runs
 ])
