@@ -45,7 +45,7 @@ from taxbench.analysis.text import (
     weights_text,
     world_label,
 )
-from taxbench.analysis.verdicts import DIFFERS, IDENTICAL, INCOMPLETE, Verdict
+from taxbench.analysis.verdicts import IDENTICAL, INCOMPLETE, Verdict
 from taxbench.design import GATES, MEASURED
 from taxbench.rundir.records import TARGET
 
@@ -256,10 +256,7 @@ def render_layouts(summary: LayoutsSummary, console: Console | None = None, repo
 
 # -------------------------------------------------------------------------------------------------- a stacks matrix
 def _mark(verdict: Verdict | None, strict: bool) -> str:
-    if verdict is None:
-        return ""
-    return {IDENTICAL: "[green]✓[/green]", DIFFERS: "[red]✗[/red]" if strict else "[yellow]~[/yellow]"}.get(
-        verdict.outcome, "[red]?[/red]" if strict else "[yellow]?[/yellow]")
+    return "" if verdict is None else _gate_mark(verdict.outcome, strict)
 
 
 GATES_LEGEND = ("gates: repeatability, restart replay, baseline sanity (✓ identical, ✗ differs, ~ baseline runs "

@@ -7,7 +7,9 @@ Rank processes are forked from a fork server that has imported torch and the ran
 "forkserver" start method with those modules preloaded) instead of each rank importing them again after a spawn: on a
 CPU node the ranks' imports were the largest part of the startup. The server is a fresh process that never touched a
 device, so a rank may still initialise CUDA. A rank gets the launcher's environment and working directory as they
-are at the launch, not as they were when the server started.
+are at the launch, not as they were when the server started; what a library read from the environment when the server
+imported it (OMP_NUM_THREADS by OpenMP, TORCH_* at torch's import) is the first launch's (the worker sets torch's
+thread count itself).
 """
 
 from __future__ import annotations

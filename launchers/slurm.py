@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import submitit
-from submitit.core.utils import FailedJobError, UncompletedJobError
+from submitit.core.utils import FailedJobError, JobPaths, UncompletedJobError
 
-from taxbench.config.schema import ClusterConfig, ConfigError, Device, TaxbenchConfig, world_size
+from taxbench.config.schema import ClusterConfig, ConfigError, Device, ModelKind, TaxbenchConfig, world_size
 from taxbench.diagnostics import logger
 from taxbench.launchers.local import RankMain
 from taxbench.launchers.outcome import Launched, LaunchFailed, Queued
@@ -319,7 +319,10 @@ def dry_run_slurm(cfg: TaxbenchConfig, root: Path) -> Path:
     shape = job_shape(cfg.cluster)
     executor = make_executor(cfg, root, ScriptOnlyExecutor)
     assert isinstance(executor, ScriptOnlyExecutor)
-    if cfg.cluster.device is Device.cuda:
+    if cfg.cluster.device is Device.cuda and str(cfg.recipe.model.kind) == ModelKind.titan.value:
+        print("taxbench: no per-GPU plan for torchtitan's own model (the planner counts models of the recipe's "
+              "fields)", flush=True)
+    elif cfg.cluster.device is Device.cuda:
         plan = make_plan(cfg)
         print(render_plan(plan), flush=True)
         if not plan.valid:
@@ -365,28 +368,31 @@ def submit_batch(runs: list[tuple[TaxbenchConfig, Path]], rank_main: RankMain = 
         last = next((line for line in reversed(str(exc).splitlines()) if line.strip()), "no message")
         raise ConfigError(f"cluster=slurm: sbatch refused the job array: {last.strip()}") from exc
     folder = submitit_folder(first_cfg, first_root)
+    # One sbatch script for the whole array, in the array's own folder (a task's paths name <array>_<i>/ instead).
+    script = JobPaths(folder / "%j", job_id=jobs[0].job_id.partition("_")[0]).submission_file
+    script.parent.chmod(0o700)
+    script.chmod(0o600)
     for job, (_, root) in zip(jobs, runs, strict=True):
         make_job_files_private(job)
         root.mkdir(parents=True, exist_ok=True)
         (root / JOB_FILE).write_text(json.dumps({"job_id": job.job_id, "submitit_folder": str(folder)}, indent=2),
                                      encoding="utf-8")
-    for warning in secret_warnings(first_cfg.cluster, jobs[0].paths.submission_file):
+    for warning in secret_warnings(first_cfg.cluster, script):
         log.warning(warning)
     return jobs
 
 
-def launch_slurm_batch(runs: list[tuple[TaxbenchConfig, Path]], rank_main: RankMain = run_rank) -> None:
-    """Submit the experiments as one job array and wait for every task; SlurmJobFailed names the first that ended
-    without results (after all have ended)."""
+def launch_slurm_batch(runs: list[tuple[TaxbenchConfig, Path]], rank_main: RankMain = run_rank) -> dict[int, str]:
+    """Submit the experiments as one job array and wait for every task; the tasks that ended without results, by
+    index, each with its logs (the others' records are complete)."""
     jobs = submit_batch(runs, rank_main)
     array = jobs[0].job_id.partition("_")[0]
     print(f"taxbench: submitted Slurm job array {array} ({len(jobs)} tasks); logs in {jobs[0].paths.folder.parent}",
           flush=True)
-    failed: list[SlurmJobFailed] = []
-    for job, (_, root) in zip(jobs, runs, strict=True):
+    failed = {}
+    for index, (job, (_, root)) in enumerate(zip(jobs, runs, strict=True)):
         try:
             wait(job, root)
         except SlurmJobFailed as exc:
-            failed.append(exc)
-    if failed:
-        raise failed[0]
+            failed[index] = str(exc)
+    return failed

@@ -7,7 +7,7 @@
 # (estimated 6-10 minutes on one H200, close to a 10-minute device command: steps.txt keeps each finished step, so a
 # cut run can go on with GPU_STEPS naming the rest; none of these steps has run on a GPU yet).
 # GPU_CHECK_DRY=1 prints each step (name, limit, command) instead of running it, every stack taken as installed and
-# GPU_CHECK_GPUS (default 1) as the GPU count; it needs no GPU (tests/test_gpu.py runs it).
+# GPU_CHECK_GPUS (default 1) as the GPU count; it needs no GPU (tests/test_gpu_scripts.py runs it).
 # Offline machines: put wheels of the dependencies the machine lacks in .wheels/ (scripts/gpu_wheels.sh makes them).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -75,7 +75,7 @@ if [ "$GPUS" -ge 2 ]; then
     step nccl_policies 300 env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=ENV "$PY" -m taxbench -m cluster.device=cuda cluster.gpus=2 experiment.out_dir="$OUT/runs" \
         report.wandb=false +recipe=moe_tiny 'mode@arms.deterministic=deterministic,deterministic_tree' \
         experiment.name=nccl_policies_gpu
-    [ -n "$DRY" ] || grep -h "set by environment to" "$OUT/nccl_policies.log" | sed 's/.*NCCL INFO //' | sort | uniq -c
+    [ -n "$DRY" ] || [ ! -f "$OUT/nccl_policies.log" ] || grep -h "set by environment to" "$OUT/nccl_policies.log" | sed 's/.*NCCL INFO //' | sort | uniq -c
 else
     skip "fewer than 2 GPUs: nccl_policies not run (one rank runs no NCCL collective)"
 fi

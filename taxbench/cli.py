@@ -127,7 +127,7 @@ def run_experiment(raw: DictConfig) -> int | Queued:
     if raw.get("plan", False):
         return run_plan(raw)
     from taxbench.launchers.local import RankFailed
-    from taxbench.launchers.outcome import Launched, Queued, publish_launch
+    from taxbench.launchers.outcome import Launched, LaunchFailed, Queued, publish_launch
     from taxbench.preflight import prepare, stack_native_audits
     from taxbench.rundir.read import RecordError
 
@@ -140,11 +140,11 @@ def run_experiment(raw: DictConfig) -> int | Queued:
             try:
                 capture_launch()
                 outcome = launch(cfg, root)
-            except RankFailed as exc:
+                if isinstance(outcome, Queued):
+                    return outcome
+                code = publish_launch(outcome, group=root.parent.name if _is_multirun() else None)
+            except (RankFailed, LaunchFailed) as exc:  # a rank died, a Slurm job ended without results
                 fail(str(exc), exit_codes.FAILED)
-            if isinstance(outcome, Queued):
-                return outcome
-            code = publish_launch(outcome, group=root.parent.name if _is_multirun() else None)
             if isinstance(outcome, Launched):
                 print_audits(stack_native_audits(cfg))
             return code
@@ -659,7 +659,7 @@ def run_verify_command(argv: list[str]) -> int:
     """`taxbench verify`: rerun stored deterministic runs and compare them bitwise (taxbench.commands.verify)."""
     if any(arg in ("-h", "--help") for arg in argv):
         return _print_to_a_pipe(VERIFY_USAGE, exit_codes.OK)
-    sources = list(itertools.takewhile(lambda arg: "=" not in arg, argv))
+    sources = list(itertools.takewhile(lambda arg: "=" not in arg and not arg.startswith(("+", "~")), argv))
     if not sources:
         fail("taxbench verify needs a reference: an experiment folder (runs/<experiment>) or a certificate file "
              "(taxbench verify --help)")
@@ -673,6 +673,7 @@ def run_verify_command(argv: list[str]) -> int:
         settings_of,
     )
     from taxbench.launchers.local import RankFailed
+    from taxbench.launchers.outcome import LaunchFailed
     from taxbench.launchers.worker import run_rerun_rank
     from taxbench.rundir.read import RecordError
     from taxbench.rundir.records import RunWriteError
@@ -699,31 +700,38 @@ def run_verify_command(argv: list[str]) -> int:
         with ExitStack() as held:
             roots = [held.enter_context(claimed(cfg, experiment_root(cfg))) for cfg in cfgs]
             capture_launch()
-            try:
-                if len(cfgs) > 1 and cfgs[0].cluster.launcher is Launcher.slurm:
-                    _launch_slurm_batch(list(zip(cfgs, roots, strict=True)), run_rerun_rank)
-                else:
-                    for cfg, root in zip(cfgs, roots, strict=True):
+            runs = list(zip(cfgs, roots, strict=True))
+            if several and all(cfg.cluster.launcher is Launcher.slurm for cfg in cfgs):
+                failures = _launch_slurm_batch(runs, run_rerun_rank)
+            else:
+                failures = {}
+                for index, (cfg, root) in enumerate(runs):
+                    try:
                         launch(cfg, root, run_rerun_rank)
-            except RankFailed as exc:
-                fail(str(exc), exit_codes.FAILED)
-            results = [conclude(reference, root) for reference, root in zip(references, roots, strict=True)]
+                    except (RankFailed, LaunchFailed) as exc:
+                        if not several:
+                            fail(str(exc), exit_codes.FAILED)
+                        failures[index] = str(exc)  # the other references still get their verdicts
+            results = [conclude(reference, root) for index, (reference, root) in enumerate(zip(references, roots,
+                                                                                                   strict=True))
+                       if index not in failures]
         text = "\n\n".join(render(result) for result in results)
         if several:
-            text += "\n\n" + overview(results)
-        return _print_to_a_pipe(text, exit_codes.combined(result.exit_code for result in results))
+            text += "\n\n" + overview(results, [sources[index] for index in failures])
+        for message in failures.values():
+            print(f"taxbench: error: {message}", file=sys.stderr)
+        codes = [result.exit_code for result in results] + [exit_codes.FAILED] * len(failures)
+        return _print_to_a_pipe(text, exit_codes.combined(codes))
     return exit_codes.CONFIG_ERROR
 
 
-def _launch_slurm_batch(runs: list[tuple[TaxbenchConfig, Path]], rank_main: RankMain) -> None:
+def _launch_slurm_batch(runs: list[tuple[TaxbenchConfig, Path]], rank_main: RankMain) -> dict[int, str]:
+    """The reruns as one Slurm job array; the tasks that ended without results, by index, with their logs."""
     try:
-        from taxbench.launchers.slurm import SlurmJobFailed, launch_slurm_batch
+        from taxbench.launchers.slurm import launch_slurm_batch
     except ImportError as exc:
         fail(f"cluster=slurm needs submitit ({exc}); install it with: pip install 'taxbench[slurm]'")
-    try:
-        launch_slurm_batch(runs, rank_main)
-    except SlurmJobFailed as exc:
-        fail(str(exc), exit_codes.FAILED)
+    return launch_slurm_batch(runs, rank_main)
 
 
 def _print_to_a_pipe(text: str, code: int) -> int:

@@ -51,7 +51,8 @@ log = logger(__name__)
 
 def prepare(raw: DictConfig) -> TaxbenchConfig:
     """The one conversion of Hydra's config: resolved and typed once, then checked before anything launches. This
-    typed config is what every launcher hands its ranks (pickled by spawn, submitit or torchrun's control group)."""
+    typed config is what every launcher hands its ranks (pickled to the local ranks, submitit or torchrun's control
+    group)."""
     cfg = with_stack_native_arms(load_config(raw))
     if cfg.cluster.dry_run and cfg.cluster.launcher is not Launcher.slurm:
         raise ConfigError(f"cluster.dry_run=true writes a Slurm job script without submitting it, but "

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import compose_config, compose_raw, localize_planted_op, one_rank
+from helpers import compose_config, compose_raw, compose_typed, localize_planted_op, one_rank
 
 from taxbench.config import policy
 from taxbench.config.schema import ConfigError, Device
@@ -103,6 +103,17 @@ def test_where_the_job_config_and_the_recipe_disagree_the_pair_is_refused_in_one
     with pytest.raises(ConfigError) as info:
         prepare(compose_raw("+recipe=titan_llama3_pp", "cluster.cpu_ranks=2", *overrides))
     assert refusal in str(info.value) and "\n" not in str(info.value)
+
+
+@needs_titan
+def test_a_ddp_recipe_pairs_with_an_unsharded_job_also_at_dp_1() -> None:
+    """pp=2 on 2 ranks leaves dp=1: an unsharded job (shard degree 1, replicate degree 1) is the recipe's ddp."""
+    *flags, subcommand = (str(w) for w in compose_typed("+recipe=titan_llama3_pp").recipe.model.stack["job"])
+    job = [*flags, "--parallelism.data_parallel_shard_degree", "1", "--parallelism.data_parallel_replicate_degree", "1",
+           subcommand]  # tyro reads the flags before the activation_checkpoint subcommand
+    cfg = prepare(compose_raw("+recipe=titan_llama3_pp", "cluster.cpu_ranks=2", "recipe.parallel.data_parallel=ddp",
+                              f"recipe.model.stack.job=[{','.join(job)}]"))
+    assert str(cfg.recipe.parallel.data_parallel) == "ddp"
 
 
 @needs_titan

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import shutil
 import socket
+import stat
 from pathlib import Path
 
 import pytest
@@ -252,3 +253,9 @@ def test_verify_a_certificate_through_slurm(tmp_path: Path) -> None:
     jobs = [json.loads(path.read_text())["job_id"] for path in job_files]
     assert len(jobs) == 2 and {job.partition("_")[0] for job in jobs} == {jobs[0].partition("_")[0]}, jobs
     assert sorted(job.partition("_")[2] for job in jobs) == ["0", "1"]
+    array = jobs[0].partition("_")[0]
+    first = next(path.parent for path in job_files if path.parent.name.endswith("-1"))
+    script = first / ".submitit" / array / f"{array}_submission.sh"  # the array's one sbatch script, owner only
+    assert script.is_file() and stat.S_IMODE(script.stat().st_mode) == 0o600
+    attempt = json.loads((first / "deterministic-0" / "manifest.json").read_text())["attempts"][-1]
+    assert attempt["slurm_array_job"] == json.loads((first / slurm.JOB_FILE).read_text())["job_id"]

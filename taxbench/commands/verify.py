@@ -354,9 +354,10 @@ def render(result: VerifyResult) -> str:
     return "\n".join(lines)
 
 
-def overview(results: list[VerifyResult]) -> str:
-    """One line per reference of a verify of several: what was compared and the outcome."""
-    lines = [f"verified {len(results)} references:"]
+def overview(results: list[VerifyResult], failed: list[str]) -> str:
+    """One line per reference of a verify of several: what was compared and the outcome; `failed`: the references
+    whose rerun ended without results (no verdict)."""
+    lines = [f"verified {len(results) + len(failed)} references:"]
     for result in results:
         verdict = result.verdict
         if verdict.outcome == DIFFERS and verdict.first_mismatch is not None:
@@ -366,6 +367,7 @@ def overview(results: list[VerifyResult]) -> str:
             outcome = verdict.outcome
         lines.append(f"  {result.reference.source}: {outcome} ({result.compared_steps} steps compared; "
                      f"{result.rerun_dir.parent / SUMMARY_FILE})")
+    lines += [f"  {source}: the rerun failed (no verdict; the error below)" for source in failed]
     return "\n".join(lines)
 
 

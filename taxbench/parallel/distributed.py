@@ -28,11 +28,24 @@ class DistContext:
     ready_unix: float | None = None  # when the default process group was up (the startup's cost split)
 
     def group_for(self, policy: PolicyConfig) -> dist.ProcessGroup:
-        """A communicator created under this arm's NCCL_ALGO (NCCL reads it at communicator creation)."""
+        """A communicator created under this arm's NCCL_ALGO and NCCL_PROTO (NCCL reads them at communicator
+        creation) and with its pinned channel count in the communicator's own config (NCCL caches NCCL_MIN_NCHANNELS
+        and NCCL_MAX_NCHANNELS for the process at their first read, so the environment alone would let whichever arm
+        came first pin both)."""
         if policy.name not in self._arm_groups:
             with arm_environment(policy):
-                self._arm_groups[policy.name] = dist.new_group(list(range(self.world_size)), backend=self.backend)
+                self._arm_groups[policy.name] = dist.new_group(list(range(self.world_size)), backend=self.backend,
+                                                               pg_options=nccl_options(self.backend, policy))
         return self._arm_groups[policy.name]
+
+
+def nccl_options(backend: str, policy: PolicyConfig) -> Any:
+    """ProcessGroupNCCL options pinning the arm's channels (CTAs) per communicator; None: nothing to pin (or gloo)."""
+    if backend != "nccl" or policy.nccl_channels is None:
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    options.config.min_ctas = options.config.max_ctas = policy.nccl_channels
+    return options
 
 
 def free_port(host: str = "127.0.0.1") -> int:

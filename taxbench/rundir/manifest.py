@@ -82,6 +82,9 @@ def attempts(run_dir: Path, attempt_id: str, hostnames: list[str]) -> list[dict[
             "started_utc": datetime.now(UTC).isoformat(timespec="seconds"),
             "hostnames": hostnames,
             "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            # A task of a job array (verify of several references): <array job>_<task>, as slurm_job.json names it.
+            "slurm_array_job": (f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ.get('SLURM_ARRAY_TASK_ID', '')}"
+                                if os.environ.get("SLURM_ARRAY_JOB_ID") else None),
             "slurm_restart_count": os.environ.get("SLURM_RESTART_COUNT"),
         })
     return found

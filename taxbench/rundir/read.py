@@ -13,7 +13,7 @@ different frame. mtimes play no part: a copy (cp, rsync without -t) keeps its mi
 nothing outside that grid. `identity_problems` and `config_problems` check that the evidence is its run's: the
 manifest and every record name the folder they lie in, the manifest's config is the one its config_sha256 was taken
 of and the experiment's, its policy the config's for its arm. All findings make an experiment "incomplete"
-(taxbench.analysis.summary). They catch evidence moved or mixed up between runs and edits that forget a field, not a
+(taxbench.analysis.experiment). They catch evidence moved or mixed up between runs and edits that forget a field, not a
 careful forgery of every field (the config hash is a plain sha256 anyone can recompute).
 """
 

@@ -1,7 +1,7 @@
 """Where a reading command (`taxbench analyse`, `taxbench report`) may write: only inside the folder it was pointed
 at, and nothing at all in a folder a live launch holds.
 
-Analysis writes its results (summary.json, sweep.csv, report/, columnar mirrors) through taxbench.analysis.summary's
+Analysis writes its results (summary.json, sweep.csv, report/, columnar mirrors) through taxbench.analysis.results'
 write_result and the record reader; both ask `may_write` first. Outside a `reading` block (a launch analysing its own
 experiment) every write is allowed, as before.
 """

@@ -74,7 +74,7 @@ class TrainingStack(Protocol):
 
     def native_policy(self, recipe: RecipeConfig, name: str) -> PolicyConfig:
         """What the stack's own determinism switch sets, as policy fields: a stack-native arm runs this and nothing
-        else (ConfigError where the stack's switch is not wired as one)."""
+        else."""
         ...
 
 

@@ -294,7 +294,7 @@ def _refuse_job_disagreements(recipe: RecipeConfig, job: Any, world: int | None 
     par, tp, training = recipe.parallel, job.parallelism, job.training
     dp = max(ParallelShape.of(par, world).dp, 1) if world is not None else None
     ours_ddp = str(par.data_parallel) == DataParallel.ddp.value
-    theirs_ddp = tp.data_parallel_shard_degree == 1 and tp.data_parallel_replicate_degree != 1
+    theirs_ddp = tp.data_parallel_shard_degree == 1  # no sharding: replicated, also at a replicate degree of 1 (dp=1)
     # (taxbench's name and value, torchtitan's flag and value, taxbench's value as the job's flag says it)
     same: list[tuple[str, Any, str, Any, Any]] = [
         ("recipe.parallel.pp", par.pp, "--parallelism.pipeline_parallel_degree", tp.pipeline_parallel_degree, par.pp),

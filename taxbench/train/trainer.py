@@ -1,6 +1,7 @@
 """One training run of one arm on one rank, the step loop: timed steps, their records, checkpoint/resume.
 
-It gets a RunSpec; its model share comes from taxbench.stacks.native, its records from taxbench.train.recorder.
+It gets a RunSpec; its model share comes from the recipe's stack (taxbench.stacks.registry.stack_for), its records
+from taxbench.train.recorder.
 Under experiment.interleave=policy one trainer serves every timed arm: each arm is a Lane (its policy, records and
 planted delay) of the one model, and each block runs under the lane it names.
 
