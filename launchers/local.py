@@ -47,7 +47,12 @@ _PLAIN_HYDRA_VALUE = re.compile(r"[\w.\-]+")
 
 
 class RankFailed(RuntimeError):
-    """A rank process died or raised; the message names the rank and the command that continues the experiment."""
+    """A rank process died or raised; the message names the rank and the command that continues the experiment
+    (`what`: the failure alone, for a caller that words its own way to continue)."""
+
+    def __init__(self, message: str, what: str | None = None) -> None:
+        super().__init__(message)
+        self.what = what or message
 
 
 # Imported once by the fork server, so that a rank starts with them (its main and what it needs) already loaded.
@@ -155,7 +160,7 @@ def launch_local(cfg: TaxbenchConfig, root: Path, rank_main: RankMain = run_rank
 
 def rank_failed(what: str, name: str) -> RankFailed:
     """RankFailed saying `what` happened and how to continue experiment `name` started by this process."""
-    return RankFailed(f"{what}; continue the experiment with: {shlex.join(continue_command(sys.argv, name))}")
+    return RankFailed(f"{what}; continue the experiment with: {shlex.join(continue_command(sys.argv, name))}", what)
 
 
 def rank_failure(exc: mp.ProcessExitedException | mp.ProcessRaisedException) -> str:

@@ -24,6 +24,7 @@ import difflib
 import itertools
 import os
 import re
+import shlex
 import shutil
 import sys
 import textwrap
@@ -672,7 +673,7 @@ def run_verify_command(argv: list[str]) -> int:
         render,
         settings_of,
     )
-    from taxbench.launchers.local import RankFailed
+    from taxbench.launchers.local import RankFailed, continue_command
     from taxbench.launchers.outcome import LaunchFailed
     from taxbench.launchers.worker import run_rerun_rank
     from taxbench.rundir.read import RecordError
@@ -711,7 +712,10 @@ def run_verify_command(argv: list[str]) -> int:
                     except (RankFailed, LaunchFailed) as exc:
                         if not several:
                             fail(str(exc), exit_codes.FAILED)
-                        failures[index] = str(exc)  # the other references still get their verdicts
+                        # The other references still get their verdicts; this one continues on its own.
+                        what = exc.what if isinstance(exc, RankFailed) else str(exc)
+                        alone = continue_command([sys.argv[0], "verify", sources[index], *rest], cfg.experiment.name)
+                        failures[index] = f"{what}; continue this rerun with: {shlex.join(alone)}"
             results = [conclude(reference, root) for index, (reference, root) in enumerate(zip(references, roots,
                                                                                                    strict=True))
                        if index not in failures]
