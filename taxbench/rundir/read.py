@@ -35,7 +35,7 @@ import pyarrow as pa
 from taxbench import exit_codes
 from taxbench.config.pairing import differences, experiment_differences
 from taxbench.config.schema import load_config
-from taxbench.design import knob_of, knob_plans, knob_policies
+from taxbench.design import knob_of, knob_policies, plan_ablation
 from taxbench.redaction import redact
 from taxbench.rundir.evidence import experiment_of, read_regular
 from taxbench.rundir.provenance import config_hash
@@ -421,7 +421,8 @@ def arm_policy(config: dict[str, Any], arm: Any) -> dict[str, Any] | None:
         return None
     if arm in arms:
         return arms[arm]
-    policies = knob_policies(knob_plans(load_config(config)))
+    typed = load_config(config)  # a knob arm's policy, whether or not the config still asks for the ablation
+    policies = knob_policies(plan_ablation(typed.arms, typed.cluster.device))
     return dataclasses.asdict(policies[arm]) if arm in policies else None
 
 
