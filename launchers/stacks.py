@@ -113,12 +113,7 @@ def check_overrides(overrides: list[str]) -> None:
 def cell_overrides(overrides: list[str], given: set[str]) -> list[str]:
     """The command line's overrides with the cell defaults it does not set (the matrix's experiment.name is the
     folder's, not a cell's)."""
-    steps = DEFAULT_STEPS
-    for override in overrides:
-        key, _, value = override.lstrip("+").partition("=")
-        if key == "experiment.steps":
-            steps = int(value) if value.isdigit() else steps  # a bad value is refused by the cell's own check
-    defaults = {"experiment.steps": str(steps), **CELL_DEFAULTS}
+    defaults = {"experiment.steps": str(DEFAULT_STEPS), **CELL_DEFAULTS}
     own = [o for o in overrides if o.lstrip("+").partition("=")[0] != "experiment.name"]
     return own + [f"{key}={value}" for key, value in defaults.items() if key not in given]
 
