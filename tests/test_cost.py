@@ -7,13 +7,16 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import Crash, compose_config, crash_after, fingerprints, run_schedule, step_records, tiny_config
 
 from analysis.summary import analyse
 from analysis.wandb_log import summary_values
 from taxbench.analysis.cost import STARTUP_PARTS
 from taxbench.config.schema import ConfigError
-from taxbench.design import ALL_RUNS, INTERLEAVED
+from taxbench.design import ALL_RUNS, INTERLEAVED, RESUMED
+from taxbench.parallel.distributed import DistContext
+from taxbench.schedule.checkpoint_clock import UNTIMED_STRETCH_BLOCKS, CheckpointClock
 from taxbench.rundir.records import STOP_FILE, steps_file
 
 TIMED_PAIR = {ref.name for ref in INTERLEAVED["pair"]}
@@ -72,6 +75,23 @@ def test_without_checkpoints_the_resumed_run_still_restarts_at_resume_step(tmp_p
     assert json.loads((tmp_path / STOP_FILE).read_text())["commits"] == []
     summary = analyse(tmp_path)
     assert summary.exit_code == 0 and {v.gate: v.compared_steps for v in summary.verdicts}["restart_replay"] == 6
+
+
+def test_untimed_runs_go_in_stretches_that_end_where_a_commit_or_their_end_falls(tmp_path: Path) -> None:
+    ctx = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    by_steps = CheckpointClock(tiny_config("experiment.checkpoint_every_steps=7").experiment, ctx)
+    stretch = UNTIMED_STRETCH_BLOCKS * 2
+    assert by_steps.next_decision(0, 2, 1000) == 8  # the block holding step 7 ends at 8
+    assert by_steps.next_decision(8, 2, 1000) == 14
+    assert by_steps.next_decision(14, 2, 1000) == min(22, stretch) and by_steps.next_decision(stretch, 2, 1000) == 22
+    by_time = CheckpointClock(tiny_config("experiment.checkpoint_every_steps=0").experiment, ctx)
+    assert by_time.next_decision(0, 2, 1000) == stretch and by_time.next_decision(3, 2, 1000) == stretch
+    assert by_time.next_decision(stretch, 2, stretch + 5) == stretch + 5  # the run's end, or resume_step
+    # Run in stretches, the gate-only run's records still name each step's block, as block by block.
+    run_schedule(tiny_config("experiment.block_steps=3", "experiment.steps=12", "experiment.resume_step=6",
+                             "experiment.checkpoint_every_steps=0", "experiment.checkpoint_every_s=0"), tmp_path)
+    records = step_records(tmp_path / RESUMED.name)
+    assert [(r["step"], r["block"]) for r in records] == [(s, (s - 1) // 3) for s in range(1, 13)]
 
 
 @pytest.mark.parametrize(("override", "expected"), [

@@ -188,7 +188,9 @@ def test_dtype_numel_and_shape_are_part_of_the_digest() -> None:
 def test_combine_is_order_sensitive_and_agrees_across_host_and_tensor_paths() -> None:
     a, b = fingerprint.tensor_digest(torch.ones(3)), fingerprint.tensor_digest(torch.zeros(3))
     assert int(fingerprint.combine([a, b])) != int(fingerprint.combine([b, a]))
-    tensors = [torch.ones(3), torch.arange(5000.0), torch.zeros(2, 2)]
+    # one host call digests them all: views (a transposed copy, an unaligned slice) ride in the batch too
+    tensors = [torch.ones(3), torch.arange(5000.0), torch.zeros(2, 2), torch.arange(5000.0).view(50, 100).t(),
+               torch.arange(100, dtype=torch.uint8)[3:50]]
     host = fingerprint.tensors_digest(tensors, kernel="c")
     eager = fingerprint.tensors_digest(tensors, kernel="torch")
     assert host is not None and eager is not None and int(host) == int(eager)

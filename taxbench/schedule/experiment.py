@@ -240,8 +240,8 @@ class Experiment:
         checkpoints = self._checkpoints(ref)
         clock = CheckpointClock(exp, self.ctx)
         while trainer.step < until:
-            n = min(exp.block_steps - trainer.step % exp.block_steps, until - trainer.step)
-            trainer.run_block(n, trainer.step // exp.block_steps, self.progress.advance)
+            n = clock.next_decision(trainer.step, exp.block_steps, until) - trainer.step
+            trainer.run_untimed(n, exp.block_steps, self.progress.advance)
             if clock.due(trainer.step, n, last, clock.agreed_elapsed_s()):
                 with self._checkpointing:
                     commit(trainer.step, [(checkpoints, trainer)])

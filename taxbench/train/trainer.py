@@ -192,6 +192,15 @@ class Trainer:
         """Run `steps` steps as block `block` of the lane named `lane` (default: the current one)."""
         if lane is not None:
             self.lane = self.lanes[lane]
+        self._run_steps(steps, lambda: block, on_step)
+
+    def run_untimed(self, steps: int, block_steps: int, on_step: Callable[[], None] | None = None) -> None:
+        """Run `steps` steps of an untimed run in one stretch (one activation and one barrier, not one per block):
+        each step's record names the block of `block_steps` steps it falls in, as if run block by block."""
+        self._run_steps(steps, lambda: self.lane.step // block_steps, on_step)
+
+    def _run_steps(self, steps: int, block_of_next_step: Callable[[], int],
+                   on_step: Callable[[], None] | None) -> None:
         self.recorder.take_times()  # forget steps written outside a block (none but after a checkpoint save)
         with self.activated(), collected_between_blocks(self.manual_gc):
             if self.lane.planted is not None:  # every rank plants the same delay in this block's steps
@@ -204,14 +213,13 @@ class Trainer:
             window_start = time.perf_counter()
             for _ in range(steps):
                 with self.step_scope():
-                    self._train_step(block)
+                    self._train_step(block_of_next_step())
                 if on_step is not None:
                     on_step()
             synchronize(self.ctx.device)
             window = time.perf_counter() - window_start
             self.recorder.flush(window / steps)
             self.block_times = self.recorder.take_times()
-            self.recorder.sync()
 
     def step_scope(self) -> AbstractContextManager[None]:
         """Around the next step: its injected fault and its tracing capture, where the run has them."""
