@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import multiprocessing
 import os
 import re
 import select
@@ -34,6 +33,7 @@ import torch.multiprocessing as mp
 from taxbench.checkpoint.store import CheckpointError
 from taxbench.config.schema import TaxbenchConfig, world_size
 from taxbench.diagnostics import NAMESPACE, logger
+from taxbench.launchers.rank_server import start_rank_server
 from taxbench.launchers.worker import run_rank
 from taxbench.parallel.distributed import free_port
 from taxbench.rundir.records import RunWriteError
@@ -53,22 +53,6 @@ class RankFailed(RuntimeError):
     def __init__(self, message: str, what: str | None = None) -> None:
         super().__init__(message)
         self.what = what or message
-
-
-# Imported once by the fork server, so that a rank starts with them (its main and what it needs) already loaded.
-PRELOADED = ["taxbench.launchers.local", "taxbench.launchers.worker"]
-
-
-def start_method() -> str:
-    """forkserver where a rank can watch the launcher through a pidfd (die_with_parent); spawn elsewhere (a kernel
-    before 5.3, a seccomp profile that refuses pidfd_open), where the launcher is the rank's parent."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return "spawn"
-    try:
-        os.close(os.pidfd_open(os.getpid()))
-    except (AttributeError, OSError):
-        return "spawn"
-    return "forkserver"
 
 
 def die_with_parent(launcher_pid: int) -> None:
@@ -139,9 +123,7 @@ def start_ranks(cfg: TaxbenchConfig, root: Path, rank_main: RankMain = run_rank)
     started = launch_started()
     if started is not None:  # the ranks' cost split counts from it (taxbench.schedule.cost.command_started_unix)
         environment[STARTED_ENV] = repr(started)
-    method = start_method()
-    if method == "forkserver":
-        multiprocessing.set_forkserver_preload(PRELOADED)  # read when the server starts: the first launch here
+    method = start_rank_server()  # usually running already: the command line starts it before its own imports
     try:
         mp.start_processes(_spawned, args=(os.getpid(), environment, os.getcwd(),
                                            logging.getLogger(NAMESPACE).getEffectiveLevel(), world, cfg, str(root),

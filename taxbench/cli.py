@@ -127,6 +127,9 @@ def run_experiment(raw: DictConfig) -> int | Queued:
     multirun's end publishes it, taxbench.launchers.multirun)."""
     if raw.get("plan", False):
         return run_plan(raw)
+    if raw.cluster.launcher == Launcher.local:  # its imports overlap this process's from here on
+        from taxbench.launchers.rank_server import start_rank_server
+        start_rank_server()
     from taxbench.launchers.local import RankFailed
     from taxbench.launchers.outcome import Launched, LaunchFailed, Queued, publish_launch
     from taxbench.preflight import prepare, stack_native_audits
