@@ -17,7 +17,9 @@ import os
 import signal
 
 # Imported once by the fork server, so that a rank starts with them (its main and what it needs) already loaded.
-PRELOADED = ["taxbench.launchers.local", "taxbench.launchers.worker"]
+# torch.use_deterministic_algorithms, which every rank calls as it builds its first run, imports torch._inductor.config
+# and with it torch._dynamo: 1.1 s a rank on this 2-core machine, as long as the rest of a rank's imports.
+PRELOADED = ["taxbench.launchers.local", "taxbench.launchers.worker", "torch._inductor.config"]
 
 
 def start_method() -> str:

@@ -21,13 +21,16 @@ STARTED_ENV = "TAXBENCH_STARTED_UNIX"  # the command's start (a launcher sets it
 
 
 def process_start_unix(pid: int | str = "self") -> float | None:
-    """When process `pid` started (Unix time), from /proc; None where there is no /proc."""
+    """When process `pid` started (Unix time), from /proc; None where there is no /proc.
+
+    /proc gives the start in clock ticks since boot; its age is taken against the boot-time clock now, not added to
+    /proc/stat's btime, which is whole seconds (and drifts from the wall clock): that put up to a second into the
+    startup's parts."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime "))
-        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        return time.time() - age
+    except (OSError, ValueError, IndexError, AttributeError):  # AttributeError: no CLOCK_BOOTTIME (not Linux)
         return None
 
 
