@@ -187,7 +187,15 @@ def _hydra_value(value: str) -> str:
 
 def launch_inprocess(cfg: TaxbenchConfig, root: Path, rank_main: RankMain = run_rank) -> None:
     addr = cfg.cluster.master_addr
+    started, before = launch_started(), os.environ.get(STARTED_ENV)
+    if started is not None:  # the rank's cost split counts from this launch (a multirun's next point: not the first)
+        os.environ[STARTED_ENV] = repr(started)
     try:
         rank_main(0, 1, 0, cfg, str(root), addr, cfg.cluster.master_port or free_port(addr))
     except (RunWriteError, CheckpointError) as exc:  # one-line errors of the run itself, as from a spawned rank
         raise rank_failed(f"rank 0 failed: {exc}", cfg.experiment.name) from None
+    finally:
+        if before is None:
+            os.environ.pop(STARTED_ENV, None)
+        else:
+            os.environ[STARTED_ENV] = before

@@ -4,6 +4,8 @@ no less), and checkpoints are taken by time, recorded where the tax can leave ou
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -15,9 +17,11 @@ from analysis.wandb_log import summary_values
 from taxbench.analysis.cost import STARTUP_PARTS
 from taxbench.config.schema import ConfigError
 from taxbench.design import ALL_RUNS, INTERLEAVED, RESUMED
+from taxbench.launchers.local import launch_inprocess
 from taxbench.parallel.distributed import DistContext
-from taxbench.schedule.checkpoint_clock import UNTIMED_STRETCH_BLOCKS, CheckpointClock
 from taxbench.rundir.records import STOP_FILE, steps_file
+from taxbench.schedule.checkpoint_clock import UNTIMED_STRETCH_BLOCKS, CheckpointClock
+from taxbench.schedule.cost import STARTED_ENV
 
 TIMED_PAIR = {ref.name for ref in INTERLEAVED["pair"]}
 
@@ -50,6 +54,16 @@ def test_gate_only_runs_take_gate_steps_and_analysis_holds_them_to_it(tmp_path: 
     records.write_text("".join(records.read_text().splitlines(keepends=True)[:-1]))
     summary = analyse(tmp_path)
     assert summary.exit_code == 4 and any("deterministic-1" in line for line in summary.problems), summary.problems
+
+
+def test_a_later_in_process_launch_counts_its_startup_from_its_own_start(tmp_path: Path) -> None:
+    cfg = tiny_config("experiment.steps=3", "experiment.resume_step=1", "experiment.checkpoint_every_steps=0")
+    launch_inprocess(cfg, tmp_path / "first")  # this process's first launch counts from the process's start
+    before = time.time()
+    launch_inprocess(cfg, tmp_path / "second")
+    cost = json.loads((tmp_path / "second" / "cost.json").read_text())
+    assert before <= cost["started_unix"] <= cost["rank_started_unix"] <= cost["process_group_unix"]
+    assert STARTED_ENV not in os.environ  # the launch's start does not outlive it
 
 
 def test_checkpoints_by_time_are_recorded_and_a_continue_keeps_them(tmp_path: Path) -> None:

@@ -74,7 +74,10 @@ class Experiment:
         self.attempt_id = uuid.uuid4().hex[:12]  # this start of the schedule (rank 0 names it in the manifests)
         self._throughput: dict | None = None  # counted once, on rank 0 (see taxbench.train.flops)
         self.design = design_of(cfg)
-        self.cost = ScheduleCost(started_unix=command_started_unix(), rank_started_unix=process_start_unix(),
+        started, rank_started = command_started_unix(), process_start_unix()
+        if started is not None and rank_started is not None:  # an in-process rank starts with its launch
+            rank_started = max(started, rank_started)
+        self.cost = ScheduleCost(started_unix=started, rank_started_unix=rank_started,
                                  process_group_unix=ctx.ready_unix)
         self._checkpointing = Stopwatch()  # time in commits
 
