@@ -20,9 +20,51 @@ import pandas as pd
 import pyarrow as pa
 
 _DIGITS = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
-_NIBBLE = np.full(256, 255, dtype=np.uint8)  # ASCII -> the digit's value; 255: no lowercase hex digit
-_NIBBLE[_DIGITS] = np.arange(16, dtype=np.uint8)
+# Two ASCII characters, read as one little-endian uint16 -> the byte their hex spells; 256: not two lowercase digits
+_PAIR = np.full(1 << 16, 256, dtype=np.uint16)
+_PAIR[(_DIGITS[:, None].astype(np.uint16) | _DIGITS[None, :].astype(np.uint16) << 8).ravel()] = np.arange(256)
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}  # bytes -> dtype (a hex digit is 4 bits)
+
+
+def pack(array: pa.Array) -> pa.Array:
+    """`array` of hex strings as unsigned integers (memory of their own) when that is lossless (see the module's
+    docstring), else `array` itself."""
+    if not len(array) or array.null_count or not (pa.types.is_string(array.type)
+                                                  or pa.types.is_large_string(array.type)):
+        return array
+    _, offsets_buffer, data_buffer = array.buffers()
+    offsets = np.frombuffer(offsets_buffer, dtype=np.int64 if pa.types.is_large_string(array.type) else np.int32)
+    offsets = offsets[array.offset: array.offset + len(array) + 1]
+    width = int(offsets[1] - offsets[0])
+    if width % 2 or width // 2 not in _UNSIGNED or not (np.diff(offsets) == width).all():
+        return array
+    text = np.frombuffer(data_buffer, dtype=np.uint8)[int(offsets[0]): int(offsets[-1])]
+    pairs = _PAIR[text.view("<u2")]  # one lookup per two digits: the bytes, most significant first
+    if (pairs > 255).any():
+        return array
+    dtype = np.dtype(_UNSIGNED[width // 2])
+    return pa.array(pairs.astype(np.uint8).view(dtype.newbyteorder(">")).astype(dtype))
+
+
+def unpack(array: pa.Array) -> pa.Array:
+    """A packed array as the large strings the records hold (any other array as it is)."""
+    if not pa.types.is_unsigned_integer(array.type):
+        return array
+    values = array.to_numpy()
+    width = values.dtype.itemsize * 2
+    big_endian = values.astype(values.dtype.newbyteorder(">")).view(np.uint8).reshape(len(values), -1)
+    nibbles = np.empty((len(values), width), dtype=np.uint8)
+    nibbles[:, 0::2], nibbles[:, 1::2] = big_endian >> 4, big_endian & 15
+    offsets = np.arange(len(values) + 1, dtype=np.int64) * width
+    return pa.LargeStringArray.from_buffers(len(values), pa.py_buffer(offsets), pa.py_buffer(_DIGITS[nibbles]))
+
+
+def pack_column(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    """A column packed chunk by chunk where every chunk packs alike (else the column as it is)."""
+    chunks = [pack(chunk) for chunk in column.chunks if len(chunk)]
+    if not chunks or len({chunk.type for chunk in chunks}) != 1 or not pa.types.is_unsigned_integer(chunks[0].type):
+        return column
+    return pa.chunked_array(chunks)
 
 
 def is_packed(column: pd.Series) -> bool:
@@ -30,54 +72,29 @@ def is_packed(column: pd.Series) -> bool:
 
 
 def packed(column: pd.Series) -> pd.Series:
-    """`column` as unsigned integers when that is lossless (see the module's docstring), else `column` itself."""
+    """A pandas column of hex strings, packed where that is lossless (else `column` itself)."""
     if column.empty or not (column.dtype == object or isinstance(column.dtype, pd.StringDtype)):
         return column
     try:
         strings = pa.array(column.array, from_pandas=True)  # arrow-backed strings: their own buffers, no copy
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError):
         return column
-    if strings.null_count or not (pa.types.is_string(strings.type) or pa.types.is_large_string(strings.type)):
+    held = pack_column(strings if isinstance(strings, pa.ChunkedArray) else pa.chunked_array([strings]))
+    if not pa.types.is_unsigned_integer(held.type):
         return column
-    chunks = strings.chunks if isinstance(strings, pa.ChunkedArray) else [strings]
-    values = [_packed_chunk(chunk) for chunk in chunks if len(chunk)]
-    if any(v is None for v in values) or len({v.dtype for v in values}) != 1:  # type: ignore[union-attr]
-        return column
-    return pd.Series(np.concatenate(values) if len(values) > 1 else values[0], index=column.index, name=column.name)
-
-
-def _packed_chunk(chunk: pa.Array) -> np.ndarray | None:
-    offset_type = np.int64 if pa.types.is_large_string(chunk.type) else np.int32
-    _, offsets_buffer, data_buffer = chunk.buffers()
-    offsets = np.frombuffer(offsets_buffer, dtype=offset_type)[chunk.offset: chunk.offset + len(chunk) + 1]
-    width = int(offsets[1] - offsets[0])
-    if width // 2 not in _UNSIGNED or width % 2 or not (np.diff(offsets) == width).all():
-        return None
-    text = np.frombuffer(data_buffer, dtype=np.uint8)[int(offsets[0]): int(offsets[-1])].reshape(len(chunk), width)
-    nibbles = _NIBBLE[text]
-    if (nibbles == 255).any():
-        return None
-    big_endian = (nibbles[:, 0::2] << 4) | nibbles[:, 1::2]  # two digits a byte, most significant first
-    dtype = _UNSIGNED[width // 2]
-    return np.ascontiguousarray(big_endian).view(np.dtype(dtype).newbyteorder(">")).ravel().astype(dtype)
-
-
-def hex_text(value: object, dtype: np.dtype) -> str:
-    """One value of a column as the records spell it (a packed one as zero-padded lowercase hex)."""
-    return f"{int(value):0{dtype.itemsize * 2}x}" if dtype.kind == "u" else str(value)  # type: ignore[call-overload]
+    return pd.Series(held.to_numpy(), index=column.index, name=column.name)
 
 
 def unpacked(column: pd.Series) -> pd.Series:
     """`column` as the strings the records hold (a column that is no packed one is returned as it is)."""
     if not is_packed(column):
         return column
-    width = column.dtype.itemsize * 2
-    big_endian = column.to_numpy().astype(column.dtype.newbyteorder(">")).view(np.uint8).reshape(len(column), -1)
-    nibbles = np.empty((len(column), width), dtype=np.uint8)
-    nibbles[:, 0::2], nibbles[:, 1::2] = big_endian >> 4, big_endian & 15
-    offsets = np.arange(len(column) + 1, dtype=np.int64) * width
-    strings = pa.LargeStringArray.from_buffers(len(column), pa.py_buffer(offsets), pa.py_buffer(_DIGITS[nibbles]))
-    return strings.to_pandas().set_axis(column.index).rename(column.name)
+    return unpack(pa.array(column.to_numpy())).to_pandas().set_axis(column.index).rename(column.name)
+
+
+def hex_text(value: object, dtype: np.dtype) -> str:
+    """One value of a column as the records spell it (a packed one as zero-padded lowercase hex)."""
+    return f"{int(value):0{dtype.itemsize * 2}x}" if dtype.kind == "u" else str(value)  # type: ignore[call-overload]
 
 
 def alike(reference: pd.Series, candidate: pd.Series) -> bool:
