@@ -3,20 +3,23 @@ decide the same whichever way a run's fingerprints are held."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.ipc as ipc
 import pytest
 
 from taxbench.analysis.experiment import compute_experiment
 from taxbench.analysis.synthetic import Injection, SyntheticExperiment, write_experiment
 from taxbench.analysis.verdicts import compare_runs
 from taxbench.design import GATES
+from taxbench.rundir import step_stream
 from taxbench.rundir.hex_columns import hex_text, packed, unpacked
 from taxbench.rundir.read import load_run
-from taxbench.rundir.records import METRICS
+from taxbench.rundir.records import METRICS, steps_file
 
 
 def _as_loaded(values: list[str | None]) -> pd.Series:
@@ -115,3 +118,31 @@ def test_an_experiment_is_analysed_on_packed_fingerprints_with_the_verdicts_of_i
         assert verdict.to_dict() == as_recorded.to_dict()
     first = analysis.summary.verdicts[0].first_mismatch
     assert first is not None and (first.step, first.rank, first.metric, first.actual) == (11, 2, "grads", "f" * 16)
+
+
+@pytest.mark.parametrize("odd_record", [False, True])
+def test_fields_of_a_run_read_batch_by_batch_are_the_records_values(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     odd_record: bool) -> None:
+    """The run mirror is read batch by batch, each cut to the fields asked for; where one batch cannot pack (an
+    uppercase digest in one record) the batches do not concatenate and the whole run is read and packed at once:
+    that column then stays text, and every value is the record's either way."""
+    monkeypatch.setattr(step_stream, "RUN_BATCH_ROWS", 5)
+    root = write_experiment(tmp_path / "exp", SyntheticExperiment(ranks=2, steps=12, block_steps=4, warmup_steps=4,
+                                                                  resume_step=4))
+    run = root / "deterministic-1"
+    if odd_record:
+        stream = steps_file(run, 1)
+        lines = stream.read_text().splitlines(keepends=True)
+        record = json.loads(lines[8])
+        lines[8] = json.dumps(record | {"params": record["params"].upper()}) + "\n"
+        stream.write_text("".join(lines))
+    truth = load_run(run, use_mirrors=False)  # the JSONL's records, parsed
+    load_run(run)  # leaves the run mirror
+    with pa.OSFile(str(step_stream.run_mirror_file(run))) as source:
+        assert sum(1 for _ in ipc.open_stream(source)) == 5  # 24 records in batches of 5
+    fields = ("step", "rank", "time_s", *METRICS)
+    kept = load_run(run, fields=fields)
+    assert list(kept.columns) == [name for name in truth.columns if name in fields]
+    assert (kept["params"].dtype == np.uint64) != odd_record
+    for name in fields:
+        assert unpacked(kept[name]).tolist() == truth[name].tolist(), name
