@@ -302,7 +302,7 @@ TIMED_FIELDS = (*GATE_FIELDS, "block", "time_s", "data_s", "tokens", "mem_peak_b
 
 def analysed_fields(name: str, timed_names: Collection[str]) -> tuple[str, ...]:
     """What the analysis keeps of run `name`. With fingerprints packed (taxbench.rundir.hex_columns) the frame of
-    1,000 ranks x 1,000 steps then holds 115 MB (80 MB for a gate-only run) instead of the records' 290 MB, and the
+    1,000 ranks x 1,000 steps then holds 120 MB (80 MB for a gate-only run) instead of the records' 290 MB, and the
     five runs of an experiment fit in a GiB."""
     return TIMED_FIELDS if name in timed_names or name in {ref.name for ref in TIMED.values()} else GATE_FIELDS
 
