@@ -71,20 +71,6 @@ def is_packed(column: pd.Series) -> bool:
     return column.dtype.kind == "u"
 
 
-def packed(column: pd.Series) -> pd.Series:
-    """A pandas column of hex strings, packed where that is lossless (else `column` itself)."""
-    if column.empty or not (column.dtype == object or isinstance(column.dtype, pd.StringDtype)):
-        return column
-    try:
-        strings = pa.array(column.array, from_pandas=True)  # arrow-backed strings: their own buffers, no copy
-    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError):
-        return column
-    held = pack_column(strings if isinstance(strings, pa.ChunkedArray) else pa.chunked_array([strings]))
-    if not pa.types.is_unsigned_integer(held.type):
-        return column
-    return pd.Series(held.to_numpy(), index=column.index, name=column.name)
-
-
 def unpacked(column: pd.Series) -> pd.Series:
     """`column` as the strings the records hold (a column that is no packed one is returned as it is)."""
     if not is_packed(column):
