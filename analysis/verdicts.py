@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 import pandas as pd
 
+from taxbench.rundir.hex_columns import alike, hex_text, unpacked
 from taxbench.rundir.records import METRICS
 
 
@@ -61,11 +62,14 @@ def compare_runs(
     that differs there is still a real mismatch; otherwise the outcome is "incomplete".
     """
     columns = ["step", "rank", *METRICS]
-    ref, cand = _after(reference, from_step, columns, through), _after(candidate, from_step, columns, through)
+    ref, cand = _comparable(_after(reference, from_step, columns, through), _after(candidate, from_step, columns,
+                                                                                   through))
     if problems:
         return _compare_shared(gate, reference_name, ref, candidate_name, cand, from_step, problems)
     if _same_keys(ref, cand):
         return _compare_aligned(gate, reference_name, ref, candidate_name, cand, from_step)
+    # As text: an outer merge turns a packed column with a missing row into floats, which lose a digest's low bits.
+    ref, cand = (frame.assign(**{m: unpacked(frame[m]) for m in METRICS}) for frame in (ref, cand))
     merged = ref.merge(cand, on=["step", "rank"], how="outer", suffixes=("_ref", "_cand"), indicator=True)
     merged = merged.sort_values(["step", "rank"], kind="stable")
     candidates: list[Mismatch] = []
@@ -97,6 +101,14 @@ def _after(frame: pd.DataFrame, from_step: int, columns: list[str], through: int
     return frame[columns] if after.all() else frame.loc[after, columns]
 
 
+def _comparable(ref: pd.DataFrame, cand: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The two runs' fingerprints in one representation (taxbench.rundir.hex_columns): packed alike, or as text."""
+    mixed = [m for m in METRICS if not alike(ref[m], cand[m])]
+    if not mixed:
+        return ref, cand
+    return ref.assign(**{m: unpacked(ref[m]) for m in mixed}), cand.assign(**{m: unpacked(cand[m]) for m in mixed})
+
+
 def _same_keys(ref: pd.DataFrame, cand: pd.DataFrame) -> bool:
     return (
         len(ref) == len(cand)
@@ -122,7 +134,8 @@ def _compare_aligned(
     row = int(bad[np.lexsort((ranks, steps))[0]])  # the first mismatch: the earliest step, then the lowest rank
     metric = METRICS[int(np.argmax(differs[row]))]
     mismatch = Mismatch(int(ref["step"].iat[row]), int(ref["rank"].iat[row]), metric,
-                        str(ref[metric].iat[row]), str(cand[metric].iat[row]))
+                        hex_text(ref[metric].iat[row], ref[metric].dtype),
+                        hex_text(cand[metric].iat[row], cand[metric].dtype))
     return Verdict(gate, reference_name, candidate_name, False, compared, mismatch, from_step)
 
 

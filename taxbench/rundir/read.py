@@ -22,9 +22,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from taxbench.config.schema import load_config
 from taxbench.design import knob_of, knob_policies, plan_ablation
 from taxbench.redaction import redact
 from taxbench.rundir.evidence import experiment_of, read_regular
+from taxbench.rundir.hex_columns import pack_column
 from taxbench.rundir.provenance import config_hash
 from taxbench.rundir.records import MANIFEST, METRICS, SCHEMA_VERSION
 from taxbench.rundir.step_stream import (
@@ -161,7 +163,8 @@ def stream_files(run_dir: Path) -> list[Path]:
     return sorted(run_dir.glob("steps.rank*.jsonl"), key=rank_first)
 
 
-def load_run(run_dir: Path, use_mirrors: bool = True, empty_ok: bool = False) -> pd.DataFrame:
+def load_run(run_dir: Path, use_mirrors: bool = True, empty_ok: bool = False,
+             fields: Collection[str] | None = None) -> pd.DataFrame:
     """All ranks' step records of one run, sorted by (rank, step).
 
     Rank-major because that is how the records lie (a stream per rank, in step order): the frame of 1,000 ranks x
@@ -170,23 +173,57 @@ def load_run(run_dir: Path, use_mirrors: bool = True, empty_ok: bool = False) ->
     `use_mirrors=False` parses every JSONL line instead (and writes no mirror).
     Either way the frame is the same. A run without records is an error unless `empty_ok` (the completeness check
     then reports every step missing).
+
+    `fields`: only those record fields (as far as the run has them), the fingerprints among them packed
+    (taxbench.rundir.hex_columns): what an analysis keeps of a big run. The run mirror is then cut to them batch by
+    batch as it is read, so the whole run is never in memory at once.
     """
     files = stream_files(run_dir)
     if not files:
         if empty_ok:
-            return empty_run()
+            return empty_run() if fields is None else _kept(empty_run(), fields)
         raise RecordError(f"{run_dir}: no steps.rank<R>.jsonl files; is this a taxbench run directory?")
-    table = _run_mirrored(run_dir, files) if use_mirrors else None
+    keep = None if fields is None else partial(_kept_batch, fields={*fields, "schema_version", "step", "rank"})
+    table = _run_mirrored(run_dir, files, keep) if use_mirrors else None
     if table is None:
         table = _streams_read(run_dir, files, use_mirrors)
+        if keep is not None:
+            table = keep(table)
     if not table.num_rows:
         if empty_ok:
-            return empty_run()
+            return empty_run() if fields is None else _kept(empty_run(), fields)
         raise UnreadableRecords(f"{run_dir}: the step record files are empty")
     if not _version_ok(table):  # a mirror written by another taxbench version
         raise _first_complaint(files)
-    # split_blocks keeps numeric columns zero-copy instead of consolidating them into 2-D blocks (5x faster here).
-    return _sorted_by_rank_and_step(table).to_pandas(split_blocks=True)
+    table = _sorted_by_rank_and_step(table)
+    if fields is not None:
+        table = table.select([name for name in table.column_names if name in fields])
+    # split_blocks keeps numeric columns zero-copy instead of consolidating them into 2-D blocks (5x faster here);
+    # self_destruct lets each column's Arrow memory go once converted (the table is not used after).
+    frame = table.to_pandas(split_blocks=True, self_destruct=True)
+    if fields is not None:  # the batches' memory back to the system, not kept in the pool: 80 MB at 5 runs' peak
+        pa.default_memory_pool().release_unused()
+    return frame
+
+
+def _kept_batch(part: pa.RecordBatch | pa.Table, fields: Collection[str]) -> pa.Table:
+    """`fields` of a batch (or table) of records, in memory of their own, fingerprints packed where lossless. Batches
+    whose fingerprints pack differently do not concatenate: the run mirror is then passed over, and the whole run
+    packed at once."""
+    table = pa.Table.from_batches([part]) if isinstance(part, pa.RecordBatch) else part
+    columns = {}
+    for name in (name for name in table.column_names if name in fields):
+        column = table.column(name)
+        packed = pack_column(column) if name in METRICS else column
+        # else a copy: the batch's columns share its buffers, and the ones not kept go with it
+        columns[name] = packed if packed is not column else pa.chunked_array(
+            [pa.concat_arrays([chunk]) for chunk in column.chunks], column.type)
+    return pa.table(columns)
+
+
+def _kept(frame: pd.DataFrame, fields: Collection[str]) -> pd.DataFrame:
+    """An empty run's frame, cut to `fields`."""
+    return frame[[name for name in frame.columns if name in fields]]
 
 
 def _halves(files: list[Path]) -> list[list[Path]]:
@@ -194,10 +231,12 @@ def _halves(files: list[Path]) -> list[list[Path]]:
     return [files[: len(files) // 2], files[len(files) // 2:]]
 
 
-def _run_mirrored(run_dir: Path, files: list[Path]) -> pa.Table | None:
-    """The run's rows from its run mirror when it covers exactly `files`, each to its last complete line; None
-    otherwise (no run mirror, a damaged or stale one, a stream edited, added or removed)."""
-    mirror = read_run_mirror(run_dir)
+def _run_mirrored(run_dir: Path, files: list[Path],
+                  keep: Callable[[pa.RecordBatch], pa.Table] | None = None) -> pa.Table | None:
+    """The run's rows from its run mirror (what `keep` makes of each batch) when it covers exactly `files`, each to
+    its last complete line; None otherwise (no run mirror, a damaged or stale one, a stream edited, added or
+    removed)."""
+    mirror = read_run_mirror(run_dir, keep)
     if mirror is None:
         return None
     table, covered = mirror
@@ -374,15 +413,23 @@ def stream_ranks(run_dir: Path) -> tuple[list[int], list[str]]:
     return sorted(ranks), odd
 
 
+# The record fields the checks of load_checked_run read: identity, then the grid and its fingerprints.
+CHECKED_FIELDS = ("arm", "replica", "step", "rank", *METRICS)
+
+
 def load_checked_run(run_dir: Path, manifest: dict, steps: int, config: dict[str, Any],
-                     ) -> tuple[pd.DataFrame, list[str]]:
+                     fields: Collection[str] | None = None) -> tuple[pd.DataFrame, list[str]]:
     """One run's records and what keeps them from covering `steps` x its manifest's ranks, or from being this run's
     own: a manifest or records of another run copied into its folder, a config edited or not the experiment's
-    (`config`)."""
+    (`config`). `fields`: the frame holds only those, as load_run(fields=...) gives them (the checks read theirs
+    first)."""
     world = int(manifest_value(manifest, run_dir, "layout.world_size"))
-    frame = load_run(run_dir, empty_ok=True)
-    return frame, (identity_problems(run_dir, manifest, frame) + config_problems(run_dir, manifest, config)
-                   + check_run(run_dir.name, run_dir, frame, steps, world))
+    frame = load_run(run_dir, empty_ok=True, fields=None if fields is None else {*fields, *CHECKED_FIELDS})
+    problems = (identity_problems(run_dir, manifest, frame) + config_problems(run_dir, manifest, config)
+                + check_run(run_dir.name, run_dir, frame, steps, world))
+    if fields is not None:
+        frame = frame.drop(columns=[name for name in frame.columns if name not in fields])
+    return frame, problems
 
 
 def config_problems(run_dir: Path, manifest: dict, config: dict[str, Any]) -> list[str]:

@@ -15,11 +15,12 @@ The trainer refreshes its rank's mirror when it closes the stream; analysis writ
 does not cover it (older runs, a crash before close). Mirrors are replaced atomically and verified on every read, so a
 writer and an analysis racing on one can only cost a re-parse, never change a frame.
 
-A run's mirror `steps.arrow` holds every stream's mirrored rows in one record batch, as the reader concatenates them
-(taxbench.rundir.read.load_run writes it, so the analysis a launch ends with leaves one). It names each stream with
-the length and xxh3-128 of the complete lines it holds the rows of, and is used only when the run's streams are exactly
-those, each hashing to its digest with no complete line after it: then it is the very table the streams would give.
-Read into memory of its own in one piece, it saves the reader 1,000 small mirrors and the copy that joins them.
+A run's mirror `steps.arrow` holds every stream's mirrored rows, as the reader concatenates them, in record batches of
+RUN_BATCH_ROWS rows (taxbench.rundir.read.load_run writes it, so the analysis a launch ends with leaves one). It names
+each stream with the length and xxh3-128 of the complete lines it holds the rows of, and is used only when the run's
+streams are exactly those, each hashing to its digest with no complete line after it: then it is the very table the
+streams would give. Read batch by batch into memory of its own, through the hash, it saves the reader 1,000 small
+mirrors and the copy that joins them, and a reader that keeps a few fields of each batch never holds the whole run.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +48,7 @@ RUN_MIRROR = "steps.arrow"  # a run's mirror of all its streams (their names are
 _METADATA_KEY = b"taxbench.mirror"
 _DIGEST_BYTES = 16  # xxh3-128
 _CHUNK = 1 << 20  # JSONL prefixes are hashed through one reused buffer of this size (it stays in cache)
+RUN_BATCH_ROWS = 1 << 16  # rows per record batch of a run's mirror: ~17 MiB of a 1,000-rank run's 265 MiB
 
 # Types of the known fields; fields a newer writer adds are inferred. Fixing these keeps a column that is null in one
 # stream (device_s on CPU) and a number in another from failing to concatenate. Strings are large_string, what pandas'
@@ -155,7 +158,7 @@ def _read_mirror(path: Path, inside: Path) -> tuple[pa.Table, int, bytes] | None
     The rows are a view of the memory-mapped file (page-cache pages, no copy): callers copy what they keep, so that
     no frame changes under its reader when someone rewrites the file in place.
     """
-    read = _read_hashed(path, inside, mapped=True)
+    read = _read_hashed(path, inside)
     if read is None:
         return None
     table, key = read
@@ -166,21 +169,13 @@ def _read_mirror(path: Path, inside: Path) -> tuple[pa.Table, int, bytes] | None
     return (table, covered, digest) if covered >= 0 else None
 
 
-def _read_hashed(path: Path, inside: Path, mapped: bool) -> tuple[pa.Table, dict] | None:
-    """(rows, metadata key) of an intact IPC file of this mirror format (its trailing xxh3-128 checked); None for
-    anything else. `mapped`: the rows view the memory-mapped file; otherwise memory of their own, read in one piece."""
+def _read_hashed(path: Path, inside: Path) -> tuple[pa.Table, dict] | None:
+    """(rows, metadata key) of an intact IPC file of this mirror format (its trailing xxh3-128 checked), the rows a
+    view of the memory-mapped file; None for anything else."""
     try:
         check_regular(path, inside)
-        if mapped:
-            with pa.memory_map(str(path)) as source:
-                data = source.read_buffer()
-        else:
-            with os.fdopen(open_regular(path, inside), "rb", buffering=0) as handle:
-                # The system allocator: filling 1.3 GB of fresh buffers from it took half the system time of the
-                # default pool (mimalloc, whose huge pages wait on the kernel's compaction) on the 2-core test machine.
-                data = pa.allocate_buffer(os.fstat(handle.fileno()).st_size, memory_pool=pa.system_memory_pool())
-                if not _read_into(handle, memoryview(data)):  # a file that shrank meanwhile
-                    return None
+        with pa.memory_map(str(path)) as source:
+            data = source.read_buffer()
     except (OSError, pa.ArrowException):
         return None
     if data.size <= _DIGEST_BYTES:
@@ -196,17 +191,6 @@ def _read_hashed(path: Path, inside: Path, mapped: bool) -> tuple[pa.Table, dict
     if not isinstance(key, dict) or key.get("format") != MIRROR_FORMAT:
         return None
     return table.replace_schema_metadata(None), key
-
-
-def _read_into(handle, view: memoryview) -> bool:  # noqa: ANN001 (a raw binary file)
-    """Fill `view` from the file (a read returns at most 2 GiB on Linux); False when the file ends first."""
-    done = 0
-    while done < len(view):
-        n = handle.readinto(view[done:])
-        if not n:
-            return False
-        done += n
-    return True
 
 
 def write_mirror(stream: Path, table: pa.Table, covered: int, digest: bytes) -> None:
@@ -234,9 +218,10 @@ class _HashingSink:
         self.handle.flush()
 
 
-def _write_hashed(path: Path, table: pa.Table, key: dict) -> None:
-    """`table` as an IPC stream carrying `key`, then the xxh3-128 of those bytes; replaced atomically, streamed to
-    the file (a run's mirror is hundreds of MiB: never a second copy in memory)."""
+def _write_hashed(path: Path, table: pa.Table, key: dict, batch_rows: int | None = None) -> None:
+    """`table` as an IPC stream carrying `key` (in record batches of at most `batch_rows` rows; None: as chunked),
+    then the xxh3-128 of those bytes; replaced atomically, streamed to the file (a run's mirror is hundreds of MiB:
+    never a second copy in memory)."""
     table = table.replace_schema_metadata({_METADATA_KEY: json.dumps(key).encode()})
     # A name of this process and thread (writer and analysis may race on one mirror); created with the umask's mode,
     # as the JSONL beside it (NamedTemporaryFile would make it readable by its owner only).
@@ -245,7 +230,7 @@ def _write_hashed(path: Path, table: pa.Table, key: dict) -> None:
         with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666), "wb") as handle:
             sink = _HashingSink(handle)
             with ipc.new_stream(sink, table.schema) as writer:
-                writer.write_table(table)
+                writer.write_table(table, max_chunksize=batch_rows)
             handle.write(sink.hasher.digest())
         os.replace(tmp, path)
     except OSError:
@@ -269,26 +254,83 @@ def run_mirror_file(run_dir: Path) -> Path:
 
 
 def write_run_mirror(run_dir: Path, table: pa.Table, streams: list[Covered]) -> None:
-    """Mirror a run: `table` is the concatenation, in this order, of the rows of each of `streams` (one record batch:
-    the table is combined into one chunk per column first, unless it is already)."""
+    """Mirror a run: `table` is the concatenation, in this order, of the rows of each of `streams` (record batches of
+    RUN_BATCH_ROWS rows)."""
     key = {"format": MIRROR_FORMAT, "streams": [[c.name, c.length, c.digest.hex()] for c in streams]}
-    if any(column.num_chunks != 1 for column in table.columns):
-        table = table.combine_chunks()
-    _write_hashed(run_mirror_file(run_dir), table, key)
+    _write_hashed(run_mirror_file(run_dir), table, key, RUN_BATCH_ROWS)
 
 
-def read_run_mirror(run_dir: Path) -> tuple[pa.Table, list[Covered]] | None:
+def read_run_mirror(run_dir: Path, keep: Callable[[pa.RecordBatch], pa.Table] | None = None,
+                    ) -> tuple[pa.Table, list[Covered]] | None:
     """(rows, what they cover of each stream) of the run's intact mirror, in memory of its own; None for none or an
-    unusable one. Whether the streams still hold those bytes is the caller's to check (`covers`)."""
-    read = _read_hashed(run_mirror_file(run_dir), experiment_of(run_dir), mapped=False)
-    if read is None:
+    unusable one. Whether the streams still hold those bytes is the caller's to check (`covers`).
+
+    Read one record batch at a time through the hash: with `keep`, the rows are what `keep` makes of each batch (say,
+    a few of its columns, copied), so the reader holds one batch of the run at a time besides them. Nothing `keep`
+    returns is used before the mirror's own hash proves every byte it was made of."""
+    path = run_mirror_file(run_dir)
+    try:
+        handle = os.fdopen(open_regular(path, experiment_of(run_dir)), "rb", buffering=0)
+    except OSError:
         return None
-    table, key = read
+    with handle:
+        source = _HashingSource(handle)
+        try:
+            reader = ipc.open_stream(source)
+            key = json.loads((reader.schema.metadata or {})[_METADATA_KEY])
+            parts = [keep(batch) if keep else pa.Table.from_batches([batch]) for batch in reader]
+            proven = source.rest_is_digest()
+        except (OSError, pa.ArrowException, KeyError, TypeError, ValueError):
+            return None
+    if not proven or not isinstance(key, dict) or key.get("format") != MIRROR_FORMAT:
+        return None
     try:
         streams = [Covered(str(name), int(length), bytes.fromhex(digest)) for name, length, digest in key["streams"]]
-    except (KeyError, TypeError, ValueError):
+        table = pa.concat_tables(parts) if parts else reader.schema.empty_table()
+    except (KeyError, TypeError, ValueError, pa.ArrowException):
         return None
-    return table, streams
+    return table.replace_schema_metadata(None), streams
+
+
+class _HashingSource:
+    """A binary file that hashes (xxh3-128) what is read through it: the IPC reader's source. A mirror's bytes end
+    in the xxh3-128 of all bytes before them; `rest_is_digest` checks that once the reader is done."""
+
+    closed = False
+
+    def __init__(self, handle) -> None:  # noqa: ANN001 (a raw binary file)
+        self.handle, self.hasher = handle, xxhash.xxh3_128()
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.handle.readall() if size is None or size < 0 else _read_exactly(self.handle, size)
+        self.hasher.update(data)
+        return data
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def rest_is_digest(self) -> bool:
+        """Whether the bytes after those read so far are the hash of all bytes before the last 16, then that hash."""
+        rest = self.handle.readall()
+        if len(rest) < _DIGEST_BYTES:
+            return False
+        self.hasher.update(rest[:-_DIGEST_BYTES])
+        return self.hasher.digest() == rest[-_DIGEST_BYTES:]
+
+
+def _read_exactly(handle, size: int) -> bytes:  # noqa: ANN001 (a raw binary file)
+    """`size` bytes, or fewer where the file ends first (a raw read may return less than asked)."""
+    parts, left = [], size
+    while left:
+        data = handle.read(left)
+        if not data:
+            break
+        parts.append(data)
+        left -= len(data)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def covers(stream: Path, covered: Covered) -> bool:
