@@ -206,17 +206,20 @@ class Experiment:
         first_block = (start or 0) // exp.block_steps
         cap = max_steps(exp)
         stop = None
+        together = False  # the ranks left the last round's all-reduce together, and nothing but the same work since
         for block, order in enumerate(round_orders(exp.order_seed, runs, cap // exp.block_steps)):
             if block < first_block:
                 continue
             times = {}
             if self.cost.first_step_unix is None:
                 self.cost.first_step_unix = time.time()
-            for ref in order:
-                trainers[ref].run_block(exp.block_steps, block, self.progress.advance, ref.name)
+            for position, ref in enumerate(order):
+                trainers[ref].run_block(exp.block_steps, block, self.progress.advance, ref.name,
+                                        together=together and position == 0)
                 times[ref.name] = trainers[ref].block_times
             step = (block + 1) * exp.block_steps
-            elapsed = rule.add_round(times, clock.elapsed_s())
+            elapsed = rule.add_round(times, clock.elapsed_s())  # a collective: the next round starts from it
+            together = True
             self.cost.timed_steps_s += sum(sum(values[-exp.block_steps:]) for values in rule.times.values())
             stop = rule.stop_after(step)
             if stop is not None:
@@ -230,6 +233,7 @@ class Experiment:
                 rule.committed(step)
                 if self.ctx.rank == 0:  # a continue carries them into stop.json (the tax leaves the next step out)
                     write_commits(self.root, rule.recorded_commits())
+                together = False  # rank 0 wrote alone
         assert stop is not None, "the step cap always stops the rounds"
         for trainer in {id(t): t for t in trainers.values()}.values():
             trainer.close()

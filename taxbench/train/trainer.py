@@ -188,32 +188,40 @@ class Trainer:
                 self.rng = RngSnapshot.capture()
 
     def run_block(self, steps: int, block: int, on_step: Callable[[], None] | None = None,
-                  lane: str | None = None) -> None:
-        """Run `steps` steps as block `block` of the lane named `lane` (default: the current one)."""
+                  lane: str | None = None, together: bool = False) -> None:
+        """Run `steps` steps as block `block` of the lane named `lane` (default: the current one). `together`: the
+        ranks have just left a collective, with only the same work on every rank since, so the block needs no
+        barrier of its own to start together."""
         if lane is not None:
             self.lane = self.lanes[lane]
-        self._run_steps(steps, lambda: block, on_step)
+        self._run_steps(steps, lambda: block, on_step, together)
 
     def run_untimed(self, steps: int, block_steps: int, on_step: Callable[[], None] | None = None) -> None:
         """Run `steps` steps of an untimed run in one stretch (one activation and one barrier, not one per block):
         each step's record names the block of `block_steps` steps it falls in, as if run block by block."""
-        self._run_steps(steps, lambda: self.lane.step // block_steps, on_step)
+        self._run_steps(steps, lambda: self.lane.step // block_steps, on_step, together=False)
 
-    def _run_steps(self, steps: int, block_of_next_step: Callable[[], int],
-                   on_step: Callable[[], None] | None) -> None:
+    def _run_steps(self, steps: int, block_of_next_step: Callable[[], int], on_step: Callable[[], None] | None,
+                   together: bool) -> None:
         self.recorder.take_times()  # forget steps written outside a block (none but after a checkpoint save)
+        # Start the block together: untimed work before it (the arm switch, the other arm's records) on one rank
+        # would otherwise leak into another rank's timed first step through the gradient all-reduce. The barrier is
+        # in flight while this rank switches to the run and loads the first step's batches (the same work on every
+        # rank), so that a collective's latency (about 1 ms on gloo here) hides them rather than adds to them.
+        barrier = (dist.barrier(async_op=True) if not together and dist.is_initialized() and self.ctx.world_size > 1
+                   else None)
         with self.activated(), collected_between_blocks(self.manual_gc):
             if self.lane.planted is not None:  # every rank plants the same delay in this block's steps
                 self.lane.planted.agree(self.ctx.world_size)
-            # Start the block together: untimed work before it (the arm switch, the other arm's records) on one rank
-            # would otherwise leak into another rank's timed first step through the gradient all-reduce.
-            if dist.is_initialized() and self.ctx.world_size > 1:
-                dist.barrier()
+            # A fault or a trace scopes each step whole, its data loading included: those steps load their own.
+            first = self._load_batches() if self._step_fault is None and self.tracer is None else None
+            if barrier is not None:
+                barrier.wait()
             synchronize(self.ctx.device)
             window_start = time.perf_counter()
-            for _ in range(steps):
+            for index in range(steps):
                 with self.step_scope():
-                    self._train_step(block_of_next_step())
+                    self._train_step(block_of_next_step(), first if index == 0 else None)
                 if on_step is not None:
                     on_step()
             synchronize(self.ctx.device)
@@ -232,13 +240,18 @@ class Trainer:
             scope.enter_context(self.tracer.capture_step(self.step + 1))
         return scope
 
-    def _train_step(self, block: int) -> None:
+    def _load_batches(self) -> tuple[list[Batch], float]:
+        """The next step's micro-batches and the seconds loading them took."""
+        started = time.perf_counter()
+        batches = self.next_batches()
+        return batches, time.perf_counter() - started
+
+    def _train_step(self, block: int, loaded: tuple[list[Batch], float] | None = None) -> None:
+        """One step (its batches loaded already, or loaded here), its fingerprints and its record."""
         self.step += 1
         lane = self.lane
         lane.step += 1
-        data_start = time.perf_counter()
-        batches = self.next_batches()
-        data_s = time.perf_counter() - data_start
+        batches, data_s = loaded if loaded is not None else self._load_batches()
 
         started = self.timer.start()
         loss_mean, grad_norm = self.optimize(batches)
