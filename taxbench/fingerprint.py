@@ -496,12 +496,19 @@ def combine(values: Iterable[torch.Tensor]) -> torch.Tensor:
     return as_tensor(combined(list(values)))
 
 
-def tensors_digest(tensors: Iterable[torch.Tensor], kernel: Kernel = "auto") -> torch.Tensor | None:
-    """Digest of an ordered collection of tensors (None when it is empty)."""
+def collection_digest(tensors: Iterable[torch.Tensor], kernel: Kernel = "auto") -> Digest | None:
+    """Digest of an ordered collection of tensors (None when it is empty): an int when every tensor is on the host,
+    else a 0-d int64 tensor on a device."""
     values, combination = _digests_and_combination(tensors, kernel)
     if not values:
         return None
-    return as_tensor(combination if combination is not None else combined(values))
+    return combination if combination is not None else combined(values)
+
+
+def tensors_digest(tensors: Iterable[torch.Tensor], kernel: Kernel = "auto") -> torch.Tensor | None:
+    """collection_digest as a 0-d int64 tensor (None when the collection is empty)."""
+    found = collection_digest(tensors, kernel)
+    return None if found is None else as_tensor(found)
 
 
 def to_hex(digest: int) -> str:
@@ -512,11 +519,15 @@ _FLOAT_AS_INT = {torch.float64: torch.int64, torch.float32: torch.int32, torch.f
                  torch.bfloat16: torch.int16}
 
 
-def float_bits(value: torch.Tensor) -> torch.Tensor:
-    """Exact bit pattern of a scalar float tensor as a 0-d int64 tensor on its device (zero-extended, no sync)."""
+def float_bits(value: torch.Tensor) -> Digest:
+    """Exact bit pattern of a scalar float tensor, zero-extended: an int for a host tensor, a 0-d int64 tensor on
+    the device otherwise (no sync)."""
     value = value.detach().reshape(1)
     width = value.element_size() * 8
-    bits = value.view(_FLOAT_AS_INT[value.dtype]).to(torch.int64)
+    as_int = value.view(_FLOAT_AS_INT[value.dtype])
+    if value.device.type == "cpu":
+        return int(as_int.item()) & ((1 << width) - 1)
+    bits = as_int.to(torch.int64)
     return (bits & ((1 << width) - 1) if width < 64 else bits).reshape(())
 
 

@@ -32,15 +32,19 @@ class StepRecorder:
         self._pending: list[tuple[dict[str, Any], Any, Any, Any, torch.Tensor]] = []
         self._times: list[float] = []  # step times of the steps written since the last take_times()
 
-    def digest(self, tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-        found = fingerprint.tensors_digest(tensors)
-        return found if found is not None else torch.zeros((), dtype=torch.int64, device=self.device)
+    def digest(self, tensors: Iterable[torch.Tensor]) -> fingerprint.Digest:
+        found = fingerprint.collection_digest(tensors)
+        return found if found is not None else 0
 
     def fingerprints(self, loss: torch.Tensor, grads: Iterable[torch.Tensor], grad_norm: torch.Tensor,
                      params: Iterable[torch.Tensor], optimizer: Iterable[torch.Tensor]) -> torch.Tensor:
-        """The step's digests in taxbench.rundir.records.METRICS order, on the device."""
-        return torch.stack([fingerprint.float_bits(loss.float()), self.digest(grads),
-                            fingerprint.float_bits(grad_norm.float()), self.digest(params), self.digest(optimizer)])
+        """The step's digests in taxbench.rundir.records.METRICS order, on the device (host digests are ints until
+        here: one tensor of five, not five tensors stacked)."""
+        values = [fingerprint.float_bits(loss.float()), self.digest(grads), fingerprint.float_bits(grad_norm.float()),
+                  self.digest(params), self.digest(optimizer)]
+        if all(isinstance(value, int) for value in values):
+            return torch.tensor([fingerprint.signed64(value) for value in values], dtype=torch.int64)
+        return torch.stack([fingerprint.as_tensor(value).to(self.device, non_blocking=True) for value in values])
 
     def add(self, record: dict[str, Any], measured: Any, fingerprint_measured: Any, planted_mark: Any,
             digests: torch.Tensor) -> None:
@@ -95,8 +99,8 @@ class StepRecorder:
         if record is None or record.get("trajectory_step", step) != model_step:
             return
         restored = {
-            "params": fingerprint.to_hex(int(self.digest(params).item())),
-            "optim": fingerprint.to_hex(int(self.digest(optimizer).item())),
+            "params": fingerprint.to_hex(int(self.digest(params))),
+            "optim": fingerprint.to_hex(int(self.digest(optimizer))),
         }
         differing = [f"{metric} {value} vs recorded {record.get(metric)}" for metric, value in restored.items()
                      if record.get(metric) != value]
