@@ -26,6 +26,33 @@ class DistContext:
     _arm_groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
     meshes: dict[Any, Any] = field(default_factory=dict)  # DeviceMeshes per (arm, mesh shape): taxbench.parallel.layout
     ready_unix: float | None = None  # when the default process group was up (the startup's cost split)
+    _block_barrier: Any = None  # the barrier a block started for the next one, in flight (see begin_next_block)
+
+    def begin_next_block(self) -> None:
+        """Start the next block's barrier as this block's last timed step ends. It is in flight while this rank does
+        the untimed work between the blocks (fingerprints, records, the arm switch, the next batches: the same work
+        on every rank), so that a collective's latency (about 1 ms on gloo on a 2-core machine) hides that work
+        instead of adding to it, and the next block still starts its timed steps together."""
+        if self._block_barrier is None and self.world_size > 1 and dist.is_initialized():
+            self._block_barrier = dist.barrier(async_op=True)
+
+    def block_start(self, together: bool) -> Any:
+        """The barrier a block waits on before its first timed step: the one in flight, else a new one; none where
+        the ranks have just left a collective together (`together`: one in flight completed before it)."""
+        pending, self._block_barrier = self._block_barrier, None
+        if together:
+            if pending is not None:
+                pending.wait()
+            return None
+        if pending is not None or self.world_size == 1 or not dist.is_initialized():
+            return pending
+        return dist.barrier(async_op=True)
+
+    def settle_block_barrier(self) -> None:
+        """Wait for a barrier in flight that no block will take (the last block of a run)."""
+        pending, self._block_barrier = self._block_barrier, None
+        if pending is not None:
+            pending.wait()
 
     def group_for(self, policy: PolicyConfig) -> dist.ProcessGroup:
         """A communicator created under this arm's NCCL_ALGO and NCCL_PROTO (NCCL reads them at communicator

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from taxbench.checkpoint import state as checkpoint_state
@@ -205,11 +204,9 @@ class Trainer:
                    together: bool) -> None:
         self.recorder.take_times()  # forget steps written outside a block (none but after a checkpoint save)
         # Start the block together: untimed work before it (the arm switch, the other arm's records) on one rank
-        # would otherwise leak into another rank's timed first step through the gradient all-reduce. The barrier is
-        # in flight while this rank switches to the run and loads the first step's batches (the same work on every
-        # rank), so that a collective's latency (about 1 ms on gloo here) hides them rather than adds to them.
-        barrier = (dist.barrier(async_op=True) if not together and dist.is_initialized() and self.ctx.world_size > 1
-                   else None)
+        # would otherwise leak into another rank's timed first step through the gradient all-reduce. The barrier was
+        # started as the previous block's last timed step ended (DistContext.begin_next_block), or starts now.
+        barrier = self.ctx.block_start(together)
         with self.activated(), collected_between_blocks(self.manual_gc):
             if self.lane.planted is not None:  # every rank plants the same delay in this block's steps
                 self.lane.planted.agree(self.ctx.world_size)
@@ -221,7 +218,7 @@ class Trainer:
             window_start = time.perf_counter()
             for index in range(steps):
                 with self.step_scope():
-                    self._train_step(block_of_next_step(), first if index == 0 else None)
+                    self._train_step(block_of_next_step(), first if index == 0 else None, index == steps - 1)
                 if on_step is not None:
                     on_step()
             synchronize(self.ctx.device)
@@ -246,8 +243,10 @@ class Trainer:
         batches = self.next_batches()
         return batches, time.perf_counter() - started
 
-    def _train_step(self, block: int, loaded: tuple[list[Batch], float] | None = None) -> None:
-        """One step (its batches loaded already, or loaded here), its fingerprints and its record."""
+    def _train_step(self, block: int, loaded: tuple[list[Batch], float] | None = None,
+                    last_in_block: bool = False) -> None:
+        """One step (its batches loaded already, or loaded here), its fingerprints and its record; the last of a
+        block starts the next block's barrier as soon as it is timed."""
         self.step += 1
         lane = self.lane
         lane.step += 1
@@ -258,6 +257,8 @@ class Trainer:
         grads, params = self.held_tensors()
         planted_s, planted_mark = (0.0, None) if lane.planted is None else lane.planted.apply(started)
         measured = self.timer.stop(started)
+        if last_in_block:
+            self.ctx.begin_next_block()
 
         flip_param_bit(self.fault, self.ctx.rank, self.step, self.named_held_parameters(), self._fault_fired)
         fingerprint_started = self.timer.start()  # the gates' own cost, outside the timed step, shown beside it
@@ -391,6 +392,7 @@ class Trainer:
             self.tracer.truncate_after(step)
 
     def close(self) -> None:
+        self.ctx.settle_block_barrier()
         for lane in self.lanes.values():
             lane.recorder.close()
         if self.fault_log is not None:
