@@ -29,10 +29,11 @@ class DistContext:
     _block_barrier: Any = None  # the barrier a block started for the next one, in flight (see begin_next_block)
 
     def begin_next_block(self) -> None:
-        """Start the next block's barrier as this block's last timed step ends. It is in flight while this rank does
-        the untimed work between the blocks (fingerprints, records, the arm switch, the next batches: the same work
-        on every rank), so that a collective's latency (about 1 ms on gloo on a 2-core machine) hides that work
-        instead of adding to it, and the next block still starts its timed steps together."""
+        """Start the next block's barrier as this block's last timed step ends, where the next block follows at once
+        (the blocks of a round). It is in flight while this rank does the untimed work between the blocks
+        (fingerprints, records, the arm switch, the next batches: the same work on every rank), so that a
+        collective's latency (about 1 ms on gloo on a 2-core machine) hides that work instead of adding to it, and
+        the next block still starts its timed steps together."""
         if self._block_barrier is None and self.world_size > 1 and dist.is_initialized():
             self._block_barrier = dist.barrier(async_op=True)
 

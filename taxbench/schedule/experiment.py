@@ -213,9 +213,9 @@ class Experiment:
             times = {}
             if self.cost.first_step_unix is None:
                 self.cost.first_step_unix = time.time()
-            for position, ref in enumerate(order):
+            for position, ref in enumerate(order):  # a round's blocks follow each other at once
                 trainers[ref].run_block(exp.block_steps, block, self.progress.advance, ref.name,
-                                        together=together and position == 0)
+                                        together=together and position == 0, hand_over=position < len(order) - 1)
                 times[ref.name] = trainers[ref].block_times
             step = (block + 1) * exp.block_steps
             elapsed = rule.add_round(times, clock.elapsed_s())  # a collective: the next round starts from it

@@ -187,25 +187,27 @@ class Trainer:
                 self.rng = RngSnapshot.capture()
 
     def run_block(self, steps: int, block: int, on_step: Callable[[], None] | None = None,
-                  lane: str | None = None, together: bool = False) -> None:
+                  lane: str | None = None, together: bool = False, hand_over: bool = False) -> None:
         """Run `steps` steps as block `block` of the lane named `lane` (default: the current one). `together`: the
         ranks have just left a collective, with only the same work on every rank since, so the block needs no
-        barrier of its own to start together."""
+        barrier of its own to start together. `hand_over`: another block follows at once, with only the same work
+        on every rank between, so its barrier starts as this block's last timed step ends
+        (DistContext.begin_next_block)."""
         if lane is not None:
             self.lane = self.lanes[lane]
-        self._run_steps(steps, lambda: block, on_step, together)
+        self._run_steps(steps, lambda: block, on_step, together, hand_over)
 
     def run_untimed(self, steps: int, block_steps: int, on_step: Callable[[], None] | None = None) -> None:
         """Run `steps` steps of an untimed run in one stretch (one activation and one barrier, not one per block):
         each step's record names the block of `block_steps` steps it falls in, as if run block by block."""
-        self._run_steps(steps, lambda: self.lane.step // block_steps, on_step, together=False)
+        self._run_steps(steps, lambda: self.lane.step // block_steps, on_step, together=False, hand_over=False)
 
     def _run_steps(self, steps: int, block_of_next_step: Callable[[], int], on_step: Callable[[], None] | None,
-                   together: bool) -> None:
+                   together: bool, hand_over: bool) -> None:
         self.recorder.take_times()  # forget steps written outside a block (none but after a checkpoint save)
         # Start the block together: untimed work before it (the arm switch, the other arm's records) on one rank
         # would otherwise leak into another rank's timed first step through the gradient all-reduce. The barrier was
-        # started as the previous block's last timed step ended (DistContext.begin_next_block), or starts now.
+        # started as the previous block's last timed step ended (a block handed over), or starts now.
         barrier = self.ctx.block_start(together)
         with self.activated(), collected_between_blocks(self.manual_gc):
             if self.lane.planted is not None:  # every rank plants the same delay in this block's steps
@@ -218,7 +220,8 @@ class Trainer:
             window_start = time.perf_counter()
             for index in range(steps):
                 with self.step_scope():
-                    self._train_step(block_of_next_step(), first if index == 0 else None, index == steps - 1)
+                    self._train_step(block_of_next_step(), first if index == 0 else None,
+                                     hand_over and index == steps - 1)
                 if on_step is not None:
                     on_step()
             synchronize(self.ctx.device)
@@ -244,9 +247,9 @@ class Trainer:
         return batches, time.perf_counter() - started
 
     def _train_step(self, block: int, loaded: tuple[list[Batch], float] | None = None,
-                    last_in_block: bool = False) -> None:
+                    hand_over: bool = False) -> None:
         """One step (its batches loaded already, or loaded here), its fingerprints and its record; the last of a
-        block starts the next block's barrier as soon as it is timed."""
+        block that hands over starts the next block's barrier as soon as it is timed."""
         self.step += 1
         lane = self.lane
         lane.step += 1
@@ -257,7 +260,7 @@ class Trainer:
         grads, params = self.held_tensors()
         planted_s, planted_mark = (0.0, None) if lane.planted is None else lane.planted.apply(started)
         measured = self.timer.stop(started)
-        if last_in_block:
+        if hand_over:
             self.ctx.begin_next_block()
 
         flip_param_bit(self.fault, self.ctx.rank, self.step, self.named_held_parameters(), self._fault_fired)
@@ -392,7 +395,7 @@ class Trainer:
             self.tracer.truncate_after(step)
 
     def close(self) -> None:
-        self.ctx.settle_block_barrier()
+        self.ctx.settle_block_barrier()  # a block handed over to none (a rank that stopped mid-round)
         for lane in self.lanes.values():
             lane.recorder.close()
         if self.fault_log is not None:
