@@ -225,7 +225,8 @@ class Trainer:
                 if on_step is not None:
                     on_step()
             synchronize(self.ctx.device)
-            window = time.perf_counter() - window_start
+            # the first step's batches, loaded before the barrier's wait, count in the window as the others' do
+            window = time.perf_counter() - window_start + (first[1] if first is not None else 0.0)
             self.recorder.flush(window / steps)
             self.block_times = self.recorder.take_times()
 
