@@ -18,7 +18,7 @@ from rich.table import Table
 from taxbench.analysis.ablation import KnobResult, measured_first
 from taxbench.analysis.attribution import SHARE_OF
 from taxbench.analysis.equivalence import EQUIVALENT, Equivalence
-from taxbench.analysis.experiment import ExperimentSummary
+from taxbench.analysis.experiment import WHOLE_RUNS, ExperimentSummary
 from taxbench.analysis.layouts import SUMMARY_FILE as LAYOUTS_SUMMARY_FILE
 from taxbench.analysis.layouts import LayoutsSummary
 from taxbench.analysis.stacks_matrix import CellResult, StacksSummary
@@ -148,7 +148,8 @@ def render(summary: ExperimentSummary, console: Console | None = None, report_pa
         table.add_row("fault", escape(line) if summary.fault_fired else f"[red]{escape(line)}[/red]")
     if tax.drifting:
         table.add_row("[yellow]warning[/yellow]", "step times still drifting (MSER-5 hit its cap); run more steps")
-    sample = f"{tax.pairs} rounds x {tax.timed_runs} runs, {tax.warmup_steps} warmup, {summary.steps} steps/run"
+    rounds = "pairs of whole runs" if summary.interleave == WHOLE_RUNS else f"rounds x {tax.timed_runs} runs"
+    sample = f"{tax.pairs} {rounds}, {tax.warmup_steps} warmup, {summary.steps} steps/run"
     if summary.gate_steps and summary.gate_steps != summary.steps:
         sample += f" (gate-only runs {summary.gate_steps})"
     if summary.stopped_by == TARGET:

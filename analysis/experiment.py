@@ -73,6 +73,9 @@ from taxbench.stats.tax import (
 PASSED, FAILED, INCOMPLETE_OUTCOME, CALIBRATION = "passed", "failed", "incomplete", "calibration"
 DIVERGED = "diverged"  # the deterministic runs trained on non-finite values: no verdict (exit 4)
 ARMS = ("baseline", "deterministic")
+# ExperimentSummary.interleave of a `taxbench run -- COMMAND` experiment: whole runs alternated in pairs
+# (taxbench.analysis.command_experiment), not blocks interleaved in rounds.
+WHOLE_RUNS = "whole runs"
 
 
 @dataclass

@@ -27,7 +27,7 @@ from taxbench.analysis.equivalence import (
     RELATIVE_FLOOR,
     Equivalence,
 )
-from taxbench.analysis.experiment import PASSED, ExperimentAnalysis, ExperimentSummary
+from taxbench.analysis.experiment import PASSED, WHOLE_RUNS, ExperimentAnalysis, ExperimentSummary
 from taxbench.analysis.layouts import LayoutsAnalysis
 from taxbench.analysis.plots import (
     equivalence_plot,
@@ -308,8 +308,11 @@ def experiment_report(analysis: ExperimentAnalysis) -> Report:
         Paragraph(
             ("**CALIBRATION** (A/A pair: both arms on the baseline policy; not a determinism result). " if
              summary.calibration else "") +
-            f"Tax **{headline(summary)}** (paired t on log round ratios, {tax.pairs} interleaved rounds of "
-            f"{tax.timed_runs} timed runs after a {tax.warmup_steps}-step warmup; {summary.steps} steps per timed run"
+            f"Tax **{headline(summary)}** (" + (
+                f"paired t on log pair ratios, {tax.pairs} pairs of whole runs of the command alternated A B B A"
+                if summary.interleave == WHOLE_RUNS else
+                f"paired t on log round ratios, {tax.pairs} interleaved rounds of {tax.timed_runs} timed runs") +
+            f" after a {tax.warmup_steps}-step warmup; {summary.steps} steps per timed run"
             + (f", {summary.gate_steps} per gate-only run" if summary.gate_steps not in (0, summary.steps) else "")
             + ", "
             f"stopped by {summary.stopped_by}). Hodges-Lehmann cross-check {pct(tax.hl_tax)} "

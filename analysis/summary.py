@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from taxbench.analysis.command_experiment import command_run_of, compute_command_experiment
 from taxbench.analysis.experiment import ExperimentAnalysis, ExperimentSummary, compute_experiment
 from taxbench.analysis.results import write_result
 from taxbench.analysis.text import headline
@@ -29,7 +30,8 @@ def summary_record(summary: ExperimentSummary) -> dict[str, Any]:
 
 def analyse_experiment(root: Path) -> ExperimentAnalysis:
     """Analyse the experiment at `root` and write its summary.json (not in a folder a live launch holds)."""
-    analysis = compute_experiment(root)
+    command_run = command_run_of(root)
+    analysis = compute_experiment(root) if command_run is None else compute_command_experiment(root, command_run)
     write_result(root / SUMMARY_FILE, json.dumps(summary_record(analysis.summary), indent=2))
     return analysis
 

@@ -361,7 +361,8 @@ LAYOUTS = "layouts"
 SCAN = "scan"
 VERIFY = "verify"
 STACKS = "stacks"
-HYDRA_SUBCOMMANDS = (LAYOUTS, SCAN, VERIFY, STACKS)
+RUN = "run"  # `taxbench run [overrides] -- COMMAND`: the user's own command as the pair (taxbench.commands.run)
+HYDRA_SUBCOMMANDS = (LAYOUTS, SCAN, VERIFY, STACKS, RUN)
 LAYOUTS_USAGE = """\
 usage: taxbench layouts [hydra overrides] 'layouts=[L1, L2, ...]'
                         [policy=deterministic|baseline]
@@ -399,6 +400,10 @@ Config groups: a recipe with +recipe=NAME, the arms with
 mode@arms.baseline=MODE and mode@arms.deterministic=MODE.
 {groups}
 Every key with its value: python -m taxbench --cfg job
+
+Your own training command, unchanged, as the pair:
+  run [overrides] -- COMMAND [ARGS...]
+                             e.g. run -- torchrun --nproc-per-node 2 train.py
 
 Work on results (taxbench SUBCOMMAND --help for each):
   analyse EXPERIMENT         re-analyse an experiment, print its summary
@@ -863,6 +868,9 @@ def main() -> None:
         raise SystemExit(run_verify_command(argv[1:]))
     if argv and argv[0] == STACKS:
         raise SystemExit(run_stacks_command(argv[1:]))
+    if argv and argv[0] == RUN:
+        from taxbench.commands.run import run_command
+        raise SystemExit(run_command(argv[1:]))
     if "--help" in argv or "-h" in argv:
         raise SystemExit(_print_to_a_pipe(main_help(), exit_codes.OK))
     word = _unknown_word(argv)

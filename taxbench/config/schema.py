@@ -22,6 +22,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+from taxbench.config.command import CommandConfig
 from taxbench.config.layout_rules import layout_problems
 
 
@@ -317,6 +318,9 @@ class TaxbenchConfig:
     # cluster.gpus ranks, and exit without training (no GPU needed).
     plan: bool = False
     report: ReportConfig = field(default_factory=ReportConfig)
+    # `taxbench run -- COMMAND`: the user's own training command as every run (taxbench.config.command); empty for
+    # recipe experiments.
+    run: CommandConfig = field(default_factory=CommandConfig)
 
 
 ARM_NAMES = ("baseline", "deterministic")

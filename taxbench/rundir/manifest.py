@@ -37,9 +37,10 @@ class RunFacts:
 
 
 def write_run_manifest(root: Path, ref: RunRef, cfg: TaxbenchConfig, arm_policy: PolicyConfig, facts: RunFacts,
-                       attempt_id: str) -> None:
+                       attempt_id: str, command: dict[str, Any] | None = None) -> None:
     """Write <root>/<run>/manifest.json for run `ref` of experiment `root`, this start of its processes
-    (`attempt_id`) added to the attempts an earlier start recorded."""
+    (`attempt_id`) added to the attempts an earlier start recorded. `command`: a run of `taxbench run -- COMMAND`,
+    the exact command line, its edits and what the probe saw."""
     config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
     write_manifest(
         root / ref.name,
@@ -67,6 +68,7 @@ def write_run_manifest(root: Path, ref: RunRef, cfg: TaxbenchConfig, arm_policy:
             "attempts": attempts(root / ref.name, attempt_id, facts.stack["hostnames"]),
             "provenance": provenance.manifest_provenance(config),
             **ablation_entry(cfg, ref),
+            **({} if command is None else {"command": command}),
         },
     )
 

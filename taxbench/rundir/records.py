@@ -54,9 +54,12 @@ class Stop:
     # The steps after which the timed rounds committed a checkpoint (the step after each is left out of the tax);
     # None in experiments from before checkpoints by time, whose commits follow experiment.checkpoint_every_steps.
     commits: tuple[int, ...] | None = None
+    # `taxbench run -- COMMAND`: the whole-run pairs that ran (stopped_by then counts pairs, not steps)
+    pairs: int | None = None
 
     def write(self, root: Path) -> None:
-        write_text_atomically(root / STOP_FILE, json.dumps(asdict(self), indent=2))
+        stored = {key: value for key, value in asdict(self).items() if key != "pairs" or value is not None}
+        write_text_atomically(root / STOP_FILE, json.dumps(stored, indent=2))
 
 
 def read_stop(root: Path) -> Stop | None:
@@ -65,8 +68,10 @@ def read_stop(root: Path) -> Stop | None:
     try:
         stored = json.loads(read_regular(root / STOP_FILE, root).decode("utf-8"))
         commits = stored.get("commits")
+        pairs = stored.get("pairs")
         return Stop(int(stored["steps"]), str(stored["stopped_by"]), stored.get("half_width"),
-                    None if commits is None else tuple(int(step) for step in commits))
+                    None if commits is None else tuple(int(step) for step in commits),
+                    None if pairs is None else int(pairs))
     # missing, unreadable (a FIFO or device is refused unopened), not JSON, or not a stop record
     except (OSError, ValueError, KeyError, TypeError):
         return None

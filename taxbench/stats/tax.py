@@ -145,7 +145,40 @@ def estimate_tax(
     cuts: dict[tuple[str, int], WarmupCut] = {key: warmup_cut(values, min_warmup) for key, values in series.items()}
     warmup = max(cut.steps for cut in cuts.values())
     paired = block_ratios(baselines, deterministics, warmup, checkpoints)
-    logs = np.log(paired["ratio"].to_numpy())
+    return _estimate(np.log(paired["ratio"].to_numpy()), series, cuts, warmup, confidence)
+
+
+def pair_ratios(pairs: Sequence[tuple[pd.DataFrame, pd.DataFrame]], warmup: int) -> pd.DataFrame:
+    """Per whole-run pair (`taxbench run -- COMMAND`: a baseline run and a deterministic run of the command, one
+    after the other): each run's median step time after warmup (the slowest rank's time per step) and their ratio,
+    indexed by pair."""
+    rows = {}
+    for index, (baseline, deterministic) in enumerate(pairs):
+        medians = [float(np.median(times[times["step"] > warmup]["time_s"])) if (times["step"] > warmup).any()
+                   else math.nan for times in (step_times(baseline), step_times(deterministic))]
+        rows[index] = {"baseline": medians[0], "deterministic": medians[1]}
+    paired = pd.DataFrame.from_dict(rows, orient="index", columns=["baseline", "deterministic"]).dropna()
+    paired.index.name = "pair"
+    paired["ratio"] = paired["deterministic"] / paired["baseline"]
+    return paired
+
+
+def estimate_pairs_tax(pairs: Sequence[tuple[pd.DataFrame, pd.DataFrame]], min_warmup: int,
+                       confidence: float = 0.95) -> TaxEstimate:
+    """The tax from whole-run pairs: per pair, the ratio of the runs' steady-state median step times; the interval
+    across pairs (a pair is the unit, as a round is for interleaved blocks: the runs of one pair share the machine's
+    state). Warmup: the longest of every run's cut (a fixed minimum checked by MSER-5)."""
+    series = {(arm, i): step_times(frame)["time_s"].to_numpy() for i, pair in enumerate(pairs)
+              for arm, frame in zip(("baseline", "deterministic"), pair, strict=True)}
+    cuts = {key: warmup_cut(values, min_warmup) for key, values in series.items()}
+    warmup = max(cut.steps for cut in cuts.values())
+    paired = pair_ratios(pairs, warmup)
+    return _estimate(np.log(paired["ratio"].to_numpy()), series, cuts, warmup, confidence)
+
+
+def _estimate(logs: np.ndarray, series: Mapping[tuple[str, int], np.ndarray], cuts: Mapping[tuple[str, int], WarmupCut],
+              warmup: int, confidence: float) -> TaxEstimate:
+    """The estimate from per-round (or per-pair) log ratios and the step-time series they came from."""
     n = len(logs)
     if n == 0:
         raise ValueError(

@@ -1,0 +1,233 @@
+"""The probe inside a process of the user's command: policy, step marks, fingerprints and records.
+
+Activated the moment the command's `import torch` finishes (taxbench/probe/boot/sitecustomize.py), before user code
+runs a torch op:
+- applies the arm's torch flags (taxbench's policy; none for the baseline and a stack-native arm);
+- marks steps with torch's global optimizer hooks, folding nested calls (torchtitan's OptimizersContainer) and
+  per-group calls (DeepSpeed ZeRO) into one step (taxbench.probe.steps);
+- reads each loss where a backward call shows it (`torch.autograd.backward`, which `Tensor.backward` calls);
+- digests what this rank's optimizer holds with taxbench's digest (on the device where the tensors are): gradients
+  before the step, parameters and optimizer state after it;
+- writes the same step records as the trainer (steps.rank<R>.jsonl), only from processes that step an optimizer.
+Its own work is measured and taken out of the step times it records.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from taxbench import fingerprint
+from taxbench.config.policy import applied_state, apply_flags
+from taxbench.config.schema import Device, PolicyConfig
+from taxbench.probe.steps import ClosedStep, StepFolder
+from taxbench.rundir.probe_files import LiveFlags, ProbeSettings, RankFacts, mark_loaded, read_probe_settings
+from taxbench.rundir.records import steps_file
+from taxbench.rundir.step_stream import StepWriter
+
+_probe: Probe | None = None
+
+
+def activate(settings_path: str) -> None:
+    """Start the probe in this process (once)."""
+    global _probe
+    if _probe is not None:
+        return
+    settings = read_probe_settings(Path(settings_path))
+    _probe = Probe(settings)
+    _probe.install()
+
+
+def live_flags() -> LiveFlags:
+    return LiveFlags(
+        deterministic=torch.are_deterministic_algorithms_enabled(),
+        cudnn_deterministic=bool(torch.backends.cudnn.deterministic),
+        cudnn_benchmark=bool(torch.backends.cudnn.benchmark),
+        tf32=bool(torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32),
+        fill_uninitialized_memory=bool(torch.utils.deterministic.fill_uninitialized_memory),  # type: ignore[attr-defined]
+    )
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(parameters, optimizer state tensors) this optimizer holds, in its own order."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = []
+    for p in params:
+        held = optimizer.state.get(p, {})
+        state += [held[key] for key in sorted(held) if isinstance(held[key], torch.Tensor)]
+    return params, state
+
+
+def own_step_count(optimizer: torch.optim.Optimizer) -> int | None:
+    """The optimizer's own step count (Adam's state['step']), None where it keeps none."""
+    counts = []
+    for held in optimizer.state.values():
+        value = held.get("step") if isinstance(held, dict) else None
+        if value is not None:
+            counts.append(int(value.item() if isinstance(value, torch.Tensor) else value))
+    return max(counts) if counts else None
+
+
+class Probe:
+    def __init__(self, settings: ProbeSettings) -> None:
+        self.settings = settings
+        self.run_dir = Path(settings.run_dir)
+        self.folder = StepFolder(time.perf_counter())
+        self.writer: StepWriter | None = None
+        self.facts: RankFacts | None = None
+        self.optimizer_classes: list[str] = []
+        self.offset = 0  # a resumed process: its steps continue the optimizer's own count
+        self.cuda = torch.cuda.is_available()
+        self.pending: list[tuple[dict[str, Any], ClosedStep]] = []
+
+    # ------------------------------------------------------------------------------------------------ installing
+    def install(self) -> None:
+        mark_loaded(self.run_dir)
+        if self.settings.policy is not None:
+            apply_flags(PolicyConfig(**self.settings.policy))
+        pre = torch.compiler.disable(self._pre_step)  # a compiled opt.step must not trace the probe
+        post = torch.compiler.disable(self._post_step)
+        register_optimizer_step_pre_hook(pre)
+        register_optimizer_step_post_hook(post)
+        original = torch.autograd.backward
+
+        def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+            self._backward(tensors)
+            return original(tensors, *args, **kwargs)
+
+        torch.autograd.backward = backward  # Tensor.backward calls torch.autograd.backward
+        atexit.register(self.close)
+
+    # ------------------------------------------------------------------------------------------------ hooks
+    def _backward(self, tensors: Any) -> None:
+        began = time.perf_counter()
+        closed = self.folder.on_backward(began)
+        if closed is not None:
+            self._record(closed)
+        loss = tensors if isinstance(tensors, torch.Tensor) else None
+        if loss is None and isinstance(tensors, list | tuple) and tensors and isinstance(tensors[0], torch.Tensor):
+            loss = tensors[0]
+        if loss is not None and loss.numel() == 1 and loss.is_floating_point():
+            self.folder.add_loss(fingerprint.float_bits(loss.detach().reshape(())), loss.dtype)
+        self.folder.add_overhead(time.perf_counter() - began)
+
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        began = time.perf_counter()
+        params, _ = _optimizer_tensors(optimizer)
+        key = tuple((id(p), p.data_ptr()) for p in params)
+        outermost, closed = self.folder.on_pre_step(optimizer, key, began)
+        if closed is not None:
+            self._record(closed)
+        if outermost and self._digesting(self.folder.next_step):
+            grads = [p.grad for p in params if p.grad is not None]
+            self.folder.add_grads(fingerprint.collection_digest(grads) if grads else 0)
+        self.folder.add_overhead(time.perf_counter() - began)
+
+    def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        ended = time.perf_counter()
+        event = None
+        if self.cuda and any(p.is_cuda for g in optimizer.param_groups for p in g["params"]):
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        if not self.folder.on_post_step(optimizer, ended, event):
+            return
+        name = type(optimizer).__qualname__
+        if name not in self.optimizer_classes:
+            self.optimizer_classes.append(name)
+        if self._digesting(self.folder.next_step):
+            params, state = _optimizer_tensors(optimizer)  # now: ZeRO-3 swaps its sub-group out after the call
+            self.folder.add_state(fingerprint.collection_digest(params) or 0,
+                                  fingerprint.collection_digest(state) or 0)
+        self.folder.add_own_count(own_step_count(optimizer))
+        self.folder.add_overhead(time.perf_counter() - ended)
+
+    def _digesting(self, step: int) -> bool:
+        every = self.settings.fingerprint_every
+        return every == 1 or (every > 1 and step % every == 0)
+
+    # ------------------------------------------------------------------------------------------------ records
+    def _rank(self) -> tuple[int, int, int]:
+        if dist.is_available() and dist.is_initialized():
+            rank, world = dist.get_rank(), dist.get_world_size()
+        else:
+            rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        return rank, world, int(os.environ.get("LOCAL_RANK", 0))
+
+    def _open(self, closed: ClosedStep) -> None:
+        rank, world, local_rank = self._rank()
+        if self.settings.resume:
+            if closed.own_count is None:
+                raise RuntimeError("taxbench probe: the optimizer keeps no step count of its own, so a resumed run "
+                                   "cannot be aligned with the uninterrupted one")
+            self.offset = closed.own_count - 1
+        device = f"cuda:{torch.cuda.current_device()}" if self.cuda and closed.on_device else "cpu"
+        self.writer = StepWriter(steps_file(self.run_dir, rank))
+        if self.settings.resume:
+            self.writer.truncate_after(self.offset)  # what the saving process recorded past the checkpoint goes
+        self.facts = RankFacts(
+            rank=rank, world_size=world, local_rank=local_rank, hostname=socket.gethostname(), pid=os.getpid(),
+            device=device, software=_software(),
+            policy_applied=applied_state(Device.cuda if device != "cpu" else Device.cpu),
+            optimizers=self.optimizer_classes, resumed_from=self.offset if self.settings.resume else None,
+        )
+        self.facts.write(self.run_dir)
+
+    def _record(self, closed: ClosedStep) -> None:
+        if self.writer is None:
+            self._open(closed)
+        assert self.facts is not None
+        step = closed.number + self.offset
+        record = {
+            "arm": self.settings.arm,
+            "replica": self.settings.replica,
+            "rank": self.facts.rank,
+            "step": step,
+            "block": self.settings.block,
+            "tokens": None,
+            "flags": live_flags().text(),
+            "optimizer_step": closed.own_count,
+            "calls": closed.calls,
+        }
+        self.pending.append((record, closed))
+        if not self.cuda or len(self.pending) >= 16:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Turn pending steps into lines: device values come to the host here, once for all pending steps."""
+        if self.writer is None:
+            return
+        for record, closed in self.pending:
+            record.update(closed.values())
+            self.writer.write(record)
+        self.pending.clear()
+
+    def close(self) -> None:
+        closed = self.folder.close(time.perf_counter())
+        if closed is not None:
+            self._record(closed)
+        self._flush()
+        if self.writer is not None:
+            self.writer.close()
+            if self.facts is not None:
+                facts = self.facts.__dict__ | {"steps": self.folder.next_step - 1, "optimizers": self.optimizer_classes}
+                RankFacts(**facts).write(self.run_dir)
+
+
+def _software() -> dict[str, Any]:
+    found: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    if torch.cuda.is_available():
+        found["gpu"] = torch.cuda.get_device_name()
+        found["cudnn"] = torch.backends.cudnn.version()
+        try:
+            found["nccl"] = ".".join(str(v) for v in torch.cuda.nccl.version())
+        except (AttributeError, RuntimeError):
+            found["nccl"] = None
+    return found
