@@ -15,7 +15,12 @@
 This module is the parser's top and the dispatch: every subcommand is one entry of SUBCOMMANDS, naming the module
 under taxbench/commands/ whose `main(argv: list[str]) -> int` runs it (argv: the words after the subcommand's name;
 the return value is the exit code) and the line `taxbench --help` shows for it. Adding a subcommand is adding that
-module and its entry: the help, shell completion, the did-you-mean hint and tests/test_docs.py read the table.
+module and its entry, e.g. for taxbench/commands/run.py:
+
+    "run": Subcommand("run", "[overrides] -- COMMAND [ARGS...]", "e.g. run -- torchrun --nproc-per-node 2 train.py",
+                      overrides=True, section=YOUR_COMMAND),
+
+the help, shell completion, the did-you-mean hint and tests/test_docs.py read the table.
 A subcommand's module is imported only when it runs, so that `taxbench analyse`, every `--help` and shell completion
 load neither torch nor a launcher (tests/test_cli.py checks it with -X importtime); the modules whose own --help must
 stay light import their heavy parts once the arguments are read (scripts/import_graph.py names them).
@@ -35,6 +40,11 @@ from typing import Any
 from taxbench import exit_codes
 from taxbench.commands.input_errors import fail
 
+# The sections of `taxbench --help` that list subcommands, in their order (one without a subcommand is left out).
+YOUR_COMMAND = "Your own training command, unchanged, as the pair:"
+RESULTS = "Work on results (taxbench SUBCOMMAND --help for each):"
+SECTIONS = (YOUR_COMMAND, RESULTS)
+
 
 @dataclass(frozen=True)
 class Subcommand:
@@ -42,11 +52,9 @@ class Subcommand:
     usage: str  # its arguments, as `taxbench --help` lists them
     summary: str  # what it does, one phrase for `taxbench --help`
     overrides: bool = False  # takes Hydra overrides (key=value) like an experiment, rather than paths
-    section: str = "Work on results (taxbench SUBCOMMAND --help for each):"  # its heading in `taxbench --help`
+    section: str = RESULTS  # where `taxbench --help` lists it
 
 
-# The headings of `taxbench --help`'s subcommand sections, in their order (a section without a subcommand is left out).
-SECTIONS = ("Your own training command, unchanged, as the pair:", Subcommand.section)
 
 
 # In the order `taxbench --help` lists them.

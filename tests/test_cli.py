@@ -181,3 +181,20 @@ def test_a_taxbench_folder_in_the_current_folder_is_named_in_one_line(tmp_path: 
     assert done.returncode == 2
     assert done.stderr.splitlines() == [done.stderr.strip()] and "shadows it" in done.stderr, done.stderr
     assert f"{tmp_path / 'taxbench'} is imported as the taxbench package" in done.stderr
+
+
+def test_a_subcommand_is_one_entry_of_the_table(monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """An entry names the module that runs it and its line in the help; nothing else in cli.py changes."""
+    from taxbench import cli
+
+    entry = cli.Subcommand("analyse", "[overrides] -- COMMAND [ARGS...]", "e.g. run -- torchrun train.py",
+                           overrides=True, section=cli.YOUR_COMMAND)
+    monkeypatch.setitem(cli.SUBCOMMANDS, "run", entry)
+    shown = cli.main_help()
+    assert (f"{cli.YOUR_COMMAND}\n  run [overrides] -- COMMAND [ARGS...]\n" + " " * 29 + "e.g. run -- torchrun train.py"
+            in shown)
+    assert shown.index(cli.YOUR_COMMAND) < shown.index(cli.RESULTS)
+    with pytest.raises(SystemExit) as exited:  # dispatched to the entry's module (here analyse's argparse --help)
+        cli.subcommand(["run", "--help"])
+    assert exited.value.code == 0 and "usage: taxbench analyse" in capsys.readouterr().out
