@@ -405,8 +405,9 @@ def _median_fingerprint_s(frames: Iterable[pd.DataFrame]) -> float:
 
 
 def compute_experiment(root: Path) -> ExperimentAnalysis:
-    """The experiment's results from its runs' records and manifests (nothing written: taxbench.analysis.summary
-    records them in summary.json)."""
+    """The experiment's results from its runs' records and manifests (taxbench.analysis.summary records them in
+    summary.json). It writes no result, but reading the records leaves their Arrow mirrors where one is missing or
+    behind (taxbench.rundir.read; none in a folder a live launch holds)."""
     began = time.perf_counter()
     first = TIMED["deterministic"].name  # every run's manifest holds the experiment's config; read it from one
     manifest = load_manifest(root / first)

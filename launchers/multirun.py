@@ -1,12 +1,13 @@
 """Hydra multirun: name each point's overrides as it starts; at the end wait for points queued on Slurm, then print
 the sweep table (tax vs GPU count).
 
-A point queued on Slurm returns its `Queued` outcome to Hydra as its job's return value (taxbench.cli.hydra_entry);
-Hydra's launcher runs the point and this callback in one process and hands that value to `on_job_end`, which keeps it
-until the sweep's end.
+A point queued on Slurm returns its `Queued` outcome to Hydra as its job's return value
+(taxbench.commands.experiment.hydra_entry); Hydra's launcher runs the point and this callback in one process and hands
+that value to `on_job_end`, which keeps it until the sweep's end.
 
 Registered in conf/config.yaml under `hydra.callbacks`, so it runs for every multirun, local or Slurm. Each point
-lands in `<out_dir>/<experiment.name>/point<N>/` (taxbench.cli.experiment_root); the sweep folder is their parent.
+lands in `<out_dir>/<experiment.name>/point<N>/` (taxbench.rundir.experiment_folder.experiment_root); the sweep folder
+is their parent.
 It also keeps Hydra's copy of the sweep config (`<sweep folder>/multirun.yaml`) free of secrets.
 """
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch
 
-from taxbench.config import policy
 from taxbench.config.schema import TaxbenchConfig
 from taxbench.parallel import distributed
 from taxbench.parallel.distributed import DistContext
 from taxbench.progress import step_progress
+from taxbench.runtime import determinism
 from taxbench.schedule.experiment import Experiment, total_steps
 from taxbench.schedule.repeats import REPLICAS, RepeatedRuns
 from taxbench.schedule.rerun import Rerun
@@ -27,7 +27,7 @@ def rank_process(cfgs: Sequence[TaxbenchConfig], rank: int, world_size: int, loc
     os.environ.setdefault("OMP_NUM_THREADS", str(cluster.threads_per_rank))
     torch.set_num_threads(cluster.threads_per_rank)
     # Before the first CUDA op: cuBLAS reads its workspace config once per process.
-    policy.prepare_process_env([p for cfg in cfgs for p in cfg.arms.values()], cluster.device)
+    determinism.prepare_process_env([p for cfg in cfgs for p in cfg.arms.values()], cluster.device)
     ctx = distributed.init(rank, world_size, local_rank, cluster.device, master_addr, master_port)
     try:
         yield ctx

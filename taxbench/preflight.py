@@ -20,7 +20,7 @@ from torch import nn
 
 from taxbench.config.layout_rules import layout_problems
 from taxbench.config.pairing import validate_pair
-from taxbench.config.policy import audit, validate_policy
+from taxbench.config.policy import audit
 from taxbench.config.schema import (
     ConfigError,
     DataKind,
@@ -42,6 +42,7 @@ from taxbench.diagnostics import logger
 from taxbench.parallel.layout import layout_for, tensor_parallel_plan
 from taxbench.parallel.pipeline import stage_holding, stage_split
 from taxbench.parallel.recompute import apply_activation_checkpointing
+from taxbench.runtime.determinism import validate_on_this_build
 from taxbench.stacks.float8 import float8_layers, float8_problem
 from taxbench.stacks.registry import foreign_stack, stack_for
 from taxbench.workloads import TooLargeForHost, build_model, on_meta_or_host
@@ -86,7 +87,7 @@ def check_before_launch(cfg: TaxbenchConfig) -> None:
     validate(cfg)
     validate_pair(cfg)
     for arm_policy in cfg.arms.values():
-        validate_policy(arm_policy, cfg.cluster.device)
+        validate_on_this_build(arm_policy, cfg.cluster.device)
     check_data(cfg.recipe, world_size(cfg.cluster))
     model = check_model(cfg.recipe)
     check_model_parallel(cfg.recipe, model)

@@ -15,6 +15,7 @@ from test_fingerprint import _layouts, _sample, reference_digest
 from taxbench import fingerprint
 from taxbench.config import policy
 from taxbench.config.schema import Device, ModelConfig, PolicyConfig
+from taxbench.runtime import determinism
 
 pytestmark = [
     pytest.mark.gpu,
@@ -65,7 +66,7 @@ def test_cuda_digests_stay_on_the_device_without_a_host_sync() -> None:
 
 def test_deterministic_policy_makes_torch_refuse_a_nondeterministic_cuda_kernel() -> None:
     values = torch.rand(1000, device="cuda")
-    with policy.active(DETERMINISTIC), pytest.raises(RuntimeError, match="deterministic"):
+    with determinism.active(DETERMINISTIC), pytest.raises(RuntimeError, match="deterministic"):
         torch.histc(values, bins=10)
     torch.histc(values, bins=10)  # the baseline (flags restored) may use it
 
@@ -77,12 +78,13 @@ def test_workspace_config_set_after_cuda_init_is_refused(tmp_path: Path) -> None
         "os.environ.pop('CUBLAS_WORKSPACE_CONFIG', None)\n"
         "torch.ones(1, device='cuda') @ torch.ones(1, 1, device='cuda')\n"
         "from taxbench.config import policy\n"
+        "from taxbench.runtime import determinism\n"
         "from taxbench.config.schema import Device, PolicyConfig\n"
         "p = PolicyConfig(name='d', deterministic=True, cudnn_benchmark=False, allow_tf32=False,\n"
         "                 cublas_workspace_config=':4096:8', nccl_algo='Ring',\n"
         "                 nvte_allow_nondeterministic_algo=False)\n"
         "try:\n"
-        "    policy.prepare_process_env([p], Device.cuda)\n"
+        "    determinism.prepare_process_env([p], Device.cuda)\n"
         "except policy.PolicyError as exc:\n"
         "    print('refused:', exc)\n"
     )
@@ -105,9 +107,9 @@ def test_moe_fast_combine_differs_on_cuda_and_fixed_order_path_does_not() -> Non
         return torch.cat([logits.detach().float().flatten()] + [p.grad.flatten() for p in model.parameters()])
 
     torch.manual_seed(1)
-    with policy.active(replace(DETERMINISTIC, deterministic=False, deterministic_kernels=False)):
+    with determinism.active(replace(DETERMINISTIC, deterministic=False, deterministic_kernels=False)):
         fast = [step_bytes(False) for _ in range(8)]
-    with policy.active(DETERMINISTIC):
+    with determinism.active(DETERMINISTIC):
         fixed = [step_bytes(True) for _ in range(8)]
     assert all(torch.equal(fixed[0], other) for other in fixed[1:])
     assert any(not torch.equal(fast[0], other) for other in fast[1:]), "CUDA fast path was bitwise stable 8 times"

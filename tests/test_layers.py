@@ -72,3 +72,14 @@ def test_the_run_folder_format_loads_no_torch() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_the_config_layer_loads_no_torch() -> None:
+    # config/ validates and describes the policy; applying it to the process (torch's flags) is taxbench.runtime.
+    code = ("import importlib, pkgutil, sys\nimport taxbench.config as config\n"
+            "for found in pkgutil.iter_modules(config.__path__):\n"
+            "    importlib.import_module(f'taxbench.config.{found.name}')\n"
+            "print(sorted(name for name in sys.modules if name == 'torch' or name.startswith('torch.')))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

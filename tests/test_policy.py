@@ -12,6 +12,7 @@ from helpers import compose_config
 
 from taxbench.config import policy
 from taxbench.config.schema import Device, PolicyConfig
+from taxbench.runtime import determinism
 
 DETERMINISTIC = PolicyConfig(
     name="deterministic", deterministic=True, cudnn_benchmark=False, allow_tf32=False,
@@ -46,8 +47,8 @@ def test_accepted_values_pass(algo: str, workspace: str) -> None:
 
 def test_cpu_deterministic_mode_is_allowed_and_recorded_as_cpu() -> None:
     policy.validate_policy(replace(DETERMINISTIC, nccl_algo=None, cublas_workspace_config=None), Device.cpu)
-    with policy.active(DETERMINISTIC):
-        state = policy.applied_state(Device.cpu)
+    with determinism.active(DETERMINISTIC):
+        state = determinism.applied_state(Device.cpu)
     assert state["use_deterministic_algorithms"] is True
     assert state["cudnn_deterministic"] is True and state["cudnn_benchmark"] is False
     assert state["matmul_allow_tf32"] is False
@@ -56,7 +57,7 @@ def test_cpu_deterministic_mode_is_allowed_and_recorded_as_cpu() -> None:
 
 def test_prepare_process_env_sets_workspace_config(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
-    applied = policy.prepare_process_env([BASELINE, DETERMINISTIC], Device.cpu)
+    applied = determinism.prepare_process_env([BASELINE, DETERMINISTIC], Device.cpu)
     assert applied == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
 
@@ -64,28 +65,28 @@ def test_prepare_process_env_sets_workspace_config(monkeypatch: pytest.MonkeyPat
 def test_prepare_process_env_refuses_conflicting_workspaces() -> None:
     other = replace(BASELINE, cublas_workspace_config=":16:8")
     with pytest.raises(policy.PolicyError, match="process-wide"):
-        policy.prepare_process_env([other, DETERMINISTIC], Device.cpu)
+        determinism.prepare_process_env([other, DETERMINISTIC], Device.cpu)
 
 
 def test_arms_switch_flags_and_environment_and_restore_them(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("NCCL_ALGO", raising=False)
-    with policy.active(DETERMINISTIC):
+    with determinism.active(DETERMINISTIC):
         assert torch.are_deterministic_algorithms_enabled()
         assert os.environ["NCCL_ALGO"] == "Ring"
         assert os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] == "0"
     assert "NCCL_ALGO" not in os.environ
-    with policy.active(BASELINE):
+    with determinism.active(BASELINE):
         assert not torch.are_deterministic_algorithms_enabled()
         assert torch.backends.cudnn.benchmark is True
         assert "NCCL_ALGO" not in os.environ
 
 
 def test_fill_uninitialized_memory_is_applied_only_when_the_policy_asks() -> None:
-    with policy.active(replace(DETERMINISTIC, fill_uninitialized_memory=True)):
+    with determinism.active(replace(DETERMINISTIC, fill_uninitialized_memory=True)):
         assert torch.empty(64).isnan().all()
-        assert policy.applied_state(Device.cpu)["fill_uninitialized_memory"] is True
-    with policy.active(DETERMINISTIC):
-        assert policy.applied_state(Device.cpu)["fill_uninitialized_memory"] is False
+        assert determinism.applied_state(Device.cpu)["fill_uninitialized_memory"] is True
+    with determinism.active(DETERMINISTIC):
+        assert determinism.applied_state(Device.cpu)["fill_uninitialized_memory"] is False
 
 
 # ------------------------------------------------------------------ the environment the deterministic arm runs in
@@ -114,7 +115,7 @@ def test_refusal_reads_the_process_environment(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(policy.PolicyError, match=r"NCCL_ALGO='Tree' .*unset it \(taxbench then sets Ring\)"):
         policy.validate_policy(DETERMINISTIC, Device.cuda)
     with pytest.raises(policy.PolicyError, match="NCCL_ALGO='Tree'"):
-        policy.prepare_process_env([BASELINE, DETERMINISTIC], Device.cpu)  # the ranks check it again
+        determinism.prepare_process_env([BASELINE, DETERMINISTIC], Device.cpu)  # the ranks check it again
 
 
 @pytest.mark.parametrize(
@@ -130,16 +131,16 @@ def test_valid_environment_values_are_kept_and_recorded(monkeypatch: pytest.Monk
     monkeypatch.setenv("NCCL_ALGO", "CollnetDirect")
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
     monkeypatch.delenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", raising=False)
-    assert policy.prepare_process_env([BASELINE, DETERMINISTIC], Device.cpu) == {}  # nothing overwritten
+    assert determinism.prepare_process_env([BASELINE, DETERMINISTIC], Device.cpu) == {}  # nothing overwritten
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
-    with policy.active(DETERMINISTIC):
-        env = policy.applied_state(Device.cpu)["env"]
+    with determinism.active(DETERMINISTIC):
+        env = determinism.applied_state(Device.cpu)["env"]
     # The user's values are kept; the unset one is filled from the policy.
     assert env["NCCL_ALGO"] == "CollnetDirect" and env["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
     assert env["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] == "0"
-    with policy.active(BASELINE):  # the baseline runs its own policy: NCCL's default algorithm
+    with determinism.active(BASELINE):  # the baseline runs its own policy: NCCL's default algorithm
         assert "NCCL_ALGO" not in os.environ
-        with policy.arm_environment(DETERMINISTIC):  # nested: the user's value, not the baseline's unset one
+        with determinism.arm_environment(DETERMINISTIC):  # nested: the user's value, not the baseline's unset one
             assert os.environ["NCCL_ALGO"] == "CollnetDirect"
             assert os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] == "0"
     assert os.environ["NCCL_ALGO"] == "CollnetDirect" and "NVTE_ALLOW_NONDETERMINISTIC_ALGO" not in os.environ
@@ -147,7 +148,7 @@ def test_valid_environment_values_are_kept_and_recorded(monkeypatch: pytest.Monk
 
 def test_empty_environment_value_counts_as_unset(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")
-    assert policy.prepare_process_env([DETERMINISTIC], Device.cpu) == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    assert determinism.prepare_process_env([DETERMINISTIC], Device.cpu) == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 
 def test_cli_refuses_a_bad_environment_value_before_launch(tmp_path, taxbench_cli) -> None:
@@ -196,18 +197,18 @@ def test_an_unpinned_tree_and_bad_nccl_values_are_refused_with_the_fix(change: d
 def test_a_tree_arm_gets_its_pinned_environment_and_the_baseline_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in policy.PER_ARM_ENV_VARS:
         monkeypatch.delenv(name, raising=False)
-    with policy.active(TREE):
-        env = policy.applied_state(Device.cpu)
+    with determinism.active(TREE):
+        env = determinism.applied_state(Device.cpu)
     assert env["env"]["NCCL_ALGO"] == "Ring;allreduce:Tree" and env["env"]["NCCL_PROTO"] == "Simple"
     assert env["env"]["NCCL_MIN_NCHANNELS"] == env["env"]["NCCL_MAX_NCHANNELS"] == "1"
     assert env["nccl"] == {"algo": "Ring;allreduce:Tree", "proto": "Simple", "channels": ["1", "1"], "active": False}
     assert "gloo runs the collectives" in env["note"]
-    with policy.active(BASELINE):
+    with determinism.active(BASELINE):
         assert not any(name in os.environ for name in policy.PER_ARM_ENV_VARS[:-1])
     # A site's protocol setting stays for the arms that do not pin one (the baseline, Megatron's Ring).
     monkeypatch.setenv("NCCL_PROTO", "^LL128")
     for unpinned in (BASELINE, DETERMINISTIC):
-        with policy.active(unpinned):
+        with determinism.active(unpinned):
             assert os.environ["NCCL_PROTO"] == "^LL128" and "NCCL_MIN_NCHANNELS" not in os.environ
 
 
@@ -270,3 +271,15 @@ def test_a_deterministic_tree_pair_runs_on_two_gloo_ranks_and_records_its_nccl_s
     assert applied["env"]["NCCL_MIN_NCHANNELS"] == applied["env"]["NCCL_MAX_NCHANNELS"] == "1"
     baseline = json.loads((tmp_path / "tree" / "baseline-0" / "manifest.json").read_text())["policy_applied"]
     assert baseline["nccl"] == {"algo": None, "proto": None, "channels": [None, None], "active": False}
+
+
+def test_a_rocm_build_of_torch_is_refused_for_a_deterministic_cuda_arm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ROCm's torch reports its GPUs as CUDA; taxbench cannot vouch for its kernels. The torch build is a runtime
+    fact: config/ validates the policy without importing torch, runtime/ adds the build."""
+    monkeypatch.setattr(torch.version, "hip", "6.2.0")
+    with pytest.raises(policy.PolicyError, match="ROCm/HIP"):
+        determinism.validate_on_this_build(DETERMINISTIC, Device.cuda, env={})
+    with pytest.raises(policy.PolicyError, match="ROCm/HIP"):
+        determinism.prepare_process_env([BASELINE, DETERMINISTIC], Device.cuda)
+    determinism.validate_on_this_build(DETERMINISTIC, Device.cpu, env={})  # CPU: torch's own algorithms
+    determinism.validate_on_this_build(BASELINE, Device.cuda, env={})  # the baseline makes no determinism promise

@@ -11,9 +11,9 @@ import pytest
 import torch
 from helpers import compose_config, compose_raw, compose_typed, localize_planted_op, one_rank
 
-from taxbench.config import policy
 from taxbench.config.schema import ConfigError, Device
 from taxbench.preflight import prepare
+from taxbench.runtime import determinism
 
 
 def _has_torchtitan() -> bool:
@@ -213,7 +213,8 @@ def _process_state() -> dict[str, object]:
     from torchtitan.tools import utils as tools_utils
 
     modules = (tools_utils, parallel_dims, utils, token_dispatcher)
-    return {"env": dict(os.environ), "flags": policy.applied_state(Device.cpu), "rng": torch.get_rng_state().tolist(),
+    return {"env": dict(os.environ), "flags": determinism.applied_state(Device.cpu),
+            "rng": torch.get_rng_state().tolist(),
             "devices": [(m.__name__, getattr(m, "device_type", None), getattr(m, "device_module", None))
                         for m in modules],
             "flex": (FlexAttention._compiled_flex_attn, dict(FlexAttention.inductor_configs))}

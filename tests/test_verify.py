@@ -21,7 +21,6 @@ from submitit.slurm.test_slurm import mocked_slurm
 from test_slurm import needs_slurm
 
 from taxbench import exit_codes
-from taxbench.cli import run_verify_command
 from taxbench.commands.verify import (
     SUMMARY_FILE,
     VerifyError,
@@ -32,6 +31,7 @@ from taxbench.commands.verify import (
     plan_rerun,
     rerun_config,
 )
+from taxbench.commands.verify_cli import main as run_verify_command
 from taxbench.launchers import slurm
 from taxbench.rundir.certificate import HASH_KEY, CertificateError, _content_hash, read_certificate
 from taxbench.rundir.records import steps_file

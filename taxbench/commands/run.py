@@ -13,15 +13,11 @@ import re
 import sys
 from pathlib import Path
 
-from hydra import compose, initialize_config_module
-from hydra.errors import HydraException
-from omegaconf.errors import OmegaConfBaseException
-
 from taxbench import exit_codes
+from taxbench.commands.input_errors import one_line_input_errors
+from taxbench.commands.overrides import compose
 from taxbench.config.command import CommandError, validate_command
-from taxbench.config.schema import ConfigError, Launcher, TaxbenchConfig, load_config, register_configs, validate
-from taxbench.launchers.command import CommandFailed, CommandRunner, NoEvidence
-from taxbench.launchers.outcome import Launched, publish_launch
+from taxbench.config.schema import ConfigError, Launcher, TaxbenchConfig, load_config, validate
 from taxbench.rundir.experiment_folder import claimed, experiment_root
 from taxbench.rundir.provenance import capture_launch
 from taxbench.rundir.read import RecordError
@@ -92,29 +88,30 @@ def quoted_argument_lists(overrides: list[str]) -> list[str]:
 
 
 def compose_config(overrides: list[str], command: list[str]) -> TaxbenchConfig:
-    register_configs()
     named = [f"recipe.name={command_label(command)}"]
-    with initialize_config_module(config_module="taxbench.conf", version_base="1.3"):
-        raw = compose(config_name="config", overrides=named + quoted_argument_lists(overrides))
-    cfg = load_config(raw)
+    cfg = load_config(compose(named + quoted_argument_lists(overrides)))
     cfg.run.command = list(command)
     cfg.run.cwd = cfg.run.cwd or os.getcwd()
     return cfg
 
 
-def run_command(argv: list[str]) -> int:
+def main(argv: list[str]) -> int:
     if any(arg in ("-h", "--help") for arg in argv[: argv.index("--") if "--" in argv else len(argv)]):
         print(USAGE)
         return exit_codes.OK
+    from taxbench.launchers.command import CommandFailed, CommandRunner, NoEvidence
+    from taxbench.launchers.outcome import Launched, publish_launch
+
     try:
-        overrides, command = split_command(argv)
-        cfg = compose_config(overrides, command)
-        validate(cfg)
-        validate_command(cfg.run)
-        if cfg.cluster.launcher is not Launcher.local:
-            raise ConfigError(f"taxbench run starts the command on this machine; cluster={cfg.cluster.name} is not "
-                              "supported yet: run taxbench inside your allocation (salloc, then cluster=local), "
-                              "with the command's own launcher (srun, torchrun) after `--`")
+        with one_line_input_errors(CommandError):
+            overrides, command = split_command(argv)
+            cfg = compose_config(overrides, command)
+            validate(cfg)
+            validate_command(cfg.run)
+            if cfg.cluster.launcher is not Launcher.local:
+                raise ConfigError(f"taxbench run starts the command on this machine; cluster={cfg.cluster.name} is "
+                                  "not supported yet: run taxbench inside your allocation (salloc, then "
+                                  "cluster=local), with the command's own launcher (srun, torchrun) after `--`")
         with claimed(cfg, experiment_root(cfg)) as root:
             capture_launch()
             print(f"taxbench: experiment {root}", flush=True)
@@ -122,8 +119,6 @@ def run_command(argv: list[str]) -> int:
             return publish_launch(Launched(root, cfg.report))
     except (CommandError, ConfigError) as exc:
         return _fail(str(exc), exit_codes.CONFIG_ERROR)
-    except (HydraException, OmegaConfBaseException) as exc:
-        return _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, exit_codes.CONFIG_ERROR)
     except CommandFailed as exc:
         return _fail(str(exc), exit_codes.FAILED)
     except NoEvidence as exc:

@@ -1,15 +1,10 @@
-"""The determinism policy: validate it, apply it, and record what was actually applied.
+"""The determinism policy: validate it, say what it sets, and audit a stack's own switch against it (torch-free;
+applying it to a process and reading torch's flags back is taxbench.runtime.determinism).
 
-Two layers:
-- process environment (CUBLAS_WORKSPACE_CONFIG, NVTE_ALLOW_NONDETERMINISTIC_ALGO): must be in place before the first
-  CUDA op; `prepare_process_env` validates and sets it and refuses when CUDA is already initialized with other values.
-  As in Megatron (megatron/training/determinism.py), the deterministic arm refuses a value already in the environment
-  that it cannot vouch for (`validate_policy_env`, on every device: the same environment goes to the cluster job),
-  keeps a valid one, and fills its policy's value only where the variable is unset; manifests record what was used.
-- torch flags (deterministic algorithms, cuDNN, TF32, fill_uninitialized_memory): switched per arm by `apply_flags`,
-  so both arms can be interleaved in one process.
-NCCL_ALGO is read when a communicator is created, so each arm gets its own process group created under its value
-(see taxbench.parallel.distributed).
+As in Megatron (megatron/training/determinism.py), the deterministic arm refuses a value already in the environment
+that it cannot vouch for (`validate_policy_env`, on every device: the same environment goes to the cluster job), keeps
+a valid one, and fills its policy's value only where the variable is unset (`arm_env_values`); manifests record what
+was used.
 
 Two NCCL policies are deterministic, each on a fixed topology: Megatron's (NCCL_ALGO=Ring, refusing Tree, whose
 reduction order depends on the topology) and torchtitan's batch-invariant one (a Tree all-reduce on one channel with
@@ -22,12 +17,10 @@ on NCCL 2.31 (vllm-project/vllm#58179); the other collectives stay on Ring, neve
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from importlib import resources
 from typing import Any
 
-import torch
 from omegaconf import OmegaConf
 
 from taxbench.config.schema import ConfigError, Device, PolicyConfig
@@ -127,17 +120,13 @@ def validate_policy_env(policy: PolicyConfig, device: Device, env: Mapping[str, 
 
 def validate_policy(policy: PolicyConfig, device: Device, env: Mapping[str, str] | None = None) -> None:
     """Refuse deterministic policies whose settings, or the environment (default os.environ) they would run in, are
-    known not to give bitwise determinism. A stack-native arm is the stack's switch: audited (`audit`), not refused."""
+    known not to give bitwise determinism. A stack-native arm is the stack's switch: audited (`audit`), not refused.
+    The torch build is checked where torch is: taxbench.runtime.determinism.validate_on_this_build."""
     if not policy.deterministic or policy.stack_native:
         return
     validate_policy_env(policy, device, env)
     _validate_nccl(policy, device)
-    if device is Device.cuda:
-        if torch.version.hip is not None:
-            raise PolicyError(
-                f"mode {policy.name!r}: deterministic execution on ROCm/HIP (torch {torch.__version__}) cannot be "
-                "vouched for by taxbench; run the deterministic arm on NVIDIA CUDA or on cluster.device=cpu"
-            )
+    if device is Device.cuda:  # whether this torch build is one taxbench vouches for: runtime.determinism
         if policy.cublas_workspace_config not in VALID_CUBLAS_WORKSPACE_CONFIGS:
             raise PolicyError(
                 f"mode {policy.name!r}: cublas_workspace_config={policy.cublas_workspace_config!r} does not make "
@@ -228,46 +217,10 @@ def audit(native: PolicyConfig, stack: str) -> list[str]:
     return lines
 
 
-def _cuda_initialized() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
-
-
-def prepare_process_env(policies: Iterable[PolicyConfig], device: Device) -> dict[str, str]:
-    """Validate and set the process-wide environment that the policies need; call before the first CUDA op.
-
-    The arms share one process, so a variable one arm requires (the cuBLAS workspace size) applies to both; it only
-    fixes the workspace size, and the manifest records it as shared.
-    """
-    policies = list(policies)
-    for policy in policies:
-        validate_policy(policy, device)
-    wanted: dict[str, str] = {}
-    workspaces = {p.cublas_workspace_config for p in policies if p.cublas_workspace_config}
-    if len(workspaces) > 1:
-        raise PolicyError(
-            f"the arms ask for different cublas_workspace_config values {sorted(workspaces)}; it is process-wide, "
-            "so both arms must use the same one"
-        )
-    if workspaces and not os.environ.get("CUBLAS_WORKSPACE_CONFIG"):  # a value already set was validated: kept
-        wanted["CUBLAS_WORKSPACE_CONFIG"] = workspaces.pop()
-    if device is Device.cuda and _cuda_initialized():
-        stale = {k: v for k, v in wanted.items() if os.environ.get(k) != v}
-        if stale:
-            raise PolicyError(
-                f"CUDA was initialized before taxbench could set {stale}; cuBLAS reads them once. Set them in the "
-                "job environment or avoid CUDA work before taxbench starts"
-            )
-    os.environ.update(wanted)
-    return wanted
-
-
 PER_ARM_ENV_VARS = ("NCCL_ALGO", "NCCL_PROTO", *NCCL_CHANNEL_VARS, "NVTE_ALLOW_NONDETERMINISTIC_ALGO")
 # Set by an arm only where its policy pins them; otherwise the user's values (a site's NCCL_PROTO=^LL128) stay, for
 # both arms.
 PINNED_ONLY_ENV_VARS = ("NCCL_PROTO", *NCCL_CHANNEL_VARS)
-# The per-arm variables as they were before the outermost arm_environment: the user's values, which nested or
-# interleaved arm blocks must not mistake for their own.
-_outer_env: list[dict[str, str | None]] = []
 
 
 def arm_env_values(policy: PolicyConfig, user_env: Mapping[str, str | None]) -> dict[str, str | None]:
@@ -280,97 +233,3 @@ def arm_env_values(policy: PolicyConfig, user_env: Mapping[str, str | None]) -> 
         else wanted[name]
         for name in PER_ARM_ENV_VARS
     }
-
-
-@contextmanager
-def arm_environment(policy: PolicyConfig) -> Iterator[None]:
-    """Per-arm variables read at use (NCCL_ALGO at communicator creation, NVTE_* at kernel selection)."""
-    saved = {k: os.environ.get(k) for k in PER_ARM_ENV_VARS}
-    _outer_env.append(_outer_env[0] if _outer_env else saved)
-    values = arm_env_values(policy, _outer_env[0])
-    try:
-        put_env(values)
-        yield
-    finally:
-        _outer_env.pop()
-        put_env(saved)
-
-
-def put_env(values: Mapping[str, str | None]) -> None:
-    """Set each environment variable to its value; None unsets it."""
-    for key, value in values.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-
-
-def apply_flags(policy: PolicyConfig) -> None:
-    """Switch torch's global determinism flags to this arm's policy."""
-    torch.use_deterministic_algorithms(policy.deterministic, warn_only=False)
-    torch.utils.deterministic.fill_uninitialized_memory = policy.fill_uninitialized_memory  # type: ignore[attr-defined]
-    torch.backends.cudnn.deterministic = policy.deterministic
-    torch.backends.cudnn.benchmark = policy.cudnn_benchmark
-    torch.backends.cuda.matmul.allow_tf32 = policy.allow_tf32
-    torch.backends.cudnn.allow_tf32 = policy.allow_tf32
-
-
-def _current_flags() -> dict[str, Any]:
-    return {
-        "deterministic": torch.are_deterministic_algorithms_enabled(),
-        "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
-        "fill": torch.utils.deterministic.fill_uninitialized_memory,  # type: ignore[attr-defined]
-        "cudnn_deterministic": torch.backends.cudnn.deterministic,
-        "cudnn_benchmark": torch.backends.cudnn.benchmark,
-        "matmul_tf32": torch.backends.cuda.matmul.allow_tf32,
-        "cudnn_tf32": torch.backends.cudnn.allow_tf32,
-    }
-
-
-def _restore_flags(flags: dict[str, Any]) -> None:
-    torch.use_deterministic_algorithms(flags["deterministic"], warn_only=flags["warn_only"])
-    torch.utils.deterministic.fill_uninitialized_memory = flags["fill"]  # type: ignore[attr-defined]
-    torch.backends.cudnn.deterministic = flags["cudnn_deterministic"]
-    torch.backends.cudnn.benchmark = flags["cudnn_benchmark"]
-    torch.backends.cuda.matmul.allow_tf32 = flags["matmul_tf32"]
-    torch.backends.cudnn.allow_tf32 = flags["cudnn_tf32"]
-
-
-@contextmanager
-def active(policy: PolicyConfig) -> Iterator[None]:
-    """Run a block of this arm's work under its flags and per-arm environment; the previous flags come back after."""
-    saved = _current_flags()
-    with arm_environment(policy):
-        apply_flags(policy)
-        try:
-            yield
-        finally:
-            _restore_flags(saved)
-
-
-def applied_state(device: Device) -> dict[str, Any]:
-    """What torch reports right now: recorded in the manifest, read back rather than assumed."""
-    state: dict[str, Any] = {
-        "device": device.value,
-        "use_deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-        "fill_uninitialized_memory": bool(torch.utils.deterministic.fill_uninitialized_memory),  # type: ignore[attr-defined]
-        "cudnn_deterministic": torch.backends.cudnn.deterministic,
-        "cudnn_benchmark": torch.backends.cudnn.benchmark,
-        "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
-        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
-        "env": {k: os.environ[k] for k in RECORDED_ENV_VARS if k in os.environ},
-    }
-    state["nccl"] = {
-        "algo": os.environ.get("NCCL_ALGO"),
-        "proto": os.environ.get("NCCL_PROTO"),
-        "channels": [os.environ.get(name) for name in NCCL_CHANNEL_VARS],
-        # NCCL reads them when the arm's communicator is created; gloo never reads them.
-        "active": device is Device.cuda,
-    }
-    if device is Device.cpu:
-        state["note"] = (
-            "CPU execution: determinism is vouched for by torch's deterministic algorithms and fixed thread counts; "
-            "CUDA-only settings are recorded but inactive (the NCCL_* variables too: gloo runs the collectives)"
-        )
-        state["cpu_threads"] = torch.get_num_threads()
-    return state

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from taxbench.config.policy import arm_environment
 from taxbench.config.schema import Device, PolicyConfig
+from taxbench.runtime.determinism import arm_environment
 
 
 @dataclass

@@ -24,11 +24,11 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Activati
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from taxbench.config.policy import arm_environment
 from taxbench.config.schema import ConfigError, DataParallel, ParallelConfig, PolicyConfig, RecipeConfig
 from taxbench.config.shape import ParallelShape
 from taxbench.parallel.distributed import DistContext
 from taxbench.parallel.pipeline import StagePlaceholder, join_stages
+from taxbench.runtime.determinism import arm_environment
 from taxbench.workloads.dense import MLP, CausalSelfAttention
 
 

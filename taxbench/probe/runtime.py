@@ -26,12 +26,12 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from taxbench import fingerprint
-from taxbench.config.policy import applied_state, apply_flags
 from taxbench.config.schema import Device, PolicyConfig
 from taxbench.probe.steps import ClosedStep, StepFolder
 from taxbench.rundir.probe_files import LiveFlags, ProbeSettings, RankFacts, mark_loaded, read_probe_settings
 from taxbench.rundir.records import steps_file
 from taxbench.rundir.step_stream import StepWriter
+from taxbench.runtime.determinism import applied_state, apply_flags
 
 _probe: Probe | None = None
 

@@ -44,6 +44,7 @@ from taxbench.parallel.stack_facts import gather_stack
 from taxbench.progress import IDLE, StepProgress
 from taxbench.rundir.manifest import RunFacts, write_run_manifest
 from taxbench.rundir.records import Stop, op_table_file, read_stop, write_commits
+from taxbench.runtime import determinism
 from taxbench.schedule.checkpoint_clock import CheckpointClock
 from taxbench.schedule.cost import ScheduleCost, Stopwatch, command_started_unix, process_start_unix
 from taxbench.schedule.stopping import StoppingRule
@@ -107,8 +108,8 @@ class Experiment:
         if self.ctx.rank != 0:
             return
         arm_policy = self.design.policies[ref.arm]
-        with policy.active(arm_policy):
-            applied = policy.applied_state(self.cfg.cluster.device)
+        with determinism.active(arm_policy):
+            applied = determinism.applied_state(self.cfg.cluster.device)
         if self._throughput is None:
             self._throughput = throughput_manifest(self.cfg.recipe, self.cfg.cluster)
         training_stack = stack_for(self.cfg.recipe.model)

@@ -38,11 +38,11 @@ import torch.distributed as dist
 from torch import nn
 
 from taxbench.checkpoint.state import extras_path
-from taxbench.config import policy
 from taxbench.config.schema import ConfigError, DataParallel, ModelConfig, PolicyConfig, Precision, RecipeConfig
 from taxbench.parallel.distributed import DistContext
 from taxbench.parallel.layout import ParallelModel, layout_for
 from taxbench.rundir.records import write_atomically
+from taxbench.runtime import determinism
 from taxbench.stacks.protocol import RankModel, refuse_conflicts, refuse_unknown_options
 from taxbench.stacks.step import Batch, cross_entropy
 from taxbench.workloads.dense import GPT, MLP
@@ -307,7 +307,7 @@ class DeepSpeedStack:
         require_layout(recipe)
         _init_distributed(ctx)
         key = arm_policy.deterministic and knows_deterministic_mode() and ctx.device.type == "cuda"
-        with policy.active(arm_policy):
+        with determinism.active(arm_policy):
             refuse_conflicts(self.name, arm_policy, {})
             torch.manual_seed(recipe.seed)
             model = build_gpt(recipe, options).to(ctx.device)

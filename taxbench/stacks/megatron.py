@@ -44,7 +44,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from taxbench.config import policy
-from taxbench.config.policy import arm_environment
 from taxbench.config.schema import (
     ActivationCheckpointing,
     ConfigError,
@@ -56,6 +55,7 @@ from taxbench.config.schema import (
 )
 from taxbench.parallel.distributed import DistContext
 from taxbench.parallel.layout import Layout, Meshes, ParallelModel, layout_for, meshes_for
+from taxbench.runtime import determinism
 from taxbench.stacks import megatron_chunks
 from taxbench.stacks.native import build_optimizer
 from taxbench.stacks.protocol import RankModel, refuse_conflicts, refuse_unknown_options
@@ -483,9 +483,9 @@ class MegatronStack:
         require_layout(recipe)
         layout = layout_for(recipe.parallel, ctx.world_size, ctx.rank)
         meshes = meshes_for(layout, ctx, arm_policy)
-        with policy.active(arm_policy):
+        with determinism.active(arm_policy):
             refuse_conflicts(self.name, arm_policy, SWITCH_ENV if arm_policy.deterministic else {})
-            with arm_environment(arm_policy):
+            with determinism.arm_environment(arm_policy):
                 groups = process_groups(meshes)
                 ensure_parallel_state(recipe.parallel)
             model_parallel_cuda_manual_seed(recipe.seed, tp_rank=layout.tp_rank, ep_rank=layout.ep_rank,

@@ -28,6 +28,7 @@ from taxbench.parallel.layout import layout_for, parallelize
 from taxbench.parallel.materialize import materialize
 from taxbench.parallel.pipeline import boundaries, split_model, stage_split
 from taxbench.parallel.recompute import apply_activation_checkpointing
+from taxbench.runtime import determinism
 from taxbench.stacks.float8 import convert_to_float8
 from taxbench.stacks.protocol import RankModel
 from taxbench.stacks.step import PipelineStep, PlainStep, StepExecutor
@@ -41,7 +42,7 @@ def autocast_dtype(recipe: RecipeConfig) -> torch.dtype | None:
 def build_pipeline(recipe: RecipeConfig, arm_policy: PolicyConfig, ctx: DistContext, micro_batches: int) -> RankModel:
     """This rank's model parts, boundaries and executor for the recipe's layout (see the module docstring)."""
     layout = layout_for(recipe.parallel, ctx.world_size, ctx.rank)
-    with policy.active(arm_policy):
+    with determinism.active(arm_policy):
         model = build_model(recipe.model, arm_policy.deterministic_kernels)
     if recipe.precision is Precision.fp8:
         convert_to_float8(model)

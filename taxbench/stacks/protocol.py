@@ -89,8 +89,8 @@ def refuse_unknown_options(stack: str, options: Any, given: dict[str, Any]) -> N
 def refuse_conflicts(stack: str, arm_policy: PolicyConfig, stack_env: dict[str, str | None]) -> None:
     """Refuse a stack switch that leaves torch's flags or the environment other than taxbench's policy has them.
 
-    Called right after the stack's switch ran inside `policy.active(arm_policy)`: the flags it changed are read back
-    and compared with the policy's; `stack_env` is what the switch puts in the environment."""
+    Called right after the stack's switch ran inside `determinism.active(arm_policy)`: the flags it changed are read
+    back and compared with the policy's; `stack_env` is what the switch puts in the environment."""
     wanted = {
         "use_deterministic_algorithms": arm_policy.deterministic,
         "deterministic_warn_only": False if arm_policy.deterministic else None,

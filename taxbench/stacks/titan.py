@@ -58,7 +58,6 @@ import torch
 from torch import nn
 
 from taxbench.checkpoint.rng import RngSnapshot
-from taxbench.config import policy
 from taxbench.config.schema import (
     ActivationCheckpointing,
     ConfigError,
@@ -70,6 +69,7 @@ from taxbench.config.schema import (
 from taxbench.config.shape import ParallelShape
 from taxbench.parallel.distributed import DistContext
 from taxbench.parallel.layout import ParallelModel, layout_for
+from taxbench.runtime import determinism
 from taxbench.stacks.protocol import RankModel, refuse_conflicts, refuse_unknown_options
 from taxbench.stacks.step import Batch
 
@@ -253,7 +253,7 @@ def _flex_kernel(kernel: FlexKernel | None) -> Iterator[None]:
 
 @contextmanager
 def _switch_undone() -> Iterator[None]:
-    """Puts back what torchtitan's switch (set_determinism) changes and policy.active does not (it restores torch's
+    """Puts back what torchtitan's switch (set_determinism) changes and determinism.active does not (it restores torch's
     flags): the environment variables it sets, the generators it seeds and FlexAttention's kernel, so that building a
     titan model leaves the process as it found it (`taxbench scan` and in-process launches build several)."""
     env = {name: os.environ.get(name) for name in (*SWITCH_ENV, SEED_ENV)}
@@ -262,7 +262,7 @@ def _switch_undone() -> Iterator[None]:
     try:
         yield
     finally:
-        policy.put_env(env)
+        determinism.put_env(env)
         rng.restore()
         flex.install()
 
@@ -534,7 +534,7 @@ class TitanStack:
             _refuse_job_disagreements(recipe, config, ctx.world_size)
         loss_fn = _loss(spec, config)
         pipeline: Any = None
-        with _switch_undone(), _torchtitan_on(ctx.device), policy.active(arm_policy):
+        with _switch_undone(), _torchtitan_on(ctx.device), determinism.active(arm_policy):
             dims = ParallelDims.from_config(config.parallelism, ctx.world_size)
             set_determinism(dims, ctx.device, config.debug, distinct_seed_mesh_dims=["pp"])
             refuse_conflicts(self.name, arm_policy, SWITCH_ENV if arm_policy.deterministic else {})

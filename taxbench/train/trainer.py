@@ -25,12 +25,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from taxbench.checkpoint import state as checkpoint_state
 from taxbench.checkpoint.rng import RngSnapshot
 from taxbench.checkpoint.store import CheckpointError
-from taxbench.config import policy
 from taxbench.config.schema import FaultConfig, PolicyConfig, RecipeConfig, TaxbenchConfig, TraceConfig
 from taxbench.design import run_name
 from taxbench.parallel.distributed import DistContext
 from taxbench.parallel.layout import layout_for
 from taxbench.rundir.records import FaultLog, steps_file
+from taxbench.runtime import determinism
 from taxbench.stacks.registry import stack_for
 from taxbench.stacks.step import Batch
 from taxbench.tracing.capture import tracer_for_run
@@ -180,7 +180,7 @@ class Trainer:
         if len(self.lanes) > 1:  # the model's kernels follow the lane's policy
             for part in self.raw_model.parts:
                 use_deterministic_kernels(part, self.policy.deterministic_kernels)
-        with policy.active(self.policy):
+        with determinism.active(self.policy):
             try:
                 yield
             finally:
