@@ -172,7 +172,7 @@ def test_ranks_die_with_a_killed_launcher(tmp_path: Path) -> None:
         assert len(ranks) >= 2, ranks
         victim.kill()  # the launcher only, as `kill -9 <pid>` would
         victim.wait()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 120
         while _processes_with(marker) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert _processes_with(marker) == [], "rank processes outlived their launcher"

