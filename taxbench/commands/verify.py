@@ -38,6 +38,7 @@ from taxbench.rundir.certificate import (
     read_certificate,
     write_certificate,
 )
+from taxbench.rundir.experiment_folder import held_by
 from taxbench.rundir.read import (
     RecordError,
     check_run,
@@ -108,6 +109,7 @@ def load_reference(path: Path) -> Reference:
     if not path.exists():
         raise RecordError(f"{path}: no such experiment folder or certificate")
     run_dir = _run_dir_of(path)
+    _refuse_a_running_experiment(run_dir)
     manifest = load_manifest(run_dir)
     config = manifest.get("config")
     if not isinstance(config, dict) or f"{manifest.get('arm')}-{manifest.get('replica')}" != RERUN.name:
@@ -128,6 +130,21 @@ def load_reference(path: Path) -> Reference:
     world = int(manifest_value(manifest, run_dir, "layout.world_size"))
     return Reference(str(path), run_dir, str(run_dir), str(manifest.get("experiment")), config, steps, world,
                      essentials(manifest), frame, tuple(problems))
+
+
+class ReferenceRunning(RecordError):
+    """The reference's experiment is still held by a live launch (exit 2: name a finished one, or wait)."""
+
+
+def _refuse_a_running_experiment(run_dir: Path) -> None:
+    """ReferenceRunning when a live launch holds the reference's experiment: its deterministic-0 is not finished, and
+    reading it would leave mirrors in a folder that launch writes (verify starts no launch before this probe, so it
+    holds no lock the probe could drop: taxbench.rundir.experiment_folder.held_by)."""
+    for folder in (run_dir.parent, run_dir):
+        holder = held_by(folder)
+        if holder is not None:
+            raise ReferenceRunning(f"{folder} is running: {holder.describe()} still writes to it; a reference is "
+                                   "a finished experiment's deterministic-0: wait for that launch to end")
 
 
 def _from_certificate(cert: Certificate) -> Reference:
