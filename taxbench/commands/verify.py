@@ -41,6 +41,7 @@ from taxbench.rundir.certificate import (
 from taxbench.rundir.experiment_folder import held_by
 from taxbench.rundir.read import (
     RecordError,
+    UnreadableRecords,
     check_run,
     config_problems,
     identity_problems,
@@ -112,9 +113,11 @@ def load_reference(path: Path) -> Reference:
     _refuse_a_running_experiment(run_dir)
     manifest = load_manifest(run_dir)
     config = manifest.get("config")
-    if not isinstance(config, dict) or f"{manifest.get('arm')}-{manifest.get('replica')}" != RERUN.name:
-        raise RecordError(f"{run_dir / MANIFEST}: not the manifest of a {RERUN.name} run with its config; verify "
-                          "checks against an experiment's deterministic-0")
+    if f"{manifest.get('arm')}-{manifest.get('replica')}" != RERUN.name:
+        raise RecordError(f"{run_dir / MANIFEST}: not the manifest of a {RERUN.name} run; verify checks against an "
+                          "experiment's deterministic-0")
+    if not isinstance(config, dict):
+        raise UnreadableRecords(f"{run_dir / MANIFEST}: holds no config; the manifest is damaged")
     problems = config_problems(run_dir, manifest, config)
     try:
         experiment = config["experiment"]
@@ -123,8 +126,8 @@ def load_reference(path: Path) -> Reference:
         timed = {ref.name for ref in interleaved_runs(experiment)}
         steps = run_steps(RERUN.name, timed, rounds_steps, experiment)
     except (KeyError, TypeError, ValueError) as exc:
-        raise RecordError(f"{run_dir / MANIFEST}: its config lacks or garbles {exc}; verify needs the manifest an "
-                          "experiment wrote") from None
+        raise UnreadableRecords(f"{run_dir / MANIFEST}: its config lacks or garbles {exc}; the manifest is damaged "
+                                "(verify needs the manifest an experiment wrote)") from None
     frame = load_run(run_dir, empty_ok=True)
     problems += stop_problems + identity_problems(run_dir, manifest, frame)
     world = int(manifest_value(manifest, run_dir, "layout.world_size"))
