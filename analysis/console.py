@@ -317,11 +317,12 @@ GATES_LEGEND = ("gates: repeatability, restart replay, baseline sanity (✓ iden
 
 
 def console_tax(cell: CellResult) -> str:
-    """tax_text, shorter: one decimal, and a trailing * for an inconclusive interval."""
+    """tax_text, shorter: one decimal, the interval's two ends in brackets, and a trailing * for an inconclusive
+    interval."""
     tax = cell.summary.tax if cell.summary else None
     if tax is None or not math.isfinite(tax.tax) or not math.isfinite(tax.half_width):
         return tax_text(cell)
-    return (f"{tax.tax * 100:+.1f}% ({tax.low * 100:+.1f} to {tax.high * 100:+.1f}%)"
+    return (f"{tax.tax * 100:+.1f}% [{tax.low * 100:+.1f}, {tax.high * 100:+.1f}]"
             + ("" if cell.summary.conclusive else "*"))
 
 
@@ -344,13 +345,14 @@ def render_stacks(summary: StacksSummary, console: Console | None = None, report
     console.print(f"[bold {colour}]{escape(line)}[/bold {colour}]")
     table = Table(box=None, padding=(0, 1))
     for column in ("stack", "recipe", "params", "arm", "tax", "gates"):
-        table.add_column(column, overflow="fold")
+        table.add_column(column, overflow="fold", no_wrap=column == "tax")  # a tax and its interval: one phrase
     for cell, row in zip(summary.cells, console_rows(summary), strict=True):
         table.add_row(*row, style="dim" if not cell.ran else None)
     console.print(table)
     console.print(GATES_LEGEND, soft_wrap=True)
     if any(c.summary is not None and not c.summary.conclusive for c in summary.cells):
-        console.print("tax (its 95% interval's ends); * inconclusive (wide, or spans zero): more steps narrow it",
+        console.print(escape("tax [its 95% interval, low to high]; * inconclusive (wide, or spans zero): more steps "
+                             "narrow it"),
                       soft_wrap=True)
     for switch, lines in audits(summary).items():
         console.print(f"[bold]audit[/bold]   {escape(switch)}: taxbench's policy would add or change", soft_wrap=True)
