@@ -8,12 +8,16 @@ they can be copied (also from a piped log).
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
-from rich.console import Console
+from rich.console import Console, ConsoleOptions
 from rich.markup import escape
+from rich.measure import Measurement
 from rich.table import Table
+from rich.text import Text
 
 from taxbench.analysis.ablation import KnobResult, measured_first
 from taxbench.analysis.attribution import SHARE_OF
@@ -30,6 +34,7 @@ from taxbench.analysis.text import (
     first_difference_text,
     headline,
     initial_weights_line,
+    interval,
     knob_cost,
     knob_need,
     localize_command,
@@ -51,6 +56,38 @@ from taxbench.rundir.records import TARGET
 
 TONE_COLOURS = {"good": "green", "bad": "red", "warn": "yellow"}  # a line's tone (taxbench.analysis.text) as colour
 SHOWN_PROBLEMS = 3  # console lines of incompleteness; summary.json and the report hold them all
+
+
+# Where a line of words may break: after a phrase's ": " or "; ", or before its " (" (never after a comma: "step 5,
+# rank 1, params" is one place).
+_PHRASE_BREAK = re.compile(r"(?<=[:;]) |(?<=\S) (?=\()")
+
+
+def phrase_lines(text: str, width: int) -> list[str]:
+    """`text` in lines of at most `width` columns, broken only between its phrases; a phrase longer than a line is
+    a line of its own (the table folds it)."""
+    lines: list[str] = []
+    for phrase in _PHRASE_BREAK.split(text):
+        if lines and len(lines[-1]) + 1 + len(phrase) <= width:
+            lines[-1] += " " + phrase
+        else:
+            lines.append(phrase)
+    return lines
+
+
+class Phrases:
+    """A line of words (the verdict, the tax) that a table cell breaks between its phrases, never inside one, at
+    whatever width the terminal gives it."""
+
+    def __init__(self, text: str, style: str = "") -> None:
+        self.text, self.style = text, style
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> Iterator[Text]:
+        yield Text("\n".join(phrase_lines(self.text, options.max_width)), style=self.style, overflow="fold")
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        longest = max(len(phrase) for phrase in _PHRASE_BREAK.split(self.text))
+        return Measurement(min(longest, options.max_width), min(len(self.text), options.max_width))
 
 
 # ------------------------------------------------------------------------------------------------------ an experiment
@@ -117,17 +154,22 @@ def render(summary: ExperimentSummary, console: Console | None = None, report_pa
     """The final console summary: one compact table that fits an 80-column terminal."""
     console = console or Console()
     tax = summary.tax
-    calibration = " | [bold yellow]CALIBRATION (A/A: both arms baseline; not a determinism result)[/bold yellow]"
-    table = Table(box=None, show_header=False, pad_edge=False, padding=(0, 1),
-                  title=f"[bold]{summary.experiment}[/bold]  {summary.recipe} | {ranks(summary.world_size)} | "
-                        f"{summary.device}{calibration if summary.calibration else ''}", title_justify="left")
+    # The header above the table, broken between its parts (never inside one) where the terminal is narrow.
+    parts = [f"{summary.experiment}  {summary.recipe}", ranks(summary.world_size), summary.device]
+    if summary.calibration:
+        parts.append("CALIBRATION (A/A: both arms baseline; not a determinism result)")
+    for i, line in enumerate(_parts_in_lines(parts, console.width)):
+        shown = escape(line)
+        if i == 0:
+            shown = shown.replace(escape(summary.experiment), f"[bold]{escape(summary.experiment)}[/bold]", 1)
+        console.print(shown.replace("CALIBRATION (", "[bold yellow]CALIBRATION (").replace(
+            "determinism result)", "determinism result)[/bold yellow]"), soft_wrap=True)
+    table = Table(box=None, show_header=False, pad_edge=False, padding=(0, 1))
     table.add_column(style="bold", no_wrap=True)
     table.add_column(overflow="fold")
     tone, line = verdict_line(summary)
-    colour = TONE_COLOURS[tone]
-    table.add_row("verdict", f"[bold {colour}]{escape(line)}[/bold {colour}]")
-    tax_line = escape(headline(summary))
-    table.add_row("tax", f"[bold]{tax_line}[/bold]" if summary.conclusive else f"[yellow]{tax_line}[/yellow]")
+    table.add_row("verdict", Phrases(line, f"bold {TONE_COLOURS[tone]}"))
+    table.add_row("tax", Phrases(headline(summary), "bold" if summary.conclusive else "yellow"))
     spread = f"; ranks spread {pct_plain(summary.rank_spread)}" if math.isfinite(summary.rank_spread) else ""
     table.add_row("step time", f"baseline {ms(tax.baseline_median_s)} (CV {pct_plain(tax.baseline_cv)})  "
                                f"deterministic {ms(tax.deterministic_median_s)} "
@@ -182,6 +224,17 @@ def render(summary: ExperimentSummary, console: Console | None = None, report_pa
         console.print(f"[bold]report[/bold]           {escape(str(report_path))}", soft_wrap=True)
 
 
+def _parts_in_lines(parts: list[str], width: int) -> list[str]:
+    """`parts` joined by " | " in lines of at most `width` columns, each part whole (a longer one on its own line)."""
+    lines: list[str] = []
+    for part in parts:
+        if lines and len(lines[-1]) + 3 + len(part) <= width:
+            lines[-1] += " | " + part
+        else:
+            lines.append(part)
+    return lines
+
+
 # ------------------------------------------------------------------------------------------------------------- a sweep
 def _gate_mark(outcome: str, strict: bool) -> str:
     if outcome == IDENTICAL:
@@ -209,7 +262,7 @@ def render_sweep(sweep: SweepAnalysis, console: Console | None = None, report_pa
             continue
         gates = " ".join(_gate_mark(str(row[gate.name]), gate.strict) + gate.label for gate in GATES)
         table.add_row(*point, str(row["recipe"]), str(row["world_size"]), pct(row["tax"]),
-                      escape(f"[{pct(row['low'])}, {pct(row['high'])}]"), gates)
+                      escape(interval(row["low"], row["high"])), gates)
     console.print(table)
     incomplete = sweep.points[sweep.points["outcome"] == INCOMPLETE]
     for row in incomplete.to_dict("records"):
@@ -265,11 +318,13 @@ GATES_LEGEND = ("gates: repeatability, restart replay, baseline sanity (✓ iden
 
 
 def console_tax(cell: CellResult) -> str:
-    """tax_text, shorter: one decimal, and a trailing * for an inconclusive interval."""
+    """tax_text, shorter: one decimal, the interval's two ends in brackets, and a trailing * for an inconclusive
+    interval."""
     tax = cell.summary.tax if cell.summary else None
     if tax is None or not math.isfinite(tax.tax) or not math.isfinite(tax.half_width):
         return tax_text(cell)
-    return f"{tax.tax * 100:+.1f}% ±{tax.half_width * 100:.1f}%" + ("" if cell.summary.conclusive else "*")
+    return (f"{tax.tax * 100:+.1f}% [{tax.low * 100:+.1f}, {tax.high * 100:+.1f}]"
+            + ("" if cell.summary.conclusive else "*"))
 
 
 def console_rows(summary: StacksSummary) -> list[list[str]]:
@@ -291,13 +346,14 @@ def render_stacks(summary: StacksSummary, console: Console | None = None, report
     console.print(f"[bold {colour}]{escape(line)}[/bold {colour}]")
     table = Table(box=None, padding=(0, 1))
     for column in ("stack", "recipe", "params", "arm", "tax", "gates"):
-        table.add_column(column, overflow="fold")
+        table.add_column(column, overflow="fold", no_wrap=column == "tax")  # a tax and its interval: one phrase
     for cell, row in zip(summary.cells, console_rows(summary), strict=True):
         table.add_row(*row, style="dim" if not cell.ran else None)
     console.print(table)
     console.print(GATES_LEGEND, soft_wrap=True)
     if any(c.summary is not None and not c.summary.conclusive for c in summary.cells):
-        console.print("tax: +/- the interval's half-width; * inconclusive (wide, or spans zero): more steps narrow it",
+        console.print(escape("tax [its 95% interval, low to high]; * inconclusive (wide, or spans zero): more steps "
+                             "narrow it"),
                       soft_wrap=True)
     for switch, lines in audits(summary).items():
         console.print(f"[bold]audit[/bold]   {escape(switch)}: taxbench's policy would add or change", soft_wrap=True)

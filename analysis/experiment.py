@@ -52,6 +52,7 @@ from taxbench.rundir.read import (
     FaultEvent,
     RecordError,
     UnreadableRecords,
+    empty_run,
     load_checked_run,
     load_fault_events,
     load_manifest,
@@ -60,6 +61,7 @@ from taxbench.rundir.read import (
     step_times,
 )
 from taxbench.rundir.records import MANIFEST, METRICS, STEPS, STOP_FILE, read_stop
+from taxbench.rundir.write_scope import running as still_running
 from taxbench.schedule.cost import read_cost
 from taxbench.stats.tax import (
     Checkpoints,
@@ -71,6 +73,7 @@ from taxbench.stats.tax import (
 )
 
 PASSED, FAILED, INCOMPLETE_OUTCOME, CALIBRATION = "passed", "failed", "incomplete", "calibration"
+RUNNING = "running"  # a live launch still writes the experiment: no verdict yet (exit 4), read by a reading command
 DIVERGED = "diverged"  # the deterministic runs trained on non-finite values: no verdict (exit 4)
 ARMS = ("baseline", "deterministic")
 # ExperimentSummary.interleave of a `taxbench run -- COMMAND` experiment: whole runs alternated in pairs
@@ -118,6 +121,9 @@ class ExperimentSummary:
         """A deterministic run trained on a non-finite loss or gradient norm."""
         return any(finding.deterministic for finding in self.nonfinite)
     gate_steps: int = 0  # the steps of a gate-only run (taxbench.design.run_steps); 0: as the timed runs
+    # Who still writes the experiment (a live launch; taxbench.rundir.write_scope.running), for a reading command:
+    # no verdict yet, whatever the records so far say; None for a finished one
+    running: str | None = None
     # Where the launch's wall clock went (analysis.cost); None for experiments from before cost.json
     cost_split: CostSplit | None = None
 
@@ -126,7 +132,8 @@ class ExperimentSummary:
         """Both strict gates have positive evidence of agreement (complete runs, every record bitwise equal) on a
         deterministic recipe (a calibration pair is no evidence of determinism)."""
         strict = (v for v, gate in zip(self.verdicts, GATES, strict=True) if gate.strict)
-        return not self.calibration and not self.diverged and all(v.agree for v in strict)
+        return (not self.calibration and not self.diverged and self.running is None
+                and all(v.agree for v in strict))
 
     @property
     def conclusive(self) -> bool:
@@ -145,10 +152,13 @@ class ExperimentSummary:
 
     @property
     def outcome(self) -> str:
+        strict = [v for v, gate in zip(self.verdicts, GATES, strict=True) if gate.strict]
+        differs = not self.calibration and any(v.outcome == DIFFERS for v in strict)
+        if self.running is not None and not differs:  # a proven difference stays one; anything else may still change
+            return RUNNING
         if self.calibration:  # the gates then compare baseline-policy runs: shown, but no verdict on determinism
             return INCOMPLETE_OUTCOME if self.problems else CALIBRATION
-        strict = [v for v, gate in zip(self.verdicts, GATES, strict=True) if gate.strict]
-        if any(v.outcome == DIFFERS for v in strict):
+        if differs:
             return FAILED
         if self.diverged:
             return DIVERGED
@@ -159,7 +169,8 @@ class ExperimentSummary:
     @property
     def exit_code(self) -> int:
         return {PASSED: exit_codes.OK, CALIBRATION: exit_codes.OK, FAILED: exit_codes.NOT_DETERMINISTIC,
-                DIVERGED: exit_codes.INCOMPLETE, INCOMPLETE_OUTCOME: exit_codes.INCOMPLETE}[self.outcome]
+                DIVERGED: exit_codes.INCOMPLETE, INCOMPLETE_OUTCOME: exit_codes.INCOMPLETE,
+                RUNNING: exit_codes.INCOMPLETE}[self.outcome]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -189,6 +200,7 @@ class ExperimentSummary:
             "deterministic_ok": self.deterministic_ok,
             "outcome": self.outcome,
             "exit_code": self.exit_code,
+            "running": self.running,
             "incomplete": self.problems,
             "nonfinite": [finding.to_dict() for finding in self.nonfinite],
             "faults": self.faults,
@@ -404,26 +416,49 @@ def _median_fingerprint_s(frames: Iterable[pd.DataFrame]) -> float:
     return float(pd.concat(times).median()) if times else math.nan
 
 
+class StillRunning(UnreadableRecords):
+    """A reading command was pointed at an experiment whose live launch has not recorded a run yet (exit 4: no
+    evidence yet, nothing wrong with it)."""
+
+
+def _started(run_dir: Path) -> bool:
+    return (run_dir / MANIFEST).exists() or (run_dir / MANIFEST).is_symlink()
+
+
+def _kept_fields(frame: pd.DataFrame, fields: Collection[str]) -> pd.DataFrame:
+    return frame[[name for name in frame.columns if name in fields]]
+
+
 def compute_experiment(root: Path) -> ExperimentAnalysis:
     """The experiment's results from its runs' records and manifests (taxbench.analysis.summary records them in
     summary.json). It writes no result, but reading the records leaves their Arrow mirrors where one is missing or
     behind (taxbench.rundir.read; none in a folder a live launch holds)."""
     began = time.perf_counter()
+    running = still_running(root)
     first = TIMED["deterministic"].name  # every run's manifest holds the experiment's config; read it from one
+    if running is not None and not _started(root / first):
+        raise StillRunning(f"{root} is running ({running}) and has not started its runs yet; nothing to analyse: "
+                           "analyse it again when the launch has finished")
     manifest = load_manifest(root / first)
     config = manifest_value(manifest, root / first, "config")
     experiment = manifest_value(manifest, root / first, "config.experiment")
     settings = experiment_settings(config, root / first)
     # The gated runs, then timed runs of their own (experiment.interleave=policy: the shared model's <arm>-timed).
     names = GATED_RUNS + tuple(ref.name for ref in interleaved_runs(experiment) if ref.name not in GATED_RUNS)
-    manifests = {name: manifest if name == first else load_manifest(root / name) for name in names}
+    # A run the live launch has not started yet has no manifest: it is missing evidence, said as such.
+    waiting = [name for name in names if running is not None and not _started(root / name)]
+    manifests = {name: manifest if name == first else load_manifest(root / name) for name in names
+                 if name not in waiting}
     steps, stopped_by, stop_problems = expected_steps(root, experiment)
     stop = read_stop(root)
     checkpoints = Checkpoints.of(experiment, None if stop is None else stop.commits)
     timed_names = {ref.name for ref in interleaved_runs(experiment)}
     run_steps_of = {name: run_steps(name, timed_names, steps, experiment) for name in names}
     loaded = {name: load_checked_run(root / name, manifests[name], run_steps_of[name], config,
-                                     analysed_fields(name, timed_names)) for name in names}
+                                     analysed_fields(name, timed_names)) for name in names if name not in waiting}
+    loaded.update({name: (_kept_fields(empty_run(), analysed_fields(name, timed_names)),
+                          [f"{root / name}: not started yet (the experiment is running)"])
+                   for name in waiting})
     runs = {name: frame for name, (frame, _) in loaded.items()}
     problems = {name: found for name, (_, found) in loaded.items()}
     timed = timed_runs(runs, experiment)
@@ -489,6 +524,7 @@ def compute_experiment(root: Path) -> ExperimentAnalysis:
         interleave=str(experiment.get("interleave", "pair")),
         nonfinite=nonfinite_runs(runs),
         gate_steps=run_steps(RESUMED.name, (), steps, experiment),
+        running=running,
     )
     # Analysis's own time: up to here, and the summary's write after it (small)
     summary.cost_split = cost_split(read_cost(root), runs, timed_names, time.perf_counter() - began)

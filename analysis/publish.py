@@ -49,7 +49,7 @@ from taxbench.analysis.wandb_log import (
 from taxbench.config.schema import ReportConfig
 from taxbench.design import ALL_RUNS, TIMED
 from taxbench.diagnostics import logger
-from taxbench.rundir.experiment_folder import LOCK_FILE, SWEEP_MARKER, held_by, is_marked_sweep
+from taxbench.rundir.experiment_folder import LOCK_FILE, SWEEP_MARKER, Holder, held_by, is_marked_sweep
 from taxbench.rundir.read import RecordError, ResultWriteError
 from taxbench.rundir.records import MANIFEST
 from taxbench.rundir.write_scope import reading
@@ -194,7 +194,7 @@ def _publish_stacks(root: Path, settings: ReportConfig, group: str | None, stric
     cell_reports: dict[str, Path] = {}
 
     def each(analysis: ExperimentAnalysis) -> None:
-        html = write_experiment_report(analysis) if settings.html else None
+        html = write_experiment_report(analysis) if settings.html and analysis.summary.running is None else None
         if html is not None:
             cell_reports[Path(analysis.summary.root).name] = html
 
@@ -211,7 +211,9 @@ def _publish_stacks(root: Path, settings: ReportConfig, group: str | None, stric
 def _publish_experiment(root: Path, settings: ReportConfig, group: str | None, strict_wandb: bool,
                         console: Console | None) -> Published:
     analysis = analyse_experiment(root)
-    html = write_experiment_report(analysis) if settings.html else None
+    # A running experiment's report would not be written (its folder is read-only to a reader), and its runs that
+    # have not started have no manifest to build one from.
+    html = write_experiment_report(analysis) if settings.html and analysis.summary.running is None else None
     runs = []
     if settings.wandb and (run := _wandb(strict_wandb, log_experiment, analysis, settings,
                                          html.parent if html else None, group)):
@@ -228,7 +230,7 @@ def _publish_sweep(root: Path, settings: ReportConfig, group: str | None, strict
     group = settings.wandb_group or group or root.name
 
     def each(analysis: ExperimentAnalysis, point: PointName) -> None:
-        html = write_experiment_report(analysis) if settings.html else None
+        html = write_experiment_report(analysis) if settings.html and analysis.summary.running is None else None
         if html is not None:
             point_reports[analysis.summary.root] = html
         if settings.wandb and (run := _wandb(strict_wandb, log_experiment, analysis, settings,
@@ -255,12 +257,13 @@ def report(
     return publish(root, settings, group=group, strict_wandb=strict_wandb).exit_code
 
 
-def held_folders(root: Path) -> list[Path]:
-    """`root`, and for a marked sweep the points below it, where a live launch holds the folder right now (no other
-    folder's lock is looked at)."""
+def held_folders(root: Path) -> dict[Path, Holder]:
+    """`root`, and for a marked sweep the points below it, where a live launch holds the folder right now, each with
+    who holds it (no other folder's lock is looked at)."""
     depths = range(MAX_DEPTH + 1) if is_marked_sweep(root) else range(1)
     locks = [path for depth in depths for path in root.glob("/".join(["*"] * depth + [LOCK_FILE]))]
-    return [lock.parent for lock in locks if held_by(lock.parent) is not None]
+    holders = {lock.parent: held_by(lock.parent) for lock in locks}
+    return {folder: holder for folder, holder in holders.items() if holder is not None}
 
 
 def read_and_report(root: Path, settings: ReportConfig | None = None, strict_wandb: bool = False) -> int:
@@ -270,12 +273,12 @@ def read_and_report(root: Path, settings: ReportConfig | None = None, strict_wan
     if not root.is_dir():
         return report(root, settings, strict_wandb=strict_wandb)  # publish says what is wrong with it
     held = held_folders(root)
-    for folder in held:
-        log.warning("%s is in use by a running launch (%s): analysed read-only, its %s, %s and mirrors are left "
-                    "as they are; analyse it again when the launch has finished", folder, held_by(folder) or "?",
+    for folder, holder in held.items():
+        log.warning("%s is running: %s still writes to it; analysed read-only (nothing is written there: no %s, %s "
+                    "or mirrors); analyse it again when the launch has finished", folder, holder.describe(),
                     SUMMARY_FILE, REPORT_DIR)
     if held and settings is not None and settings.wandb:
-        log.warning("wandb logging skipped: a launch still writes to %s", held[0])
+        log.warning("wandb logging skipped: a launch still writes to %s", next(iter(held)))
         settings = replace(settings, wandb=False)
-    with reading(root, held):
+    with reading(root, {folder: holder.who() for folder, holder in held.items()}):
         return report(root, settings, strict_wandb=strict_wandb)

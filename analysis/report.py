@@ -44,6 +44,7 @@ from taxbench.analysis.text import (
     first_difference_text,
     headline,
     initial_weights_line,
+    interval,
     knob_cost,
     knob_need,
     localize_command,
@@ -316,7 +317,7 @@ def experiment_report(analysis: ExperimentAnalysis) -> Report:
             + (f", {summary.gate_steps} per gate-only run" if summary.gate_steps not in (0, summary.steps) else "")
             + ", "
             f"stopped by {summary.stopped_by}). Hodges-Lehmann cross-check {pct(tax.hl_tax)} "
-            f"[{pct(tax.hl_low)}, {pct(tax.hl_high)}]." + (
+            f"({interval(tax.hl_low, tax.hl_high, tax.confidence)})." + (
                 " Timed on one model whose policy switched per block (experiment.interleave=policy: "
                 "baseline-timed, deterministic-timed); its communicators are the baseline's, so the cost of the "
                 "deterministic NCCL settings (NCCL_ALGO, a pinned protocol and channels) is not in this tax."
@@ -385,7 +386,7 @@ def sweep_report(sweep: SweepAnalysis, point_reports: dict[str, Path] | None = N
             highlight.append(True)
             continue
         rows.append([str(row["experiment"]), str(row["recipe"]), str(row["world_size"]), pct(row["tax"]),
-                     f"[{pct(row['low'])}, {pct(row['high'])}]", pct(row["hl_tax"]),
+                     interval(row["low"], row["high"]), pct(row["hl_tax"]),
                      ms(row["baseline_median_s"], 3), ms(row["deterministic_median_s"], 3),
                      *(str(row[gate.name]) for gate in GATES), str(row["code"])])
         highlight.append(row["outcome"] != PASSED)

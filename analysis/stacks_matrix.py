@@ -1,5 +1,5 @@
 """`taxbench stacks`: the matrix no one publishes. One experiment per cell (a training stack under one policy for its
-deterministic arm: the stack's own switch, or taxbench's full policy), read back as one table of tax +/- interval and
+deterministic arm: the stack's own switch, or taxbench's full policy), read back as one table of tax (interval) and
 the three gate verdicts per stack and policy.
 
 The folder holds stacks.json (what was asked for: every cell, the recipe and parameter count it ran, and why a cell
@@ -40,7 +40,7 @@ SKIPPED = (NOT_INSTALLED, NEEDS_CUDA)
 STACK_NAMES = ("taxbench", "titan", "megatron", "deepspeed")  # a cell's stack, as the table and its folder name it
 # The deterministic arm's mode (conf/mode/) per policy column, and how the table names it
 POLICY_LABELS = {"stack_native": "own switch", "deterministic": "taxbench's policy"}
-HEADER = ["stack", "recipe", "parameters", "deterministic arm", "tax +/- interval",
+HEADER = ["stack", "recipe", "parameters", "deterministic arm", "tax (interval)",
           *(gate.name.replace("_", " ") for gate in GATES)]
 
 

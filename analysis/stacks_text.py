@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from taxbench.analysis.stacks_matrix import POLICY_LABELS, CellResult, StacksSummary
-from taxbench.analysis.text import pct, pct_plain
+from taxbench.analysis.text import interval, pct
 from taxbench.analysis.verdicts import DIFFERS, IDENTICAL, Verdict
 from taxbench.design import GATES
 
@@ -30,7 +30,7 @@ def tax_text(cell: CellResult) -> str:
         return "n/a (too few timed steps)"
     if not math.isfinite(tax.half_width):
         return f"{pct(tax.tax)} (no interval)"
-    return f"{pct(tax.tax)} +/-{pct_plain(tax.half_width)}" + ("" if summary.conclusive else " (inconclusive)")
+    return f"{pct(tax.tax)} ({interval(tax.low, tax.high)})" + ("" if summary.conclusive else " (inconclusive)")
 
 
 def gate_text(verdict: Verdict | None) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from taxbench.analysis.ablation import KnobResult
-from taxbench.analysis.experiment import CALIBRATION, DIVERGED, FAILED, PASSED, ExperimentSummary
+from taxbench.analysis.experiment import CALIBRATION, DIVERGED, FAILED, PASSED, RUNNING, ExperimentSummary
 from taxbench.analysis.layouts import LayoutsSummary, PairResult
 from taxbench.analysis.verdicts import DIFFERS, Verdict
 from taxbench.design import GATES, MEASURED
@@ -30,6 +30,13 @@ def pct(value: object) -> str:
 def pct_plain(value: object) -> str:
     """A fraction as an unsigned percentage with one decimal ("1.2%"), or "n/a"."""
     return "n/a" if not isinstance(value, float) or not math.isfinite(value) else f"{value * 100:.1f}%"
+
+
+def interval(low: object, high: object, confidence: float | None = None) -> str:
+    """A confidence interval by its two ends ("95% CI -5.60% to +30.17%"): a ratio's interval is asymmetric about its
+    estimate, so never as the estimate +/- a half-width."""
+    level = f"{int(round(confidence * 100))}% CI " if confidence is not None else ""
+    return f"{level}{pct(low)} to {pct(high)}"
 
 
 def ms(seconds: object, digits: int = 2) -> str:
@@ -77,15 +84,14 @@ def headline(summary: ExperimentSummary) -> str:
     tax = summary.tax
     if not math.isfinite(tax.tax):
         return "no estimate: too few timed steps (see incomplete)"
-    level = int(round(tax.confidence * 100))
-    interval = f"{level}% CI [{pct(tax.low)}, {pct(tax.high)}]"
+    ci = interval(tax.low, tax.high, tax.confidence)
     planted = f"; planted {pct(summary.planted_tax)}" if summary.planted_tax else ""
     if summary.conclusive:
-        return f"{pct(tax.tax)} {interval}{planted}"
+        return f"{pct(tax.tax)} ({ci}){planted}"
     if not math.isfinite(tax.half_width):
         return f"inconclusive: {pct(tax.tax)} from one round, no interval{planted}"
-    why = "spans zero" if tax.low <= 0 <= tax.high else f"wider than +/-{pct_plain(summary.conclusive_half_width)}"
-    line = f"inconclusive: {pct(tax.tax)} +/-{pct_plain(tax.half_width)} ({interval} {why}){planted}"
+    why = "spans zero" if tax.low <= 0 <= tax.high else f"wider than {pct_plain(2 * summary.conclusive_half_width)}"
+    line = f"inconclusive: {pct(tax.tax)} ({ci}: {why}){planted}"
     if tax.half_width > PRECISE_HALF_WIDTH and summary.steps_needed:
         line += (f"; +/-{pct_plain(PRECISE_HALF_WIDTH)} would need about {summary.steps_needed} steps per run "
                  f"(about {duration(summary.time_needed_s)} on this hardware)")
@@ -94,6 +100,8 @@ def headline(summary: ExperimentSummary) -> str:
 
 def verdict_line(summary: ExperimentSummary) -> tuple[str, str]:
     """The verdict as one line, the first thing every output shows, with its tone ("good", "bad", "warn")."""
+    if summary.outcome == RUNNING:
+        return "warn", f"running: no verdict yet ({summary.running} still records it)"
     if summary.outcome == CALIBRATION:
         return "warn", "calibration (A/A pair: both arms on the baseline policy): no determinism verdict"
     strict = [(v, gate) for v, gate in zip(summary.verdicts, GATES, strict=True) if gate.strict]
@@ -131,7 +139,7 @@ def knob_cost(result: KnobResult) -> str:
         return result.cost_status
     if not math.isfinite(result.tax.tax):
         return "no estimate"
-    return f"{pct(result.tax.tax)} [{pct(result.tax.low)}, {pct(result.tax.high)}]"
+    return f"{pct(result.tax.tax)} ({interval(result.tax.low, result.tax.high, result.tax.confidence)})"
 
 
 def knob_need(result: KnobResult) -> str:

@@ -8,7 +8,9 @@ experiment.interleave=pair experiment.block_steps=6 experiment.manual_gc=false) 
 configuration runs once per load level (--load: that many busy processes beside it, as other jobs on a shared
 machine), and the configurations take turns within each repeat, so drift over the benchmark lands on all alike.
 Prints per configuration the bias (median estimate - planted), the coverage (share of the intervals holding the
-planted value) and the median half-width, and the half-width ratio before / all.
+planted value), the median half-width and what the plant delivered (the deterministic runs' waits over their own
+unplanted time, from the records: the estimate's truth as far as the arms train at the same speed without it), and
+the half-width ratio before / all.
 
     python benchmarks/calibration.py                      # 20 repeats, 120 steps per run, one in-process rank
     python benchmarks/calibration.py --repeats 30 --ranks 2 --steps 180 --load 0 2
@@ -32,7 +34,21 @@ def experiment(out: Path, name: str, overrides: list[str]) -> dict:
     done = subprocess.run(command, capture_output=True, text=True, cwd=out)
     if done.returncode != 0:
         raise SystemExit(f"{name}: exit {done.returncode}\n{done.stderr[-3000:]}")
-    return json.loads((out / name / "summary.json").read_text())
+    summary = json.loads((out / name / "summary.json").read_text())
+    summary["delivered"] = delivered(out / name)
+    return summary
+
+
+def delivered(root: Path) -> float:
+    """What the plant delivered, measured from the records apart from the estimator: the time the deterministic runs'
+    waits added over those steps' own unplanted time (a ratio of sums; a wait's last overrun is never paid back)."""
+    planted = unplanted = 0.0
+    for stream in root.glob("deterministic-*/steps.rank*.jsonl"):
+        for line in stream.read_text().splitlines():
+            record = json.loads(line)
+            planted += record.get("planted_s", 0.0)
+            unplanted += record["time_s"] - record.get("planted_s", 0.0)
+    return planted / unplanted if unplanted else float("nan")
 
 
 class Load:
@@ -84,7 +100,7 @@ def main() -> int:
 
     print(f"{args.repeats} repeats, {args.steps} steps per run, {args.ranks} rank(s), A/A calibration pair")
     print(f"{'load':>4} {'config':<12} {'planted':>8} {'median est':>11} {'bias':>8} {'coverage':>9} "
-          f"{'median +/-':>11} {'HL coverage':>12}")
+          f"{'median +/-':>11} {'HL coverage':>12} {'delivered':>10}")
     half_widths = {}
     for (load, name), summaries in results.items():
         planted = float(name.split("@")[1])
@@ -95,7 +111,8 @@ def main() -> int:
         median = statistics.median(taxes)
         print(f"{load:>4} {name:<12} {planted * 100:>7.2f}% {median * 100:>+10.2f}% {(median - planted) * 100:>+7.2f}p "
               f"{sum(held) / len(held) * 100:>8.0f}% {half_widths[load, name] * 100:>10.2f}% "
-              f"{sum(held_hl) / len(held_hl) * 100:>11.0f}%")
+              f"{sum(held_hl) / len(held_hl) * 100:>11.0f}% "
+              f"{statistics.median(s['delivered'] for s in summaries) * 100:>9.2f}%")
     if "all" in args.interleave:
         for load in args.load:
             ratio = half_widths[load, f"before@{last:g}"] / half_widths[load, f"all@{last:g}"]

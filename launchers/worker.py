@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from taxbench.config.schema import TaxbenchConfig
+from taxbench.diagnostics import stacks_quieted
 from taxbench.parallel import distributed
 from taxbench.parallel.distributed import DistContext
 from taxbench.progress import step_progress
@@ -30,7 +31,8 @@ def rank_process(cfgs: Sequence[TaxbenchConfig], rank: int, world_size: int, loc
     determinism.prepare_process_env([p for cfg in cfgs for p in cfg.arms.values()], cluster.device)
     ctx = distributed.init(rank, world_size, local_rank, cluster.device, master_addr, master_port)
     try:
-        yield ctx
+        with stacks_quieted():
+            yield ctx
     finally:
         distributed.shutdown()
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 NAMESPACE = "taxbench"
 
@@ -48,3 +51,30 @@ def _show_on_stderr() -> None:
 
 
 _show_on_stderr()
+
+
+# Modules whose own warnings are not shown while a stack runs: the training stacks' and torch.distributed's
+# deprecation and support notices (DeepSpeed's ZeRO calls torch's deprecated reduce_scatter_tensor every step: 1,816
+# lines of FutureWarning in one experiment; torchtitan's DTensor seeding warns of CPU meshes on every rank) are not
+# the user's to act on, and buried the verdict. Warnings from taxbench and from the user's own code still show.
+STACK_MODULES = r"(torch\.distributed|torchtitan|deepspeed|megatron|transformer_engine)(\.|$)"
+
+
+@contextmanager
+def stacks_quieted() -> Iterator[None]:
+    """While a rank runs (launchers/worker.py) or a stack's config is built in the command (torchtitan's config logs
+    warnings on the root logger, which Hydra sends to stdout): the stacks' own warnings ignored, and log records
+    below ERROR of loggers that inherit the root logger's level (torchtitan's is the root logger itself) dropped;
+    taxbench's logger keeps its level. Undone on exit."""
+    root, ours = logging.getLogger(), logging.getLogger(NAMESPACE)
+    saved = root.level, ours.level
+    with warnings.catch_warnings():
+        for category in (FutureWarning, DeprecationWarning, UserWarning):
+            warnings.filterwarnings("ignore", category=category, module=STACK_MODULES)
+        ours.setLevel(ours.getEffectiveLevel())  # not inherited from the root logger while that one is raised
+        root.setLevel(max(root.getEffectiveLevel(), logging.ERROR))
+        try:
+            yield
+        finally:
+            root.setLevel(saved[0])
+            ours.setLevel(saved[1])

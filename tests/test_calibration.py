@@ -1,82 +1,140 @@
-"""The calibrated instrument: a planted tax is recovered, an A/A pair is labelled as a calibration, every
-interleaved run is timed, a precision target stops the rounds, and an unfinished adaptive schedule is incomplete."""
+"""The calibrated instrument: the estimator recovers a planted tax from step times whose truth is known exactly, an A/A
+pair plants its tax and is labelled as a calibration, every interleaved run is timed, a precision target stops the
+rounds, and an unfinished adaptive schedule is incomplete.
+
+No test here depends on an idle machine: what a real run's estimate makes of a planted tax under load is
+benchmarks/calibration.py's question (docs/calibration.md)."""
 
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pytest
+import torch
 from helpers import Crash, compose_config, crash_after, run_schedule, step_records, tiny_config
 
 from taxbench import exit_codes
 from taxbench.analysis.experiment import CALIBRATION
 from taxbench.analysis.summary import analyse, analyse_experiment
 from taxbench.config.schema import ConfigError
-from taxbench.rundir.records import STOP_FILE
-from taxbench.schedule.stopping import MIN_ROUNDS
+from taxbench.design import INTERLEAVED
+from taxbench.parallel.distributed import DistContext
+from taxbench.rundir.records import CAP, STOP_FILE, TARGET, Stop
+from taxbench.schedule.stopping import MIN_ROUNDS, StoppingRule
+from taxbench.stats.tax import estimate_tax
 
 CALIBRATED = ("experiment.calibration=true", "experiment.block_steps=1", "experiment.checkpoint_every_steps=10")
 
 
-def test_a_planted_tax_is_recovered_by_an_a_a_pair_labelled_as_a_calibration(tmp_path: Path) -> None:
-    cfg = tiny_config(*CALIBRATED, "experiment.steps=60", "experiment.planted_tax=0.5")
+def test_an_a_a_pair_plants_its_tax_in_every_deterministic_step_and_is_labelled_a_calibration(tmp_path: Path) -> None:
+    # How close a real run's estimate lands to the plant depends on the machine's load (the arms' unplanted speeds,
+    # a wait's last overrun): benchmarks/calibration.py measures that, idle and loaded (docs/calibration.md). Here:
+    # what holds on any machine.
+    cfg = tiny_config(*CALIBRATED, "experiment.steps=30", "experiment.planted_tax=0.5")
     run_schedule(cfg, tmp_path)
     for name in ("baseline-0", "deterministic-0", "deterministic-1", "baseline-1", "deterministic-resumed"):
         manifest = json.loads((tmp_path / name / "manifest.json").read_text())
         assert manifest["policy"]["deterministic"] is False, name  # both arms on the baseline policy
     planted = [r["planted_s"] for r in step_records(tmp_path / "deterministic-1")]
     assert planted[0] > 0 and all(p > 0 for p in planted)  # every deterministic step, from the first one
+    # A wait is inside the timed step: the step's time holds it.
+    assert all(r["time_s"] >= r["planted_s"] for r in step_records(tmp_path / "deterministic-1"))
     assert all(r["planted_s"] == 0 for r in step_records(tmp_path / "baseline-1"))
     summary = analyse(tmp_path)
     assert summary.outcome == CALIBRATION and summary.exit_code == exit_codes.OK and not summary.deterministic_ok
     assert summary.tax.timed_runs == 4  # baseline-0, deterministic-0, deterministic-1, baseline-1
-    # The truth is what the plant did, measured from the records apart from the estimator: the fraction it waited
-    # (sum of waits over the steps' own unplanted time) times the A/A pair's unplanted difference. Each run trains
-    # a model of its own, and the runs of one arm can share an offset of a few percent in either sign (seen with the
-    # wait slept or spun alike); the estimate's interval is over rounds and does not cover it, so a bare "+50%"
-    # truth failed CI at +45.1% [43.1, 47.2] on a quiet machine.
-    realized, unplanted_ratio = _what_the_plant_did(tmp_path, summary.tax.warmup_steps)
-    assert abs(realized - 0.5) <= 0.02  # the plant delivered what was asked, overruns taken off later waits
-    # Without the plant the arms train at about the same speed (14% apart was seen with eight other jobs on the two
-    # cores); a wait outside the timed step would read as 1/1.5 here.
-    assert 0.8 <= unplanted_ratio <= 1.25
-    truth = (1 + realized) * unplanted_ratio - 1
-    # Unbiased within its interval (twice the half-width: the benchmark, not a unit test, measures the coverage).
-    assert abs(summary.tax.tax - truth) <= 2 * summary.tax.half_width
     # The report's and wandb's per-block tax are the rounds the estimate used: not the slow one after each commit.
     ratios = analyse_experiment(tmp_path).block_ratios
-    assert len(ratios) == summary.tax.pairs and not {10, 20, 30, 40, 50} & set(ratios.index)
+    assert len(ratios) == summary.tax.pairs and not {10, 20} & set(ratios.index)
     stored = json.loads((tmp_path / "summary.json").read_text())
     assert stored["planted_tax"] == 0.5 and stored["calibration"] is True and "planted +50.00%" in stored["headline"]
 
 
-def _what_the_plant_did(root: Path, warmup: int) -> tuple[float, float]:
-    """After the warmup: the fraction of their own unplanted time the deterministic runs' waits added (a ratio of
-    sums), and the median unplanted deterministic step over the median baseline step (each arm's runs pooled)."""
-    def steps(arm: str) -> list[dict]:
-        return [r for i in (0, 1) for r in step_records(root / f"{arm}-{i}") if r["step"] > warmup]
+def _calibration_pair(planted: float, rounds: int, seed: int, cv: float = 0.03) -> dict[str, list[pd.DataFrame]]:
+    """Step times of an A/A pair as experiment.interleave=all times it (two runs per arm, one step per block), where
+    the truth is known exactly: every step's unplanted time is drawn from one law for both arms, a slow start and a
+    drift shared by the round (the machine's state), and the deterministic steps wait `planted` x their own time."""
+    rng = np.random.default_rng(seed)
+    steps = np.arange(1, rounds + 1)
+    machine = (1 + 0.3 * np.sin(steps / 7)) * np.where(steps <= 3, 2.5, 1.0)
+    def run(factor: float) -> pd.DataFrame:
+        time_s = 0.01 * machine * rng.lognormal(0, cv, rounds) * factor
+        return pd.DataFrame({"step": steps, "rank": 0, "block": steps - 1, "time_s": time_s})
 
-    deterministic = steps("deterministic")
-    unplanted = [r["time_s"] - r["planted_s"] for r in deterministic]
-    realized = sum(r["planted_s"] for r in deterministic) / sum(unplanted)
-    return realized, statistics.median(unplanted) / statistics.median(r["time_s"] for r in steps("baseline"))
+    return {"baseline": [run(1.0), run(1.0)], "deterministic": [run(1 + planted), run(1 + planted)]}
 
 
-def test_a_precision_target_adds_rounds_until_the_interval_is_that_narrow(tmp_path: Path) -> None:
-    # 8 steps are 6 post-warmup rounds, fewer than the rule's MIN_ROUNDS: rounds are added however quiet the machine
-    # (with 20 steps a quiet CI runner's first look was already narrow enough, and nothing was added).
+@pytest.mark.parametrize("planted", [0.0, 0.1, 0.5])
+def test_the_estimator_recovers_a_planted_tax_whose_truth_is_known_exactly(planted: float) -> None:
+    pair = _calibration_pair(planted, rounds=60, seed=7)
+    tax = estimate_tax(pair["baseline"], pair["deterministic"], min_warmup=2)
+    assert tax.warmup_steps >= 3  # the slow start is cut
+    assert tax.low <= planted <= tax.high and tax.hl_low <= planted <= tax.hl_high
+    assert tax.half_width < 0.02  # 3% step noise over 57 rounds of 4 runs
+
+
+def test_the_estimators_interval_covers_the_planted_tax_as_often_as_it_says() -> None:
+    covered = 0
+    for seed in range(200):
+        pair = _calibration_pair(0.1, rounds=30, seed=seed)
+        tax = estimate_tax(pair["baseline"], pair["deterministic"], min_warmup=2, confidence=0.95)
+        covered += tax.low <= 0.1 <= tax.high
+    assert 0.90 <= covered / 200 <= 0.99  # 95% nominal; 200 draws: 95% +/- 3%
+
+
+def _rule(steps: int, target: float, cap: int) -> StoppingRule:
+    exp = tiny_config(*CALIBRATED, f"experiment.steps={steps}", f"experiment.target_half_width={target}",
+                      f"experiment.max_steps={cap}", "experiment.warmup_steps=2").experiment
+    return StoppingRule(exp, INTERLEAVED["all"], DistContext(0, 1, 0, torch.device("cpu"), "gloo"))
+
+
+def _play(rule: StoppingRule, times: dict[str, list[pd.DataFrame]]) -> Stop:
+    """Feed the rule one round after another, as the schedule does, until it stops."""
+    frames = {"baseline-0": times["baseline"][0], "baseline-1": times["baseline"][1],
+              "deterministic-0": times["deterministic"][0], "deterministic-1": times["deterministic"][1]}
+    for step in range(1, len(frames["baseline-0"]) + 1):
+        rule.add_round({name: [float(frame["time_s"].iloc[step - 1])] for name, frame in frames.items()})
+        stop = rule.stop_after(step)
+        if stop is not None:
+            return stop
+    raise AssertionError("the rule never stopped")
+
+
+def test_a_precision_target_adds_rounds_until_the_interval_is_that_narrow() -> None:
+    # 8 steps are 6 post-warmup rounds, fewer than MIN_ROUNDS: rounds are added however narrow the first look is.
+    rule = _rule(steps=8, target=0.02, cap=2000)
+    stop = _play(rule, _calibration_pair(0.1, rounds=2000, seed=3))
+    assert stop.stopped_by == TARGET and stop.steps > 8 and stop.half_width is not None and stop.half_width <= 0.02
+    assert stop.steps - 2 >= MIN_ROUNDS
+    # It stopped on the analysis's own estimate of the rounds it had.
+    times = _calibration_pair(0.1, rounds=2000, seed=3)
+    upto = {arm: [f[f["step"] <= stop.steps] for f in runs] for arm, runs in times.items()}
+    assert estimate_tax(upto["baseline"], upto["deterministic"], min_warmup=2).half_width == stop.half_width
+
+
+def test_a_noisy_machine_stops_the_rounds_at_the_step_cap_and_says_so() -> None:
+    stop = _play(_rule(steps=12, target=0.02, cap=40), _calibration_pair(0.1, rounds=2000, seed=3, cv=0.5))
+    assert stop.stopped_by == CAP and stop.steps == 40 and stop.half_width is not None and stop.half_width > 0.02
+
+
+def test_a_real_adaptive_schedule_records_the_stop_its_rule_took(tmp_path: Path) -> None:
+    # Whether a real run reaches its target depends on the machine's noise; what it records must not.
     cfg = tiny_config(*CALIBRATED, "experiment.steps=8", "experiment.planted_tax=0.10",
-                      "experiment.target_half_width=0.02", "experiment.max_steps=2000")
-    assert cfg.experiment.steps - cfg.experiment.warmup_steps < MIN_ROUNDS
+                      "experiment.target_half_width=0.05", "experiment.max_steps=40")
     run_schedule(cfg, tmp_path)
     stop = json.loads((tmp_path / STOP_FILE).read_text())
-    assert stop["stopped_by"] == "target_half_width" and stop["half_width"] <= 0.02
+    assert stop["steps"] > 8  # fewer than MIN_ROUNDS post-warmup rounds: rounds are added on any machine
+    if stop["stopped_by"] == TARGET:
+        assert stop["half_width"] <= 0.05
+    else:
+        assert stop["stopped_by"] == CAP and stop["steps"] == 40
     summary = analyse(tmp_path)
-    assert summary.steps == stop["steps"] > 8 and not summary.problems
-    assert summary.tax.half_width <= 0.02 and summary.stopped_by == "target_half_width"
-    assert summary.tax.low > 0  # the planted 10% is seen (how close it lands is benchmarks/calibration.py's job)
+    assert summary.steps == stop["steps"] and summary.stopped_by == stop["stopped_by"] and not summary.problems
+    # The analysis estimates from the records what the rule estimated from the same step times in the rounds.
+    assert summary.tax.half_width == pytest.approx(stop["half_width"], rel=1e-9)
     for name in ("baseline-0", "deterministic-1"):  # every timed run took the decided steps
         assert [r["step"] for r in step_records(tmp_path / name)] == list(range(1, stop["steps"] + 1))
     # The gate-only run does not grow with the rounds: experiment.gate_steps (0: experiment.steps)

@@ -99,3 +99,35 @@ def test_zero_bubble_with_fsdp_is_refused_because_its_last_stage_went_untrained(
 ])
 def test_the_default_resume_step_leaves_steps_to_compare(overrides: tuple[str, ...], resume_step: int) -> None:
     assert compose_config(*overrides).experiment.resume_step == resume_step
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("experiment.name='a\nb'", "experiment.name='a\\nb' holds the control character '\\n'"),
+        ("experiment.name='a\tb'", "experiment.name='a\\tb' holds the control character '\\t'"),
+        ("experiment.name='a\x1b[31mb'", "experiment.name='a\\x1b[31mb' holds the control character '\\x1b'"),
+        # NaN equals nothing, not even itself: it used to read as a pair mismatch blaming arm_overrides nobody gave.
+        ("recipe.optimizer.lr=nan", "recipe.optimizer.lr=nan is not a number"),
+        ("experiment.conclusive_half_width=nan", "experiment.conclusive_half_width=nan is not a number"),
+        ("recipe.optimizer.lr=inf", "recipe.optimizer.lr=inf must be a finite number"),
+        ("recipe.optimizer.lr=-0.1", "recipe.optimizer.lr=-0.1 must be > 0"),
+        ("recipe.optimizer.beta2=1", "recipe.optimizer.beta2=1.0 must be in [0, 1)"),
+        ("recipe.optimizer.eps=0", "recipe.optimizer.eps=0.0 must be > 0"),
+        ("recipe.optimizer.grad_clip=-1", "recipe.optimizer.grad_clip=-1.0 must be >= 0 (0: no clipping)"),
+    ],
+)
+def test_a_bad_value_is_refused_as_itself(override: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        compose_config(override)
+    assert str(excinfo.value).startswith(expected), str(excinfo.value)
+    assert "arm_overrides" not in str(excinfo.value)
+
+
+def test_a_newline_in_the_experiment_name_is_refused_before_any_folder_exists(tmp_path: Path, taxbench_cli) -> None:
+    result = taxbench_cli("experiment.name='a\nb'", "cluster=inprocess", f"experiment.out_dir={tmp_path / 'runs'}",
+                          cwd=tmp_path, timeout=600)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == ("taxbench: error: experiment.name='a\\nb' holds the control character '\\n'; use a name "
+                             "of printable characters (letters, digits, '-', '_', '.')\n")
+    assert not (tmp_path / "runs").exists()

@@ -9,6 +9,8 @@ import json
 import math
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -41,6 +43,17 @@ def _tree(folder: Path) -> dict[str, str]:
 
 def _experiment(where: Path, seed: int = 1) -> Path:
     return write_experiment(where, SyntheticExperiment(seed=seed, **SMALL))
+
+
+def _cli_all(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    """As _cli, with stdout and stderr together."""
+    capsys.readouterr()
+    try:
+        code = subcommand(list(argv))
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
@@ -121,49 +134,101 @@ def test_a_multirun_marks_its_sweep_folder(tmp_path: Path) -> None:
     assert (tmp_path / "runs" / "sweep-1" / MULTIRUN_YAML).is_symlink()
 
 
+@contextmanager
+def _held_elsewhere(root: Path) -> Iterator[None]:
+    """`root` held by a live launch of another process, whose lock file names pid 4242 on host elsewhere (record
+    locks of this process never conflict with its own probe)."""
+    with open(root / LOCK_FILE, "a+", encoding="utf-8") as lock:
+        lock.write(json.dumps({"pid": 4242, "host": "elsewhere", "started_utc": "2026-12-05T11:00:00+00:00"}))
+        lock.flush()
+        holder = os.fork()
+        if holder == 0:
+            fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            time.sleep(3600)  # until killed below, however long the test takes on a loaded machine
+            os._exit(0)
+        try:
+            deadline = time.monotonic() + 120
+            while held_by(root) is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert held_by(root) is not None
+            yield
+        finally:
+            os.kill(holder, 9)
+            os.waitpid(holder, 0)
+
+
+RUNNING_BY = "is running: the launch with pid 4242 on host elsewhere (started 2026-12-05T11:00:00+00:00) still writes"
+
+
 def test_a_folder_a_live_launch_holds_is_analysed_read_only(tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     root = _experiment(tmp_path / "exp")
     for stream in root.glob("*/steps.rank*.jsonl"):
         mirror_file(stream).unlink()  # analysis would write them again
-    with open(root / LOCK_FILE, "a+", encoding="utf-8") as lock:
-        lock.write(json.dumps({"pid": 4242, "host": "elsewhere"}))
-        lock.flush()
-        # Held by another process (record locks of this one never conflict with its own probe).
-        holder = os.fork()
-        if holder == 0:
-            fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            time.sleep(60)
-            os._exit(0)
-        try:
-            deadline = time.monotonic() + 10
-            while held_by(root) is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert held_by(root) is not None
-            before = _tree(root)
-            code, err = _cli(capsys, "analyse", str(root))
-            assert code == exit_codes.OK, err
-            assert f"{root} is in use by a running launch" in err and "analysed read-only" in err
+    with _held_elsewhere(root):
+        before = _tree(root)
+        for command in ("analyse", "report"):
+            code, err = _cli(capsys, command, str(root))
+            # Complete records so far, but the launch may still add to them: no verdict yet.
+            assert code == exit_codes.INCOMPLETE, err
+            assert f"{root} {RUNNING_BY}" in err and "analysed read-only" in err
             assert _tree(root) == before and not (root / SUMMARY_FILE).exists() and not (root / REPORT_DIR).exists()
-        finally:
-            os.kill(holder, 9)
-            os.waitpid(holder, 0)
     assert held_by(root) is None  # the holder died: the folder is writable again
     assert read_and_report(root, TEXT) == exit_codes.OK
     assert (root / SUMMARY_FILE).is_file() and mirror_file(root / "baseline-0" / "steps.rank0.jsonl").is_file()
     assert run_mirror_file(root / "baseline-0").is_file()  # and the run mirror the next analysis reads
 
 
-# ----------------------------------------------------------------------------------- rule 2: regular files inside
+def test_a_running_experiment_whose_later_runs_have_not_started_is_named_running(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = _experiment(tmp_path / "exp")
+    for name in ("deterministic-resumed", "baseline-1"):  # the launch has not got to them yet
+        for path in sorted((root / name).iterdir()):
+            path.unlink()
+        (root / name).rmdir()
+    with _held_elsewhere(root):
+        before = _tree(root)
+        code, out_and_err = _cli_all(capsys, "analyse", str(root))
+        assert code == exit_codes.INCOMPLETE, out_and_err
+        assert "missing manifest" not in out_and_err and "Traceback" not in out_and_err
+        assert "running: no verdict yet" in out_and_err, out_and_err
+        assert "(the launch with pid 4242 on host elsewhere still records it)" in out_and_err, out_and_err
+        assert "not started yet (the experiment is running)" in " ".join(out_and_err.split())
+        assert _tree(root) == before and not (root / SUMMARY_FILE).exists()
+        assert read_and_report(root, HTML) == exit_codes.INCOMPLETE  # the API, a report asked for: none written
+        assert _tree(root) == before and not (root / REPORT_DIR).exists()
+        # Nothing started at all: said so in one line, exit 4.
+        for name in ("baseline-0", "deterministic-0", "deterministic-1"):
+            (root / name / "manifest.json").unlink()
+        code, err = _cli(capsys, "analyse", str(root))
+        assert code == exit_codes.INCOMPLETE and f"{root} is running (the launch with pid 4242" in err, err
+        assert "has not started its runs yet" in err and len(err.strip().splitlines()) == 2, err  # + the warning
+
+
+def test_verify_and_certificate_of_a_running_experiment_are_refused_naming_its_launch(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], taxbench_cli) -> None:
+    root = _experiment(tmp_path / "exp")
+    with _held_elsewhere(root):
+        before = _tree(tmp_path)
+        for argv in (["verify", str(root)], ["verify", str(root / "deterministic-0")],
+                     ["certificate", str(root), "-o", str(tmp_path / "exp.cert")]):
+            done = taxbench_cli(*argv, cwd=tmp_path, timeout=600)
+            code, err = done.returncode, done.stderr
+            assert code == exit_codes.CONFIG_ERROR, err
+            assert err.startswith(f"taxbench: error: {root} {RUNNING_BY}") and err.count("\n") == 1, err
+            assert "wait for that launch to end" in err
+        assert _tree(tmp_path) == before  # no rerun beside it, no mirror inside it, no certificate
+
+
 @pytest.mark.slow
 def test_a_fifo_as_a_step_stream_is_incomplete_evidence_within_seconds(tmp_path: Path, taxbench_cli) -> None:
     root = _experiment(tmp_path / "exp")
     stream = root / "deterministic-1" / "steps.rank0.jsonl"
     stream.unlink()
     os.mkfifo(stream)
-    started = time.monotonic()
-    result = taxbench_cli("analyse", str(root), cwd=tmp_path, timeout=60)
-    assert time.monotonic() - started < 30
+    # A reader that opened the FIFO would block until a writer came, i.e. forever: the subprocess's time limit (a
+    # TimeoutExpired) tells that apart on any machine, however loaded.
+    result = taxbench_cli("analyse", str(root), cwd=tmp_path, timeout=600)
     assert result.returncode == exit_codes.INCOMPLETE, result.stderr
     assert "Traceback" not in result.stderr
     assert f"{stream}: cannot be read ({stream}: a FIFO (named pipe), not a regular file" in result.stderr

@@ -152,7 +152,8 @@ def test_long_values_are_redacted_in_linear_time() -> None:
     patterns took minutes on 100,000 characters; linear ones take milliseconds."""
     import time
 
-    started = time.perf_counter()
+    # CPU seconds of this process, not wall-clock: other jobs on the machine do not add to them.
+    started = time.process_time()
     for text in ("a" * 200_000, "x=1 " * 50_000, "https://" + "a" * 200_000):
         redact_text(text)
-    assert time.perf_counter() - started < 10
+    assert time.process_time() - started < 10

@@ -13,6 +13,7 @@ import json
 import shutil
 import socket
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -91,10 +92,32 @@ def test_a_hand_edited_certificate_is_refused_never_passed(certificate: Path, tm
     edited.write_text(json.dumps(stored))
     with pytest.raises(CertificateError, match="content_sha256 does not match"):
         read_certificate(edited)
+    # Damaged evidence, exit 4 as everywhere (docs/records-and-trust.md), through verify and through the command line.
     with pytest.raises(SystemExit) as exited:
         run_verify_command([str(edited)])
-    assert exited.value.code == exit_codes.CONFIG_ERROR
+    assert exited.value.code == exit_codes.INCOMPLETE
     assert "edited or damaged" in capsys.readouterr().err
+    done = run_taxbench("verify", str(edited), cwd=tmp_path)
+    assert done.returncode == exit_codes.INCOMPLETE and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith(f"taxbench: error: {edited}: content_sha256 does not match"), done.stderr
+
+
+@pytest.mark.parametrize(("damage", "reseal", "code"), [
+    (lambda stored: stored.update(config_sha256="0" * 64), False, exit_codes.INCOMPLETE),  # edited, not resealed
+    (lambda stored: stored["fingerprints"].pop("0"), True, exit_codes.INCOMPLETE),  # resealed, a rank's grid gone
+    (lambda stored: stored.update(format_version=99), False, exit_codes.CONFIG_ERROR),  # no format this one reads
+])
+def test_a_damaged_certificate_is_damaged_evidence_and_another_format_is_bad_input(
+        certificate: Path, tmp_path: Path, damage: Callable[[dict], object], reseal: bool, code: int) -> None:
+    stored = json.loads(certificate.read_text())
+    damage(stored)
+    if reseal:
+        stored[HASH_KEY] = _content_hash({k: v for k, v in stored.items() if k != HASH_KEY})
+    damaged = tmp_path / "damaged.cert"
+    damaged.write_text(json.dumps(stored))
+    with pytest.raises(CertificateError) as raised:
+        read_certificate(damaged)
+    assert raised.value.exit_code == code
 
 
 def test_an_edit_with_a_recomputed_hash_fails_at_the_edited_step(reference: Path, certificate: Path,

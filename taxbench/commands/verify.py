@@ -38,8 +38,10 @@ from taxbench.rundir.certificate import (
     read_certificate,
     write_certificate,
 )
+from taxbench.rundir.experiment_folder import held_by
 from taxbench.rundir.read import (
     RecordError,
+    UnreadableRecords,
     check_run,
     config_problems,
     identity_problems,
@@ -108,11 +110,14 @@ def load_reference(path: Path) -> Reference:
     if not path.exists():
         raise RecordError(f"{path}: no such experiment folder or certificate")
     run_dir = _run_dir_of(path)
+    _refuse_a_running_experiment(run_dir)
     manifest = load_manifest(run_dir)
     config = manifest.get("config")
-    if not isinstance(config, dict) or f"{manifest.get('arm')}-{manifest.get('replica')}" != RERUN.name:
-        raise RecordError(f"{run_dir / MANIFEST}: not the manifest of a {RERUN.name} run with its config; verify "
-                          "checks against an experiment's deterministic-0")
+    if f"{manifest.get('arm')}-{manifest.get('replica')}" != RERUN.name:
+        raise RecordError(f"{run_dir / MANIFEST}: not the manifest of a {RERUN.name} run; verify checks against an "
+                          "experiment's deterministic-0")
+    if not isinstance(config, dict):
+        raise UnreadableRecords(f"{run_dir / MANIFEST}: holds no config; the manifest is damaged")
     problems = config_problems(run_dir, manifest, config)
     try:
         experiment = config["experiment"]
@@ -121,13 +126,28 @@ def load_reference(path: Path) -> Reference:
         timed = {ref.name for ref in interleaved_runs(experiment)}
         steps = run_steps(RERUN.name, timed, rounds_steps, experiment)
     except (KeyError, TypeError, ValueError) as exc:
-        raise RecordError(f"{run_dir / MANIFEST}: its config lacks or garbles {exc}; verify needs the manifest an "
-                          "experiment wrote") from None
+        raise UnreadableRecords(f"{run_dir / MANIFEST}: its config lacks or garbles {exc}; the manifest is damaged "
+                                "(verify needs the manifest an experiment wrote)") from None
     frame = load_run(run_dir, empty_ok=True)
     problems += stop_problems + identity_problems(run_dir, manifest, frame)
     world = int(manifest_value(manifest, run_dir, "layout.world_size"))
     return Reference(str(path), run_dir, str(run_dir), str(manifest.get("experiment")), config, steps, world,
                      essentials(manifest), frame, tuple(problems))
+
+
+class ReferenceRunning(RecordError):
+    """The reference's experiment is still held by a live launch (exit 2: name a finished one, or wait)."""
+
+
+def _refuse_a_running_experiment(run_dir: Path) -> None:
+    """ReferenceRunning when a live launch holds the reference's experiment: its deterministic-0 is not finished, and
+    reading it would leave mirrors in a folder that launch writes (verify starts no launch before this probe, so it
+    holds no lock the probe could drop: taxbench.rundir.experiment_folder.held_by)."""
+    for folder in (run_dir.parent, run_dir):
+        holder = held_by(folder)
+        if holder is not None:
+            raise ReferenceRunning(f"{folder} is running: {holder.describe()} still writes to it; a reference is "
+                                   "a finished experiment's deterministic-0: wait for that launch to end")
 
 
 def _from_certificate(cert: Certificate) -> Reference:

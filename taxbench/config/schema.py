@@ -11,8 +11,11 @@ import copy
 import dataclasses
 import difflib
 import functools
+import math
 import secrets
 import typing
+import unicodedata
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
@@ -440,12 +443,46 @@ def _require(condition: bool, message: str) -> None:
 
 
 def _check_experiment_name(name: str) -> None:
-    """The experiment folder is <out_dir>/<name>: one plain path component, never a way out of out_dir."""
+    """The experiment folder is <out_dir>/<name>: one plain path component, never a way out of out_dir, and one line
+    wherever it is printed or logged (no control character: a newline would split it)."""
     _require(
         bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name,
         f"experiment.name={name!r} must be a plain folder name (no '/', not empty, '.' or '..'); it is created "
         "under experiment.out_dir, so choose the location with experiment.out_dir",
     )
+    control = next((char for char in name if unicodedata.category(char) in ("Cc", "Zl", "Zp")), None)
+    _require(control is None,
+             f"experiment.name={name!r} holds the control character {control!r}; use a name of printable characters "
+             "(letters, digits, '-', '_', '.')")
+
+
+def _check_numbers(cfg: TaxbenchConfig) -> None:
+    """NaN is no setting (it equals nothing, not even itself: two arms holding it would read as differing), and
+    the optimizer's values must be finite and in their ranges."""
+    for key, value in _leaves(dataclasses.asdict(cfg), ""):
+        _require(not (isinstance(value, float) and math.isnan(value)), f"{key}=nan is not a number; give a value")
+    optimizer, key = cfg.recipe.optimizer, "recipe.optimizer"
+    for name, value in dataclasses.asdict(optimizer).items():
+        _require(math.isfinite(value), f"{key}.{name}={value} must be a finite number")
+    _require(optimizer.lr > 0, f"{key}.lr={optimizer.lr} must be > 0, e.g. 3e-4")
+    for name in ("beta1", "beta2"):
+        value = getattr(optimizer, name)
+        _require(0 <= value < 1, f"{key}.{name}={value} must be in [0, 1), e.g. 0.9")
+    _require(optimizer.eps > 0, f"{key}.eps={optimizer.eps} must be > 0, e.g. 1e-8")
+    _require(optimizer.weight_decay >= 0, f"{key}.weight_decay={optimizer.weight_decay} must be >= 0")
+    _require(optimizer.grad_clip >= 0, f"{key}.grad_clip={optimizer.grad_clip} must be >= 0 (0: no clipping)")
+
+
+def _leaves(node: Any, path: str) -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) of every leaf of a config as plain containers."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _leaves(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(node, list | tuple):
+        for index, value in enumerate(node):
+            yield from _leaves(value, f"{path}[{index}]")
+    else:
+        yield path, node
 
 
 def validate(cfg: TaxbenchConfig) -> None:
@@ -471,6 +508,7 @@ def validate(cfg: TaxbenchConfig) -> None:
     ):
         _require(value >= 1, f"{key}={value} must be >= 1")
     _check_experiment_name(exp.name)
+    _check_numbers(cfg)
     _require(cluster.peak_tflops >= 0,
              f"cluster.peak_tflops={cluster.peak_tflops} must be >= 0 (0: from the GPU name; H100 bf16: 989)")
     _require(0 <= cluster.master_port <= 65535,

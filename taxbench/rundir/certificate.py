@@ -23,7 +23,7 @@ import pandas as pd
 import pyarrow as pa
 
 from taxbench.rundir.provenance import canonical_json, config_hash
-from taxbench.rundir.read import RecordError, read_json_object
+from taxbench.rundir.read import RecordError, UnreadableRecords, read_json_object
 from taxbench.rundir.records import METRICS, SCHEMA_VERSION, write_text_atomically
 from taxbench.rundir.step_stream import STEP_FIELDS
 
@@ -45,7 +45,13 @@ _LEFT_OUT = {"stack": ("ranks",)}
 
 
 class CertificateError(RecordError):
-    """A certificate that cannot be used: unreadable, of another format, damaged or edited; the message says which."""
+    """A file that is no certificate this taxbench reads (another format or schema version: exit 2, point at another
+    file or use the taxbench that wrote it); the message says which."""
+
+
+class DamagedCertificate(UnreadableRecords, CertificateError):
+    """A certificate whose evidence is damaged: unreadable, edited without resealing, its grid of fingerprints
+    incomplete (exit 4, as every piece of damaged evidence: docs/records-and-trust.md)."""
 
 
 def essentials(manifest: dict[str, Any]) -> dict[str, Any]:
@@ -136,7 +142,7 @@ def read_certificate(path: Path) -> Certificate:
     try:
         stored = read_json_object(path, "certificate")
     except RecordError as exc:
-        raise CertificateError(str(exc)) from exc
+        raise DamagedCertificate(str(exc)) from exc
     if stored.get("format") != FORMAT or stored.get("format_version") != FORMAT_VERSION:
         raise CertificateError(f"{path}: not a taxbench certificate of format {FORMAT_VERSION} (format="
                                f"{stored.get('format')!r}, format_version={stored.get('format_version')!r}); make one "
@@ -146,10 +152,11 @@ def read_certificate(path: Path) -> Certificate:
                                f"{SCHEMA_VERSION}; its fingerprints are not comparable with this version's runs")
     body = {key: value for key, value in stored.items() if key != HASH_KEY}
     if stored.get(HASH_KEY) != _content_hash(body):
-        raise CertificateError(f"{path}: {HASH_KEY} does not match the certificate's content: it was edited or "
-                               "damaged after it was made; make it again from the reference run")
+        raise DamagedCertificate(f"{path}: {HASH_KEY} does not match the certificate's content: it was edited or "
+                                 "damaged after it was made; make it again from the reference run")
     if stored.get("config_sha256") != config_hash(stored.get("config")):
-        raise CertificateError(f"{path}: its config does not hash to its config_sha256; the certificate is damaged")
+        raise DamagedCertificate(f"{path}: its config does not hash to its config_sha256; the certificate is "
+                                 "damaged")
     return _parsed(path, stored)
 
 
@@ -164,5 +171,5 @@ def _parsed(path: Path, stored: dict[str, Any]) -> Certificate:
         return Certificate(path, str(stored["experiment"]), str(stored["made_from"]), steps, world,
                            stored["config"], stored["essentials"], fingerprints)
     except (KeyError, TypeError, ValueError) as exc:
-        raise CertificateError(f"{path}: not a usable certificate ({type(exc).__name__}: {exc}); make it again "
-                               "from the reference run") from exc
+        raise DamagedCertificate(f"{path}: not a usable certificate ({type(exc).__name__}: {exc}); make it again "
+                                 "from the reference run") from exc

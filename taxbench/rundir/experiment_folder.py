@@ -18,6 +18,7 @@ import struct
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TextIO
@@ -83,10 +84,10 @@ def _lock(root: Path) -> TextIO:
         fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         handle.seek(0)
-        holder = handle.read().strip() or "another process"
+        holder = Holder.of(handle.read(4096))
         handle.close()
         raise ConfigError(
-            f"{root} is in use by {holder}; wait for it to finish, or pick another experiment.name"
+            f"{root} is in use by {holder.describe()}; wait for it to finish, or pick another experiment.name"
         ) from None
     handle.seek(0)
     handle.truncate()
@@ -156,7 +157,45 @@ def is_marked_sweep(folder: Path) -> bool:
     return True
 
 
-def held_by(folder: Path) -> str | None:
+@dataclass(frozen=True)
+class Holder:
+    """The launch that holds an experiment folder, as its lock file records it."""
+
+    pid: int | None
+    host: str | None
+    started_utc: str | None
+    command: str | None
+
+    @classmethod
+    def of(cls, recorded: str) -> Holder:
+        """What `_lock` wrote; a lock file that holds no such record names no pid or host."""
+        try:
+            fields = json.loads(recorded)
+        except ValueError:
+            fields = None
+        if not isinstance(fields, dict):
+            return cls(None, None, None, None)
+        pid = fields.get("pid")
+        return cls(pid if isinstance(pid, int) else None, _text(fields.get("host")), _text(fields.get("started_utc")),
+                   _text(fields.get("command")))
+
+    def who(self) -> str:
+        """"the launch with pid 4242 on host node7"."""
+        if self.pid is None and self.host is None:
+            return "another launch (its lock file names no pid or host)"
+        return f"the launch with pid {self.pid} on host {self.host}"
+
+    def describe(self) -> str:
+        """"the launch with pid 4242 on host node7 (started 2026-12-05T11:00:00+00:00: python -m taxbench ...)"."""
+        since = ": ".join(part for part in (self.started_utc, self.command) if part)
+        return self.who() + (f" (started {since})" if since and self.pid is not None else "")
+
+
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def held_by(folder: Path) -> Holder | None:
     """Who holds `folder`'s launch lock right now (its pid, host and command), or None when no live launch does.
 
     Call it only from a process that launches nothing: POSIX record locks belong to the process, and closing any
@@ -173,7 +212,7 @@ def held_by(folder: Path) -> str | None:
         answer = struct.unpack(_FLOCK, fcntl.fcntl(handle.fileno(), fcntl.F_GETLK, probe))
         if answer[0] == fcntl.F_UNLCK:
             return None
-        return handle.read(4096).decode("utf-8", errors="replace").strip() or "another process"
+        return Holder.of(handle.read(4096).decode("utf-8", errors="replace"))
 
 
 _FLOCK = "hhqqi"  # struct flock: l_type, l_whence, l_start, l_len, l_pid (native alignment, 64-bit off_t)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from taxbench.rundir.read import RecordError, read_json_object
+from taxbench.rundir.read import RecordError, UnreadableRecords, read_json_object
 from taxbench.rundir.records import write_text_atomically
 
 OP_TABLE_SCHEMA_VERSION = 1
@@ -68,7 +68,7 @@ class OpTable:
         try:
             return cls(_ops_frame(stored["ops"]), int(stored["steps"]), str(stored["device"]), int(stored["ranks"]))
         except (KeyError, TypeError, ValueError) as exc:
-            raise RecordError(f"{path}: damaged op table ({type(exc).__name__}: {exc})") from exc
+            raise UnreadableRecords(f"{path}: damaged op table ({type(exc).__name__}: {exc})") from exc
 
 
 def _ops_frame(rows: list[dict]) -> pd.DataFrame:

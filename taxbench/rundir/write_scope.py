@@ -8,7 +8,7 @@ experiment) every write is allowed, as before.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,16 +21,17 @@ class OutsideScope(OSError):
 @dataclass(frozen=True)
 class _Scope:
     root: Path  # resolved
-    held: tuple[Path, ...]  # resolved folders below (or at) root that a live launch holds: read-only
+    held: dict[Path, str]  # resolved folders below (or at) root that a live launch holds (read-only) -> who holds it
 
 
 _scopes: list[_Scope] = []  # a plain list, not a ContextVar: the record readers write mirrors from worker threads
 
 
 @contextmanager
-def reading(root: Path, held: Iterable[Path] = ()) -> Iterator[None]:
-    """Confine result writes to `root`, and to none of the `held` folders (those a live launch holds)."""
-    scope = _Scope(root.resolve(), tuple(p.resolve() for p in held))
+def reading(root: Path, held: Mapping[Path, str] | None = None) -> Iterator[None]:
+    """Confine result writes to `root`, and to none of the `held` folders (those a live launch holds, each with who
+    holds it)."""
+    scope = _Scope(root.resolve(), {path.resolve(): holder for path, holder in (held or {}).items()})
     _scopes.append(scope)
     try:
         yield
@@ -49,3 +50,12 @@ def may_write(path: Path) -> bool:
         raise OutsideScope(f"{where}: outside {scope.root}, the folder this command was pointed at; nothing is "
                            "written there")
     return not any(where.is_relative_to(held) for held in scope.held)
+
+
+def running(folder: Path) -> str | None:
+    """Who holds `folder` (or a folder above it) while a reading command reads it: a live launch still writes
+    there (None: none, or no reading command; a launch that analyses its own experiment reads no scope)."""
+    if not _scopes:
+        return None
+    where = folder.resolve()
+    return next((holder for held, holder in _scopes[-1].held.items() if where.is_relative_to(held)), None)

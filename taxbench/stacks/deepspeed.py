@@ -25,8 +25,12 @@ On CPU DeepSpeed needs DS_ACCELERATOR=cpu before its import; it is set here when
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
+import logging
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
@@ -39,6 +43,7 @@ from torch import nn
 
 from taxbench.checkpoint.state import extras_path
 from taxbench.config.schema import ConfigError, DataParallel, ModelConfig, PolicyConfig, Precision, RecipeConfig
+from taxbench.diagnostics import logger
 from taxbench.parallel.distributed import DistContext
 from taxbench.parallel.layout import ParallelModel, layout_for
 from taxbench.rundir.records import write_atomically
@@ -46,6 +51,8 @@ from taxbench.runtime import determinism
 from taxbench.stacks.protocol import RankModel, refuse_conflicts, refuse_unknown_options
 from taxbench.stacks.step import Batch, cross_entropy
 from taxbench.workloads.dense import GPT, MLP
+
+log = logger(__name__)
 
 TESTED_VERSION = "0.19.8"
 INSTALL_HINT = "DS_BUILD_OPS=0 pip install 'taxbench[deepspeed]'"
@@ -185,8 +192,27 @@ def _init_distributed(ctx: DistContext) -> None:
 
     for name, value in (("RANK", ctx.rank), ("LOCAL_RANK", ctx.local_rank), ("WORLD_SIZE", ctx.world_size)):
         os.environ.setdefault(name, str(value))
+    # DeepSpeed's own logger writes to stdout, which carries the verdict: its warnings go to stderr instead.
+    for handler in deepspeed.utils.logger.handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
     if not deepspeed.comm.is_initialized():
-        deepspeed.init_distributed(dist_backend=ctx.backend, rank=ctx.rank, world_size=ctx.world_size)
+        with _prints_logged(ctx):
+            deepspeed.init_distributed(dist_backend=ctx.backend, rank=ctx.rank, world_size=ctx.world_size)
+
+
+@contextlib.contextmanager
+def _prints_logged(ctx: DistContext) -> Iterator[None]:
+    """What DeepSpeed print()s on every rank while building ("DeepSpeed ... shm_comm_op built successfully", "No
+    existing process group found, creating a new group named: ep_size_2") as taxbench debug lines, not on stdout."""
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(said):
+            yield
+    finally:
+        for line in said.getvalue().splitlines():
+            if line.strip():
+                log.debug("DeepSpeed on rank %d: %s", ctx.rank, line)
 
 
 class EngineStep:
@@ -318,7 +344,8 @@ class DeepSpeedStack:
                 params = split_params_into_different_moe_groups_for_optimizer(
                     {"params": list(model.parameters()), "name": "parameters"})
             config = {**batch_config(recipe, micro_batches, ctx.world_size), **engine_config(recipe, options, key)}
-            engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
+            with _prints_logged(ctx):
+                engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
         layout = layout_for(recipe.parallel, ctx.world_size, ctx.rank)
         parallel = ParallelModel([model], [engine], layout, None, None, [])
         step = EngineStep(engine, model, recipe.model.aux_loss_coef, ctx.device)

@@ -67,6 +67,7 @@ from taxbench.config.schema import (
     RecipeConfig,
 )
 from taxbench.config.shape import ParallelShape
+from taxbench.diagnostics import stacks_quieted
 from taxbench.parallel.distributed import DistContext
 from taxbench.parallel.layout import ParallelModel, layout_for
 from taxbench.runtime import determinism
@@ -159,7 +160,7 @@ def job_config(args: tuple[str, ...]) -> Any:
 
     said = io.StringIO()
     try:
-        with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
+        with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said), stacks_quieted():
             return ConfigManager().parse_args(list(args))
     except SystemExit:  # tyro: unknown option, bad value, failed validation (its message went to `said`)
         reason = _tyro_reason(said.getvalue())
@@ -510,7 +511,10 @@ class TitanStack:
         if options.job:
             _refuse_job_disagreements(recipe, job_config(options.job))
         spec = _model_config(options)
-        config = _trainer_config(recipe, options, spec, False, recipe.parallel.tp * recipe.parallel.ep)
+        # In the command's process, where Hydra sends the root logger to stdout: torchtitan's checkpointer config warns
+        # there of defaults taxbench does not use (the ranks run quieted: launchers/worker.py).
+        with stacks_quieted():
+            config = _trainer_config(recipe, options, spec, False, recipe.parallel.tp * recipe.parallel.ep)
         spec.model.update_from_config(config=config)
         with torch.device("meta"):
             model = spec.model.build()
