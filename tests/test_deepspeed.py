@@ -99,6 +99,23 @@ def test_a_users_key_that_the_recipe_decides_otherwise_is_refused_naming_both(co
 
 
 @needs_deepspeed
+@pytest.mark.parametrize(("overrides", "refusal"), [
+    (("+recipe=deepspeed_moe_debug", "recipe.model.stack.zero_stage=3"),
+     "DeepSpeed's own MoE layer is not supported at ZeRO stage 3"),
+    (("+recipe=deepspeed_dense_debug", "+recipe.model.stack.config={zero_optimization:{stage:1}}"),
+     "recipe.model.stack.config has zero_optimization.stage=1 but recipe.model.stack.zero_stage=3"),
+])
+def test_what_deepspeed_would_fail_on_in_a_rank_exits_2_before_launch(overrides: tuple[str, ...], refusal: str,
+                                                                     tmp_path: Path, taxbench_cli) -> None:
+    out_dir = tmp_path / "runs"
+    result = taxbench_cli(*overrides, f"experiment.out_dir={out_dir}", cwd=tmp_path, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and refusal in lines[0], result.stderr[-2000:]
+    assert not out_dir.exists()
+
+
+@needs_deepspeed
 def test_gradient_accumulation_is_checked_against_the_world_before_launch() -> None:
     from taxbench.preflight import prepare
 

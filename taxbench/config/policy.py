@@ -207,6 +207,8 @@ AUDITED = {
 
 
 def _shown(field: str, value: Any) -> str:
+    if field == "allow_tf32" and value is None:
+        return "as the process has it (torch's defaults: matmul off, cuDNN on)"
     if field == "nvte_allow_nondeterministic_algo":
         return "unset (Transformer Engine's default: 1)" if value else "0"
     if isinstance(value, bool):
@@ -311,8 +313,9 @@ def apply_flags(policy: PolicyConfig) -> None:
     torch.utils.deterministic.fill_uninitialized_memory = policy.fill_uninitialized_memory  # type: ignore[attr-defined]
     torch.backends.cudnn.deterministic = policy.deterministic
     torch.backends.cudnn.benchmark = policy.cudnn_benchmark
-    torch.backends.cuda.matmul.allow_tf32 = policy.allow_tf32
-    torch.backends.cudnn.allow_tf32 = policy.allow_tf32
+    if policy.allow_tf32 is not None:  # None: a stack-native switch that leaves TF32 as the process has it
+        torch.backends.cuda.matmul.allow_tf32 = policy.allow_tf32
+        torch.backends.cudnn.allow_tf32 = policy.allow_tf32
 
 
 def _current_flags() -> dict[str, Any]:
