@@ -32,19 +32,23 @@ from taxbench.config.schema import (
     RecipeConfig,
     TaxbenchConfig,
     load_config,
+    max_steps,
     validate,
     world_size,
 )
 from taxbench.config.shape import ParallelShape
 from taxbench.datasets.shards import ShardError
 from taxbench.datasets.source import check_shard_recipe
+from taxbench.design import design_of
 from taxbench.diagnostics import logger
 from taxbench.parallel.layout import layout_for, tensor_parallel_plan
 from taxbench.parallel.pipeline import stage_holding, stage_split
 from taxbench.parallel.recompute import apply_activation_checkpointing
 from taxbench.runtime.determinism import validate_on_this_build
+from taxbench.stacks.deepspeed import DeepSpeedOptions, refuse_disagreements
 from taxbench.stacks.float8 import float8_layers, float8_problem
 from taxbench.stacks.registry import foreign_stack, stack_for
+from taxbench.stacks.titan import refuse_short_schedule
 from taxbench.workloads import TooLargeForHost, build_model, on_meta_or_host
 
 log = logger(__name__)
@@ -93,8 +97,20 @@ def check_before_launch(cfg: TaxbenchConfig) -> None:
     check_model_parallel(cfg.recipe, model)
     for arm_policy in cfg.arms.values():  # the stack's own determinism switch must agree with each arm's policy
         stack_for(cfg.recipe.model).switch(cfg.recipe, arm_policy)
+    check_stack_run(cfg)
     check_fault_and_trace(cfg, model)
     check_out_dir(Path(cfg.experiment.out_dir))
+
+
+def check_stack_run(cfg: TaxbenchConfig) -> None:
+    """What a stack's own config says about this experiment that its ranks would only fail on: a DeepSpeed config
+    whose batch sizes disagree with the recipe at this world size, a torchtitan LR schedule shorter than a run."""
+    recipe, exp = cfg.recipe, cfg.experiment
+    if recipe.model.kind == ModelKind.deepspeed:
+        refuse_disagreements(recipe, DeepSpeedOptions.of(recipe.model), world_size(cfg.cluster))
+    if recipe.model.kind == ModelKind.titan:
+        profile = exp.warmup_steps + exp.profile_steps if design_of(cfg).profiled else 0
+        refuse_short_schedule(recipe, max(max_steps(exp), profile))
 
 
 def check_device(cfg: TaxbenchConfig) -> None:

@@ -5,11 +5,20 @@ raises by design, and where the installed DeepSpeed has no key). Without DeepSpe
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
-from helpers import compose_typed, has_deepspeed, localize_planted_fault, localize_planted_op, step_records
+from helpers import (
+    compose_config,
+    compose_raw,
+    compose_typed,
+    has_deepspeed,
+    localize_planted_fault,
+    localize_planted_op,
+    step_records,
+)
 
 from taxbench.config.schema import ConfigError
 from taxbench.launchers.worker import rank_process
@@ -55,6 +64,7 @@ def test_the_switch_records_that_the_documented_equivalent_was_applied_where_the
     (("+recipe.model.stack.offload=true",), "recipe.model.stack.offload is not a DeepSpeed option"),
     (("recipe.model.stack.zero_stage=4",), "zero_stage=4: choose 1, 2 or 3"),
     (("recipe.model.stack.zero_stage=0",), "zero_stage=0: choose 1, 2 or 3 (stage 0's engine reports no gradient"),
+    (("recipe.model.stack.zero_stage=3",), "DeepSpeed's own MoE layer is not supported at ZeRO stage 3"),
     (("recipe.parallel.tp=2",), "recipe.parallel.tp=2, pp=1"),
     (("recipe.parallel.data_parallel=fsdp",), "shards with ZeRO"),
     (("recipe.model.top_k=3",), "top_k 1 or 2"),
@@ -65,6 +75,119 @@ def test_what_this_adapter_does_not_drive_is_refused_in_one_line(overrides: tupl
     with pytest.raises(ConfigError, match=refusal.replace("(", r"\(").replace("+", r"\+")) as info:
         ds.DeepSpeedStack().switch(cfg.recipe, cfg.arms["deterministic"])
     assert "\n" not in str(info.value)
+
+
+@needs_deepspeed
+@pytest.mark.parametrize(("config", "refusal"), [
+    ("{zero_optimization:{stage:1}}", "zero_optimization.stage=1 but recipe.model.stack.zero_stage=3"),
+    ("{train_batch_size:16}", "train_batch_size=16 but recipe.global_batch_size=8"),
+    ("{train_micro_batch_size_per_gpu:1}", "train_micro_batch_size_per_gpu=1 but recipe.micro_batch_size=2"),
+    ("{bf16:{enabled:true}}", "bf16.enabled=true but recipe.precision=fp32"),
+    ("{fp16:{enabled:true}}", "fp16.enabled=true but recipe.precision=fp32"),
+    ("{gradient_clipping:0.5}", "gradient_clipping=0.5 but recipe.optimizer.grad_clip=1.0"),
+    ("{optimizer:{type:Adam}}", 'optimizer.type="Adam" but taxbench\'s optimizer (recipe.optimizer)=AdamW'),
+    ("{optimizer:{params:{lr:0.1}}}", "optimizer.params.lr=0.1 but recipe.optimizer.lr=0.0003"),
+    ("{deterministic_mode:true}", "DeepSpeed's switch is set per arm by taxbench"),
+])
+def test_a_users_key_that_the_recipe_decides_otherwise_is_refused_naming_both(config: str, refusal: str) -> None:
+    cfg = compose_typed("+recipe=deepspeed_dense_debug", f"+recipe.model.stack.config={config}")
+    with pytest.raises(ConfigError, match=re.escape(refusal)) as info:
+        ds.DeepSpeedStack().switch(cfg.recipe, cfg.arms["baseline"])
+    assert "\n" not in str(info.value)
+    if "deterministic_mode" not in config:
+        assert "the two disagree and neither is picked" in str(info.value)
+
+
+@needs_deepspeed
+@pytest.mark.parametrize(("overrides", "refusal"), [
+    (("+recipe=deepspeed_moe_debug", "recipe.model.stack.zero_stage=3"),
+     "DeepSpeed's own MoE layer is not supported at ZeRO stage 3"),
+    (("+recipe=deepspeed_dense_debug", "+recipe.model.stack.config={zero_optimization:{stage:1}}"),
+     "recipe.model.stack.config has zero_optimization.stage=1 but recipe.model.stack.zero_stage=3"),
+])
+def test_what_deepspeed_would_fail_on_in_a_rank_exits_2_before_launch(overrides: tuple[str, ...], refusal: str,
+                                                                     tmp_path: Path, taxbench_cli) -> None:
+    out_dir = tmp_path / "runs"
+    result = taxbench_cli(*overrides, f"experiment.out_dir={out_dir}", cwd=tmp_path, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and refusal in lines[0], result.stderr[-2000:]
+    assert not out_dir.exists()
+
+
+@needs_deepspeed
+def test_gradient_accumulation_is_checked_against_the_world_before_launch() -> None:
+    from taxbench.preflight import prepare
+
+    accumulation = "+recipe.model.stack.config={gradient_accumulation_steps:%d}"
+    with pytest.raises(ConfigError, match=re.escape("gradient_accumulation_steps=4 but recipe.global_batch_size / "
+                                                    "(recipe.micro_batch_size * dp)=2 (8 / (2 * 2))")):
+        prepare(compose_raw("+recipe=deepspeed_dense_debug", accumulation % 4))
+    prepare(compose_raw("+recipe=deepspeed_dense_debug", accumulation % 2))  # agrees with the recipe at 2 ranks
+
+
+def _ds_config(tmp_path: Path) -> Path:
+    """A user's ds_config.json as DeepSpeed users write them: nested keys taxbench also sets (its stage, its
+    optimizer's params, Hugging Face's "auto"), and keys it does not."""
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({
+        "train_batch_size": "auto", "gradient_clipping": "auto",
+        "zero_optimization": {"stage": 1, "overlap_comm": True, "reduce_bucket_size": 5e7},
+        "optimizer": {"params": {"torch_adam": True}},
+        "steps_per_print": 1000,
+    }))
+    return path
+
+
+@needs_deepspeed
+def test_a_ds_config_json_path_is_deep_merged_over_taxbenchs_config(tmp_path: Path) -> None:
+    path = _ds_config(tmp_path)
+    cfg = compose_typed("+recipe=deepspeed_dense_debug", "~recipe.model.stack.zero_stage",
+                        f"+recipe.model.stack.config={path}")
+    record = ds.DeepSpeedStack().switch(cfg.recipe, cfg.arms["deterministic"])
+    config = record["config"]
+    assert record["zero_stage"] == 1  # the recipe names no stage: the user's, not taxbench's default
+    assert config["zero_optimization"] == {"stage": 1, "overlap_comm": True, "reduce_bucket_size": 5e7}
+    assert config["optimizer"] == {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                               "weight_decay": 0.1, "torch_adam": True}}
+    assert config["gradient_clipping"] == 1.0 and config["steps_per_print"] == 1000  # "auto": the recipe's
+    with pytest.raises(ConfigError, match=re.escape("zero_optimization.stage=1 but recipe.model.stack.zero_stage=3")):
+        ds.DeepSpeedStack().switch(compose_typed("+recipe=deepspeed_dense_debug",
+                                                 f"+recipe.model.stack.config={path}").recipe, cfg.arms["baseline"])
+
+
+@needs_deepspeed
+def test_a_config_path_that_cannot_be_read_is_refused_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "list.json").write_text("[1, 2]")
+    for value, refusal in ((tmp_path / "nope.json", "cannot read"), (tmp_path / "list.json", "holds a JSON list")):
+        cfg = compose_typed("+recipe=deepspeed_dense_debug", f"+recipe.model.stack.config={value}")
+        with pytest.raises(ConfigError, match=refusal):
+            ds.DeepSpeedStack().switch(cfg.recipe, cfg.arms["baseline"])
+
+
+@needs_deepspeed
+def test_the_manifest_records_the_config_the_engine_received_read_back_from_it(tmp_path: Path) -> None:
+    """A real engine (one gloo rank, in this process): the user's stage override and a key only their config sets
+    reach the engine, and the manifest records what the engine holds, not what taxbench planned."""
+    from helpers import one_rank
+
+    from taxbench.design import RunRef
+    from taxbench.schedule.experiment import Experiment
+
+    cfg = compose_config("+recipe=deepspeed_dense_debug", "cluster=inprocess", "recipe.model.stack.zero_stage=1",
+                         f"+recipe.model.stack.config={_ds_config(tmp_path)}", "recipe.global_batch_size=4")
+    with one_rank(cfg) as ctx:
+        experiment = Experiment(cfg, ctx, tmp_path / "exp")
+        trainer = experiment._trainer(RunRef("baseline", "0"))
+        engine = trainer.engine.engine
+        trainer.close()
+    switch = json.loads((tmp_path / "exp" / "baseline-0" / "manifest.json").read_text())["stack_switch"]
+    assert switch["zero_stage"] == engine.zero_optimization_stage() == 1
+    assert switch["engine"]["zero_stage"] == 1 and switch["config"]["zero_optimization"]["overlap_comm"] is True
+    assert switch["config"] == engine.config  # the JSON the engine received, batch sizes included
+    assert (switch["engine"]["train_batch_size"], switch["engine"]["gradient_accumulation_steps"]) == (4, 2)
+    assert switch["engine"]["gradient_clipping"] == 1.0 and switch["engine"]["bf16"] is False
+    assert switch["arm"] == "switch off: taxbench's baseline policy (not deterministic)"
 
 
 def _train_save_resume(rank: int, world: int, out: str, port: int) -> None:
@@ -120,7 +243,7 @@ def test_a_deepspeed_recipe_runs_the_pair_end_to_end_and_passes_the_gates(recipe
     assert outcomes["repeatability"] == "identical" and outcomes["restart_replay"] == "identical"
     manifest = json.loads((tmp_path / "ds" / "deterministic-0" / "manifest.json").read_text())
     assert manifest["stack_switch"]["stack"] == "deepspeed"
-    assert manifest["stack_switch"]["zero_stage"] == stage
+    assert manifest["stack_switch"]["zero_stage"] == manifest["stack_switch"]["engine"]["zero_stage"] == stage
     assert manifest["stack_switch"]["deterministic_mode"].startswith("documented equivalent")
     assert manifest["policy_applied"]["use_deterministic_algorithms"] is True
     assert len(step_records(tmp_path / "ds" / "deterministic-0")) == 6

@@ -42,6 +42,11 @@ FACTORY = "++recipe.model.factory={_target_: torch.nn.Embedding, num_embeddings:
         (["experiment.name=/tmp/elsewhere"], "experiment.name='/tmp/elsewhere' must be a plain folder name"),
         (["experiment.name=."], "experiment.name='.' must be a plain folder name"),
         (["experiment.name="], "experiment.name='' must be a plain folder name"),
+        (["experiment.steps=99999999999999999999"], "experiment.steps=99999999999999999999 makes a run of "
+         "99999999999999999999 steps, more than the 1000000 one run may take"),
+        (["experiment.steps=200000", "experiment.target_half_width=0.005"],
+         "experiment.max_steps=0 (10 x experiment.steps) makes a run of 2000000 steps, more than the 1000000"),
+        (["experiment.profile_steps=1000000"], "experiment.profile_steps=1000000 makes a run of 1000006 steps"),
         (["recipe.model.kind=custom", FACTORY % 100], "returns logits of shape [4, 64, 100]"),
         (["recipe.model.kind=custom", "++recipe.model.factory={_target_: torch.nn.Linear, in_features: 3, "
           "out_features: 4}"], "the forward pass on a [4, 64] token batch failed"),
@@ -128,6 +133,8 @@ def test_shard_tokens_beyond_the_vocabulary_are_refused_before_launch(tmp_path: 
         (["recipe.model.kind=nosuch"], "expected one of [dense, moe, custom, titan, megatron, deepspeed]"),
         (["recipe.model.n_heads=0"], "recipe.model.n_heads=0 must be >= 1"),
         (["experiment.name=../escape"], "must be a plain folder name"),
+        (["experiment.steps=99999999999999999999"], "more than the 1000000 one run may take (the schedule draws every "
+         "round's order before the first step"),
         (["reprot", "runs/x"], "did you mean `taxbench report`?"),
         (["+recipe=moe_1t_proxy", "recipe.parallel.pp=1", "recipe.model.kind=dense"],
          "recipe.parallel.ep=2 needs an MoE model, but recipe.model.kind=dense; set recipe.parallel.ep=1"),

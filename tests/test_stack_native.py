@@ -7,10 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import compose_config
 from test_deepspeed import needs_deepspeed
 from test_megatron import needs_megatron
 
+from taxbench.config import policy
 from taxbench.config.policy import audit, full_policy, validate_policy
 from taxbench.config.schema import ConfigError, Device
 from taxbench.preflight import stack_native_audits
@@ -70,7 +72,25 @@ def test_torchtitans_native_arm_is_debug_deterministic_alone() -> None:
     assert arm.cublas_workspace_config == ":4096:8" and arm.nccl_algo is None
     lines = stack_native_audits(cfg)["deterministic"]
     assert "torchtitan's switch leaves NCCL_ALGO unset; taxbench's policy sets Ring" in lines
-    assert "torchtitan's switch sets TF32 (matmul and cuDNN) on; taxbench's policy sets off" in lines
+    # set_determinism does not touch TF32: the arm leaves it as the process has it, as plain torchtitan runs.
+    assert arm.allow_tf32 is None
+    assert ("torchtitan's switch leaves TF32 (matmul and cuDNN) as the process has it (torch's defaults: matmul off, "
+            "cuDNN on); taxbench's policy sets off") in lines
+    assert not any("TF32" in line and " sets TF32" in line for line in lines)
+
+
+def test_a_native_arm_that_leaves_tf32_runs_the_processs_tf32_flags_and_taxbenchs_arms_set_theirs() -> None:
+    cfg = compose_config("+recipe=titan_llama3_debug", NATIVE)
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        for process in ((False, True), (True, False)):  # torch's defaults, and a process that set its own
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = process
+            with policy.active(cfg.arms["deterministic"]):
+                assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == process
+            with policy.active(cfg.arms["baseline"]):  # taxbench's baseline sets TF32 on
+                assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
 
 
 @needs_deepspeed

@@ -141,6 +141,23 @@ def test_torchtitans_activation_checkpointing_keeps_module_names_and_gradients_b
         assert all(torch.equal(grads[ac][name], grads["none"][name]) for name in grads["none"]), ac
 
 
+@needs_titan
+@pytest.mark.parametrize(("steps", "run"), [
+    (("experiment.steps=60",), 60),
+    (("experiment.steps=20", "experiment.target_half_width=0.01", "experiment.max_steps=40"), 40),  # a target's cap
+])
+def test_a_job_whose_lr_schedule_ends_before_a_run_is_refused_before_launch(steps: tuple[str, ...], run: int) -> None:
+    job = ONE_RANK_JOB[2].replace("--training.steps,100", "--training.steps,30")
+    with pytest.raises(ConfigError) as info:
+        prepare(compose_raw("+recipe=titan_llama3_pp", ONE_RANK_JOB[0], "cluster.cpu_ranks=1", job,
+                            "experiment.warmup_steps=1", "experiment.resume_step=5", *steps))
+    assert str(info.value) == (f"torchtitan's job config has --training.steps 30 but a run of this experiment trains "
+                               f"up to {run} steps, past the end of its LR schedule; set --training.steps {run} (or "
+                               "more) in recipe.model.stack.job, or lower experiment.steps")
+    prepare(compose_raw("+recipe=titan_llama3_pp", ONE_RANK_JOB[0], "cluster.cpu_ranks=1", job,
+                        "experiment.steps=30", "experiment.warmup_steps=1", "experiment.resume_step=5"))
+
+
 # llama3_debugmodel as torchtitan's CLI takes it, at pp=1 on one in-process rank (titan_llama3_pp's job otherwise).
 ONE_RANK_JOB = ("recipe.parallel.pp=1", "cluster=inprocess",
                 "recipe.model.stack.job=[--module,llama3,--config,llama3_debugmodel,--parallelism.spmd_backend,"

@@ -196,6 +196,8 @@ AUDITED = {
 
 
 def _shown(field: str, value: Any) -> str:
+    if field == "allow_tf32" and value is None:
+        return "as the process has it (torch's defaults: matmul off, cuDNN on)"
     if field == "nvte_allow_nondeterministic_algo":
         return "unset (Transformer Engine's default: 1)" if value else "0"
     if isinstance(value, bool):

@@ -162,7 +162,7 @@ class PolicyConfig:
     name: str = MISSING
     deterministic: bool = False
     cudnn_benchmark: bool = True
-    allow_tf32: bool = True
+    allow_tf32: bool | None = True  # None: TF32 left as the process has it (a stack-native switch that leaves it)
     cublas_workspace_config: str | None = None
     nccl_algo: str | None = None
     # NCCL_PROTO and NCCL_MIN_NCHANNELS=NCCL_MAX_NCHANNELS=nccl_channels (null: NCCL chooses per message size). A Tree
@@ -404,6 +404,11 @@ def load_config(source: DictConfig | dict[str, Any]) -> TaxbenchConfig:
 
 INTERLEAVE_MODES = ("all", "pair", "policy")
 MAX_STEPS_FACTOR = 10  # experiment.max_steps=0 means this many times experiment.steps
+# The most steps one run may take. The schedule draws every round's order before the first step (taxbench.design
+# .round_orders: here about 30 us and 100 bytes a round, so 10^6 rounds take half a minute and 100 MB before anything
+# is printed), and analysis holds every step's record of a run in memory. Far beyond that (10^20) the count does not
+# even fit the int64 step columns of the records.
+MAX_RUN_STEPS = 1_000_000
 
 
 def max_steps(exp: ExperimentConfig) -> int:
@@ -440,6 +445,20 @@ def world_size_key(cluster: ClusterConfig) -> str:
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
+
+
+def _check_run_length(exp: ExperimentConfig) -> None:
+    """No run may take more than MAX_RUN_STEPS steps (why: at MAX_RUN_STEPS)."""
+    lengths = [("experiment.steps", exp.steps, exp.steps), ("experiment.profile_steps", exp.profile_steps,
+                                                            exp.warmup_steps + exp.profile_steps)]
+    if exp.target_half_width > 0:
+        shown = exp.max_steps or f"0 ({MAX_STEPS_FACTOR} x experiment.steps)"
+        lengths.append(("experiment.max_steps", shown, max_steps(exp)))
+    for key, value, run_steps in lengths:
+        _require(run_steps <= MAX_RUN_STEPS,
+                 f"{key}={value} makes a run of {run_steps} steps, more than the {MAX_RUN_STEPS} one run may take (the "
+                 "schedule draws every round's order before the first step, and analysis holds every step's record "
+                 f"in memory); use at most {MAX_RUN_STEPS} steps per run")
 
 
 def _check_experiment_name(name: str) -> None:
@@ -507,6 +526,7 @@ def validate(cfg: TaxbenchConfig) -> None:
         ("recipe.model.d_ff", recipe.model.d_ff),
     ):
         _require(value >= 1, f"{key}={value} must be >= 1")
+    _check_run_length(exp)
     _check_experiment_name(exp.name)
     _check_numbers(cfg)
     _require(cluster.peak_tflops >= 0,

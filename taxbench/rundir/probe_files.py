@@ -135,10 +135,13 @@ FLAG_NAMES = {
 
 
 def expected_flags(policy: dict[str, Any]) -> dict[str, bool]:
-    """The live flags a policy applies (taxbench.config.policy.apply_flags)."""
-    return {"deterministic": bool(policy["deterministic"]), "cudnn_deterministic": bool(policy["deterministic"]),
-            "cudnn_benchmark": bool(policy["cudnn_benchmark"]), "tf32": bool(policy["allow_tf32"]),
-            "fill_uninitialized_memory": bool(policy["fill_uninitialized_memory"])}
+    """The live flags a policy applies (taxbench.runtime.determinism.apply_flags; TF32 only where it sets it)."""
+    wanted = {"deterministic": bool(policy["deterministic"]), "cudnn_deterministic": bool(policy["deterministic"]),
+              "cudnn_benchmark": bool(policy["cudnn_benchmark"]),
+              "fill_uninitialized_memory": bool(policy["fill_uninitialized_memory"])}
+    if policy.get("allow_tf32") is not None:
+        wanted["tf32"] = bool(policy["allow_tf32"])
+    return wanted
 
 
 @dataclass

@@ -109,8 +109,9 @@ def apply_flags(policy: PolicyConfig) -> None:
     torch.utils.deterministic.fill_uninitialized_memory = policy.fill_uninitialized_memory  # type: ignore[attr-defined]
     torch.backends.cudnn.deterministic = policy.deterministic
     torch.backends.cudnn.benchmark = policy.cudnn_benchmark
-    torch.backends.cuda.matmul.allow_tf32 = policy.allow_tf32
-    torch.backends.cudnn.allow_tf32 = policy.allow_tf32
+    if policy.allow_tf32 is not None:  # None: a stack-native switch that leaves TF32 as the process has it
+        torch.backends.cuda.matmul.allow_tf32 = policy.allow_tf32
+        torch.backends.cudnn.allow_tf32 = policy.allow_tf32
 
 
 def _current_flags() -> dict[str, Any]:

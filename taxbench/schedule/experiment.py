@@ -113,9 +113,12 @@ class Experiment:
         if self._throughput is None:
             self._throughput = throughput_manifest(self.cfg.recipe, self.cfg.cluster)
         training_stack = stack_for(self.cfg.recipe.model)
+        switch = training_stack.switch(self.cfg.recipe, arm_policy)
+        if trainer.engine is not None:  # what the built engine received, read back, over what was planned
+            switch.update(trainer.engine.received())
         facts = RunFacts(
             policy_applied=applied,
-            stack_switch=training_stack.switch(self.cfg.recipe, arm_policy),
+            stack_switch=switch,
             stack_native_audit=policy.audit(arm_policy, training_stack.name) if arm_policy.stack_native else None,
             layout={
                 **trainer.parallel.layout.manifest(),

@@ -1,4 +1,4 @@
-"""DeepSpeed as a training stack: its engine (ZeRO stage 0-3), its optimizer step with gradient accumulation and
+"""DeepSpeed as a training stack: its engine (ZeRO stage 1-3), its optimizer step with gradient accumulation and
 clipping, its MoE layer with expert parallelism, its checkpoint and its determinism switch.
 
 The model is taxbench's GPT (taxbench.workloads.dense) from the recipe's model fields; an MoE recipe (n_experts > 0)
@@ -7,6 +7,12 @@ in every block's FFN, its load-balancing loss added with recipe.model.aux_loss_c
 engine from the recipe: `recipe.model.stack.zero_stage`, the micro-batch size and gradient accumulation the harness
 computes, gradient clipping (recipe.optimizer.grad_clip), AdamW (DeepSpeed's torch AdamW: the fused CPU Adam op is not
 built), bf16 or fp32. Initial values are torch's defaults from recipe.seed (not layout invariant).
+
+A user's own DeepSpeed JSON (`recipe.model.stack.config`: a mapping, or the path of a ds_config.json) is deep-merged
+over taxbench's config: its other keys reach the engine as it wrote them, but a key that the recipe also decides (ZeRO
+stage, batch sizes, precision, clipping, the optimizer, the switch) must agree with the recipe, or the pair is refused
+before launch naming both values (`refuse_disagreements`); neither is picked. The manifest's stack_switch records what
+the built engine received, read back from it (`EngineStep.received`), not what taxbench meant to hand it.
 
 What DeepSpeed owns here (taxbench.stacks.step.OwnedStep): the step (`engine.backward` per micro-batch,
 `engine.step` reducing, clipping and stepping at the accumulation boundary) and the checkpoint (`save_checkpoint` /
@@ -28,10 +34,11 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
+import json
 import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -43,6 +50,7 @@ from torch import nn
 
 from taxbench.checkpoint.state import extras_path
 from taxbench.config.schema import ConfigError, DataParallel, ModelConfig, PolicyConfig, Precision, RecipeConfig
+from taxbench.config.shape import ParallelShape
 from taxbench.diagnostics import logger
 from taxbench.parallel.distributed import DistContext
 from taxbench.parallel.layout import ParallelModel, layout_for
@@ -65,26 +73,168 @@ SWITCH_FIELDS = {"deterministic": True, "cudnn_benchmark": False, "allow_tf32": 
                  "fill_uninitialized_memory": False, "deterministic_kernels": False}
 
 
+DEFAULT_ZERO_STAGE = 2
+AUTO = "auto"  # Hugging Face's ds_config.json convention: "fill this in from the training arguments" (the recipe)
+
+
 @dataclass(frozen=True)
 class DeepSpeedOptions:
-    zero_stage: int = 2
+    zero_stage: int | None = None  # None: the user config's zero_optimization.stage, else DEFAULT_ZERO_STAGE
     capacity_factor: float = 1.0  # DeepSpeed MoE's token capacity per expert
-    config: dict[str, Any] = field(default_factory=dict)  # more DeepSpeed JSON config, merged over taxbench's
+    config: dict[str, Any] = field(default_factory=dict)  # the user's DeepSpeed JSON, deep-merged over taxbench's
 
     @classmethod
     def of(cls, model: ModelConfig) -> DeepSpeedOptions:
         refuse_unknown_options("DeepSpeed", cls, model.stack)
-        options = cls(**{k: (dict(v) if k == "config" else v) for k, v in model.stack.items()})
-        if options.zero_stage not in (1, 2, 3):
+        options = cls(**{**model.stack, "config": user_config(model.stack.get("config", {}))})
+        if options.stage not in (1, 2, 3) or isinstance(options.stage, bool):
             # Stage 0 steps a plain torch optimizer, whose engine reports no global gradient norm: every record's
             # grad_norm would be NaN, and the run "diverged".
-            raise ConfigError(f"recipe.model.stack.zero_stage={options.zero_stage}: choose 1, 2 or 3 (stage 0's "
-                              "engine reports no gradient norm to fingerprint)")
+            raise ConfigError(f"{options.stage_key}={options.stage}: choose 1, 2 or 3 (stage 0's engine reports no "
+                              "gradient norm to fingerprint)")
         return options
 
+    @property
+    def stage(self) -> Any:
+        """The ZeRO stage the engine gets: recipe.model.stack.zero_stage, else the user config's, else 2."""
+        if self.zero_stage is not None:
+            return self.zero_stage
+        theirs = _leaf(self.config, ("zero_optimization", "stage"))
+        return DEFAULT_ZERO_STAGE if theirs in (None, AUTO) else theirs
 
-def require_layout(recipe: RecipeConfig) -> None:
-    """Refuse, in one line, what this adapter does not drive (see the module docstring)."""
+    @property
+    def stage_key(self) -> str:
+        """Where the stage comes from, as a refusal names it."""
+        if self.zero_stage is None and _leaf(self.config, ("zero_optimization", "stage")) not in (None, AUTO):
+            return "recipe.model.stack.config's zero_optimization.stage"
+        return "recipe.model.stack.zero_stage" + ("" if self.zero_stage is not None else " (default)")
+
+
+def user_config(value: Any) -> dict[str, Any]:
+    """recipe.model.stack.config as a DeepSpeed JSON mapping: given inline, or read from a ds_config.json path
+    (relative to the folder taxbench is started in)."""
+    if isinstance(value, Mapping):
+        return _plain(value)
+    if not isinstance(value, str):
+        raise ConfigError(f"recipe.model.stack.config={value!r}: give DeepSpeed JSON as a mapping or the path of a "
+                          "ds_config.json")
+    path = Path(value).expanduser()
+    try:
+        loaded = json.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"recipe.model.stack.config={value}: cannot read {path.absolute()} ({exc.strerror}); give "
+                          "the path of a DeepSpeed ds_config.json, or the config as a mapping") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"recipe.model.stack.config={value}: not JSON ({exc}); give the path of a DeepSpeed "
+                          "ds_config.json") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"recipe.model.stack.config={value}: holds a JSON {type(loaded).__name__}, DeepSpeed's "
+                          "config is a JSON object")
+    return loaded
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _leaf(config: Mapping[str, Any], path: tuple[str, ...]) -> Any:
+    """The value at `path` in a nested config, or None where the path is absent."""
+    node: Any = config
+    for key in path:
+        if not isinstance(node, Mapping) or key not in node:
+            return None
+        node = node[key]
+    return node
+
+
+def deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """`over` merged into `base` key by key at every depth (a mapping in both is merged, any other value of `over`
+    replaces base's); "auto" in `over` keeps base's value."""
+    merged = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = deep_merge(merged[key], value)
+        elif not (value == AUTO and key in merged):
+            merged[key] = _plain(value)
+    return merged
+
+
+@dataclass(frozen=True)
+class Decided:
+    """A DeepSpeed config key that the recipe decides: where in the recipe, the recipe's value there, and the value
+    DeepSpeed must get for it."""
+
+    path: tuple[str, ...]
+    recipe_key: str
+    recipe_value: Any
+    wanted: Any
+
+    def agrees(self, theirs: Any) -> bool:
+        if theirs == AUTO:
+            return True
+        if isinstance(self.wanted, str) and isinstance(theirs, str):
+            return theirs.lower() == self.wanted.lower()  # DeepSpeed reads optimizer names case-insensitively
+        if isinstance(self.wanted, bool) or isinstance(theirs, bool):
+            return theirs is self.wanted
+        return bool(theirs == self.wanted)
+
+
+def decided_keys(recipe: RecipeConfig, options: DeepSpeedOptions, world: int | None) -> list[Decided]:
+    """Every DeepSpeed config key that the recipe decides (and taxbench sets from it). `world`: the world size, when
+    known (gradient accumulation depends on it)."""
+    opt, precision = recipe.optimizer, str(recipe.precision)
+    bf16 = precision == Precision.bf16.value
+    keys = [
+        Decided(("zero_optimization", "stage"), options.stage_key, options.stage, options.stage),
+        Decided(("train_micro_batch_size_per_gpu",), "recipe.micro_batch_size", recipe.micro_batch_size,
+                recipe.micro_batch_size),
+        Decided(("train_batch_size",), "recipe.global_batch_size", recipe.global_batch_size,
+                recipe.global_batch_size),
+        Decided(("gradient_clipping",), "recipe.optimizer.grad_clip", opt.grad_clip, opt.grad_clip),
+        Decided(("bf16", "enabled"), "recipe.precision", precision, bf16),
+        Decided(("bfloat16", "enabled"), "recipe.precision", precision, bf16),  # DeepSpeed's alias of bf16
+        Decided(("fp16", "enabled"), "recipe.precision", precision, False),
+        Decided(("optimizer", "type"), "taxbench's optimizer (recipe.optimizer)", "AdamW", "AdamW"),
+        Decided(("optimizer", "params", "lr"), "recipe.optimizer.lr", opt.lr, opt.lr),
+        Decided(("optimizer", "params", "betas"), "recipe.optimizer.beta1/beta2", [opt.beta1, opt.beta2],
+                [opt.beta1, opt.beta2]),
+        Decided(("optimizer", "params", "eps"), "recipe.optimizer.eps", opt.eps, opt.eps),
+        Decided(("optimizer", "params", "weight_decay"), "recipe.optimizer.weight_decay", opt.weight_decay,
+                opt.weight_decay),
+    ]
+    if world is not None:
+        dp = max(ParallelShape.of(recipe.parallel, world).dp, 1)
+        accumulation = recipe.global_batch_size // (recipe.micro_batch_size * dp)
+        shown = f"{accumulation} ({recipe.global_batch_size} / ({recipe.micro_batch_size} * {dp}))"
+        keys.append(Decided(("gradient_accumulation_steps",),
+                            "recipe.global_batch_size / (recipe.micro_batch_size * dp)", shown, accumulation))
+    return keys
+
+
+def refuse_disagreements(recipe: RecipeConfig, options: DeepSpeedOptions, world: int | None = None) -> None:
+    """Refuse, in one line naming both values, a key of the user's DeepSpeed config that the recipe decides
+    otherwise: both arms must run the recipe, and picking either value would hide that the two differ."""
+    user = options.config
+    if "deterministic_mode" in user:
+        value = json.dumps(user["deterministic_mode"])
+        raise ConfigError(f"recipe.model.stack.config has deterministic_mode={value}, but DeepSpeed's switch is set "
+                          "per arm by taxbench (mode@arms.deterministic); drop deterministic_mode from the config")
+    for key in decided_keys(recipe, options, world):
+        theirs = _leaf(user, key.path)
+        if theirs is None or key.agrees(theirs):
+            continue
+        dotted = ".".join(key.path)
+        raise ConfigError(f"recipe.model.stack.config has {dotted}={json.dumps(theirs)} but {key.recipe_key}="
+                          f"{key.recipe_value}; the two disagree and neither is picked: drop {dotted} from the config "
+                          f"or make the two agree")
+
+
+def require_layout(recipe: RecipeConfig, options: DeepSpeedOptions) -> None:
+    """Refuse, in one line, what this adapter or DeepSpeed does not drive (see the module docstring)."""
     par, model = recipe.parallel, recipe.model
     if par.pp > 1 or par.tp > 1:
         raise ConfigError(f"recipe.model.kind=deepspeed runs ZeRO data parallelism and expert parallelism here "
@@ -97,6 +247,11 @@ def require_layout(recipe: RecipeConfig) -> None:
     if model.n_experts and (model.top_k not in (1, 2) or model.n_experts % par.ep):
         raise ConfigError(f"DeepSpeed's MoE takes top_k 1 or 2 and ep dividing n_experts (recipe.model.top_k="
                           f"{model.top_k}, n_experts={model.n_experts}, recipe.parallel.ep={par.ep})")
+    if model.n_experts and options.stage == 3:
+        # DeepSpeed's engine asserts "Native DeepSpeed MoE is not supported with ZeRO Stage 3" at initialize.
+        raise ConfigError(f"{options.stage_key}=3 with an MoE model (recipe.model.n_experts={model.n_experts}): "
+                          "DeepSpeed's own MoE layer is not supported at ZeRO stage 3 (its engine asserts it); set "
+                          "recipe.model.stack.zero_stage=1 or 2")
     if model.n_shared_experts:
         raise ConfigError("recipe.model.n_shared_experts is not wired to DeepSpeed's MoE; set it to 0")
     if str(recipe.precision) not in (Precision.fp32.value, Precision.bf16.value):
@@ -162,27 +317,47 @@ def build_gpt(recipe: RecipeConfig, options: DeepSpeedOptions) -> nn.Module:
     return GPT(model, lambda: MoEFeedForward(model, recipe.parallel.ep, options.capacity_factor))
 
 
-def engine_config(recipe: RecipeConfig, options: DeepSpeedOptions, deterministic_key: bool) -> dict[str, Any]:
-    """DeepSpeed's JSON config for the recipe, without the batch sizes (`batch_config`)."""
+def engine_config(recipe: RecipeConfig, options: DeepSpeedOptions, deterministic_key: bool,
+                  batch: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """DeepSpeed's JSON config for the recipe (with `batch`, the batch sizes: `batch_config`), the user's config
+    deep-merged over it. Keys the two both set agree (refuse_disagreements runs first)."""
     opt = recipe.optimizer
     config: dict[str, Any] = {
+        **(batch or {}),
         "gradient_clipping": opt.grad_clip,
         "optimizer": {"type": "AdamW", "params": {"lr": opt.lr, "betas": [opt.beta1, opt.beta2], "eps": opt.eps,
                                                   "weight_decay": opt.weight_decay, "torch_adam": True}},
-        "zero_optimization": {"stage": options.zero_stage},
+        "zero_optimization": {"stage": options.stage},
         "bf16": {"enabled": str(recipe.precision) == Precision.bf16.value},
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
     if deterministic_key:
         config["deterministic_mode"] = True
-    return {**config, **options.config}
+    return deep_merge(config, options.config)
 
 
 def batch_config(recipe: RecipeConfig, micro_batches: int, world: int) -> dict[str, int]:
     """The harness's batch sizes as DeepSpeed's: its micro-batch per rank, accumulated over `micro_batches`."""
     return {"train_micro_batch_size_per_gpu": recipe.micro_batch_size, "gradient_accumulation_steps": micro_batches,
             "train_batch_size": recipe.micro_batch_size * micro_batches * world}
+
+
+def received_config(engine: Any) -> dict[str, Any]:
+    """What the built engine received, read back from it: the JSON it was given (`engine.config`) and what its
+    DeepSpeedConfig made of it (ZeRO stage, precision, clipping, batch sizes, optimizer)."""
+    return {
+        "zero_stage": int(engine.zero_optimization_stage()),
+        "bf16": bool(engine.bfloat16_enabled()),
+        "fp16": bool(engine.fp16_enabled()),
+        "gradient_clipping": engine.gradient_clipping(),
+        "train_batch_size": engine.train_batch_size(),
+        "train_micro_batch_size_per_gpu": engine.train_micro_batch_size_per_gpu(),
+        "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
+        "optimizer": engine.optimizer_name(),
+        "optimizer_params": _plain(engine.optimizer_params()),
+        "config": _plain(engine.config),
+    }
 
 
 def _init_distributed(ctx: DistContext) -> None:
@@ -227,6 +402,12 @@ class EngineStep:
         self._moe = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
         # ZeRO 1/2 step one parameter group at a time: keep each group's gradients (references, no copy).
         self.inner.register_step_pre_hook(self._keep_grads)
+
+    def received(self) -> dict[str, Any]:
+        """What the engine received, read back from it after the build (the manifest's stack_switch)."""
+        read_back = received_config(self.engine)
+        return {"zero_stage": read_back["zero_stage"], "config": read_back.pop("config"),
+                "engine": {"read_back": "from the built engine (engine.config and its DeepSpeedConfig)", **read_back}}
 
     def _keep_grads(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         self._grads += [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
@@ -296,7 +477,8 @@ class DeepSpeedStack:
     def switch(self, recipe: RecipeConfig, arm_policy: PolicyConfig) -> dict[str, Any]:
         require_deepspeed()
         options = DeepSpeedOptions.of(recipe.model)
-        require_layout(recipe)
+        require_layout(recipe, options)
+        refuse_disagreements(recipe, options)
         on = arm_policy.deterministic
         key = on and knows_deterministic_mode() and torch.cuda.is_available()
         if not on:
@@ -307,13 +489,13 @@ class DeepSpeedStack:
             why = ("this DeepSpeed's config has no deterministic_mode key" if not knows_deterministic_mode()
                    else "DeepSpeed's deterministic_mode raises off NVIDIA CUDA")
             applied = f"documented equivalent ({why}): {_equivalent_text()}"
-        return {"stack": self.name, "version": _version(), "zero_stage": options.zero_stage,
-                "deterministic_mode": applied,
-                "arm": ("the stack's own switch only (stack-native)" if arm_policy.stack_native
-                        else "under taxbench's full policy, which the switch agrees with"),
+        return {"stack": self.name, "version": _version(), "zero_stage": options.stage,
+                "deterministic_mode": applied, "arm": _arm_text(arm_policy),
                 "moe": "deepspeed.moe.layer.MoE" if recipe.model.n_experts else None,
                 "checkpoint": "deepspeed save_checkpoint/load_checkpoint (tag deepspeed); RNG streams and data "
                               "position per rank in rank<R>.pt beside it",
+                # What taxbench hands the engine, but the batch sizes; the manifest replaces it with what the built
+                # engine received (EngineStep.received).
                 "config": engine_config(recipe, options, key)}
 
     def native_policy(self, recipe: RecipeConfig, name: str) -> PolicyConfig:
@@ -323,14 +505,15 @@ class DeepSpeedStack:
     def meta_model(self, recipe: RecipeConfig) -> nn.Module:
         require_deepspeed()
         options = DeepSpeedOptions.of(recipe.model)
-        require_layout(recipe)
+        require_layout(recipe, options)
         with torch.device("meta"):
             return build_gpt(recipe, options)
 
     def build(self, recipe: RecipeConfig, arm_policy: PolicyConfig, ctx: DistContext, micro_batches: int) -> RankModel:
         deepspeed = require_deepspeed()
         options = DeepSpeedOptions.of(recipe.model)
-        require_layout(recipe)
+        require_layout(recipe, options)
+        refuse_disagreements(recipe, options, ctx.world_size)
         _init_distributed(ctx)
         key = arm_policy.deterministic and knows_deterministic_mode() and ctx.device.type == "cuda"
         with determinism.active(arm_policy):
@@ -343,7 +526,7 @@ class DeepSpeedStack:
 
                 params = split_params_into_different_moe_groups_for_optimizer(
                     {"params": list(model.parameters()), "name": "parameters"})
-            config = {**batch_config(recipe, micro_batches, ctx.world_size), **engine_config(recipe, options, key)}
+            config = engine_config(recipe, options, key, batch_config(recipe, micro_batches, ctx.world_size))
             with _prints_logged(ctx):
                 engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
         layout = layout_for(recipe.parallel, ctx.world_size, ctx.rank)
@@ -355,6 +538,14 @@ class DeepSpeedStack:
         del recipe
         assert isinstance(model.engine, EngineStep)
         return model.engine.inner  # the torch optimizer inside DeepSpeed's (its state is what each rank holds)
+
+
+def _arm_text(arm_policy: PolicyConfig) -> str:
+    if arm_policy.stack_native:
+        return "the stack's own switch only (stack-native)"
+    if arm_policy.deterministic:
+        return f"the switch under taxbench's {arm_policy.name} policy, which it agrees with"
+    return f"switch off: taxbench's {arm_policy.name} policy (not deterministic)"
 
 
 def _equivalent_text() -> str:

@@ -55,6 +55,11 @@ class OwnedStep(Protocol):
         """Restore the stack's checkpoint in place (a collective); this rank's extras."""
         ...
 
+    def received(self) -> dict[str, Any]:
+        """What the engine received, read back from it after the build: the manifest's stack_switch holds this
+        over what the stack's `switch` planned."""
+        ...
+
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -81,8 +81,10 @@ ATTN_BACKENDS = ("flex", "varlen", "sdpa")
 # torchtitan's switch puts this in the environment (torchtitan/distributed/utils.py, set_determinism).
 SWITCH_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 # debug.deterministic as policy fields (a stack-native arm): deterministic algorithms with the fill of uninitialized
-# memory off, cuDNN deterministic without its autotuner, and SWITCH_ENV; TF32 and NCCL are left as they are.
-SWITCH_FIELDS = {"deterministic": True, "cudnn_benchmark": False, "allow_tf32": True,
+# memory off, cuDNN deterministic without its autotuner, and SWITCH_ENV. set_determinism does not touch TF32
+# (allow_tf32=None: the arm leaves torch's flags as the process has them, torch's defaults under plain torchtitan:
+# matmul off, cuDNN on) nor NCCL.
+SWITCH_FIELDS = {"deterministic": True, "cudnn_benchmark": False, "allow_tf32": None,
                  "cublas_workspace_config": SWITCH_ENV["CUBLAS_WORKSPACE_CONFIG"], "nccl_algo": None,
                  "nvte_allow_nondeterministic_algo": True, "fill_uninitialized_memory": False,
                  "deterministic_kernels": False}
@@ -618,6 +620,22 @@ def _schedule_steps(job: Any) -> int:
     """How many steps torchtitan's LR schedule spans: lr_scheduler.total_steps, else training.steps."""
     total = job.lr_scheduler.total_steps
     return int(total if total is not None else job.training.steps)
+
+
+def refuse_short_schedule(recipe: RecipeConfig, run_steps: int) -> None:
+    """A job whose LR schedule spans fewer steps than a run of the experiment trains would fail in every rank once it
+    ran out (_step_schedule_after): refused before launch, naming both counts."""
+    options = TitanOptions.of(recipe.model)
+    if not options.job:
+        return  # taxbench's constant AdamW: no schedule to run out of
+    job = job_config(options.job)
+    spans = _schedule_steps(job)
+    if spans >= run_steps:
+        return
+    flag = "--lr_scheduler.total_steps" if job.lr_scheduler.total_steps is not None else "--training.steps"
+    raise ConfigError(f"torchtitan's job config has {flag} {spans} but a run of this experiment trains up to "
+                      f"{run_steps} steps, past the end of its LR schedule; set {flag} {run_steps} (or more) in "
+                      "recipe.model.stack.job, or lower experiment.steps")
 
 
 def _step_schedule_after(optimizer: torch.optim.Optimizer, schedule: Any, steps: int) -> None:
