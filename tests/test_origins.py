@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import has_deepspeed, localize_planted_fault
+from helpers import compose_typed, has_deepspeed, localize_planted_fault
 from torch import nn
 
 from taxbench.tracing.capture import communicating_modules
@@ -225,3 +225,19 @@ def test_localize_names_the_expert_on_the_higher_rank_of_taxbenchs_moe(tmp_path:
     assert origin is not None
     assert (origin.kind, origin.name, origin.scope, origin.rank, origin.step) == (
         "op", "aten.mm.default", "blocks.0.ffn.experts", 1, 2)
+
+
+def test_a_fault_flips_the_bit_it_is_given() -> None:
+    import torch
+
+    from taxbench.config.schema import ConfigError, validate
+    from taxbench.tracing.faults import flip_bit
+
+    values = torch.tensor([1.0, 2.0])
+    flip_bit(values, 22)  # float32's highest mantissa bit: 1.0 -> 1.5
+    flip_bit(values[1:], 31)  # the sign bit, on a view's first element
+    assert values.tolist() == [1.5, -2.0]
+    with pytest.raises(ValueError, match="experiment.fault.bit=16 is beyond the 16-bit torch.bfloat16"):
+        flip_bit(torch.ones(2, dtype=torch.bfloat16), 16)
+    with pytest.raises(ConfigError, match=r"experiment.fault.bit=32 must be in \[0, 31\]"):
+        validate(compose_typed("experiment.name=bit", "experiment.fault.enabled=true", "experiment.fault.bit=32"))

@@ -8,6 +8,9 @@ checkpoint/resume at experiment.resume_step), runs to s with the capture on at t
 two traces are diffed. The ladder goes deeper until a record is named:
   rung 1 (collectives, optimizer step, checkpoint load) -> rung 2 (module outputs) -> rung 3 (ATen ops), where a
   module origin narrows rung 3 to that module and an optimizer origin to the optimizer step.
+Candidates are ordered causally across ranks (taxbench.tracing.diff): when every candidate of a rung may have received
+its difference from a peer's ("candidates remain"), the ladder goes where that resolves: rung 2 after rung 1, rung 3
+inside the innermost communicating modules after rung 2, every module after a narrowed rung 3.
 If the replays diverge before s, s moves to the replays' first mismatch. If the replays do not diverge at all, the
 divergence did not recur (a rare nondeterministic event) and that is reported. Replays run on this machine, one
 process per rank of the original run (gloo on CPU, NCCL on CUDA).
