@@ -8,6 +8,9 @@ checkpoint/resume at experiment.resume_step), runs to s with the capture on at t
 two traces are diffed. The ladder goes deeper until a record is named:
   rung 1 (collectives, optimizer step, checkpoint load) -> rung 2 (module outputs) -> rung 3 (ATen ops), where a
   module origin narrows rung 3 to that module and an optimizer origin to the optimizer step.
+Candidates are ordered causally across ranks (taxbench.tracing.diff): when every candidate of a rung may have received
+its difference from a peer's ("candidates remain"), the ladder goes where that resolves: rung 2 after rung 1, rung 3
+inside the innermost communicating modules after rung 2, every module after a narrowed rung 3.
 If the replays diverge before s, s moves to the replays' first mismatch. If the replays do not diverge at all, the
 divergence did not recur (a rare nondeterministic event) and that is reported. Replays run on this machine, one
 process per rank of the original run (gloo on CPU, NCCL on CUDA).
@@ -32,13 +35,16 @@ from taxbench.tracing.diff import (
     CONTROL_FLOW,
     IDENTICAL,
     INCOMPLETE,
+    MAX_LISTED,
     NOTHING_COMPARED,
     ORIGIN,
     OUTSIDE,
+    UNRESOLVED,
     DiffReport,
     Finding,
     describe,
     diff_runs,
+    innermost_modules,
 )
 from taxbench.train.trainer import RunSpec, Trainer
 
@@ -102,6 +108,8 @@ class LadderStep:
     trace_a: str
     trace_b: str
     note: str = ""
+    candidates: list[Finding] = field(default_factory=list)  # every origin candidate of the rung, with its role
+    resolve: str = ""  # candidates remain: the capture that resolves them
 
 
 @dataclass
@@ -205,7 +213,8 @@ def localize(run_a: Path, run_b: Path, work_dir: Path, max_numel: int = 0) -> Lo
         replay([_job(spec_a, dir_a, rung, step, modules, max_numel),
                 _job(spec_b, dir_b, rung, step, modules, max_numel)], spec_a.world_size)
         report = diff_runs(dir_a, dir_b, steps=[step])
-        ladder = LadderStep(rung, step, list(modules), report.verdict, report.primary, str(dir_a), str(dir_b))
+        ladder = LadderStep(rung, step, list(modules), report.verdict, report.primary, str(dir_a), str(dir_b),
+                            candidates=report.candidates, resolve=report.resolve)
         result.path.append(ladder)
         replay_mismatch = _first_mismatch(dir_a, dir_b)
         if replay_mismatch is None:
@@ -241,6 +250,13 @@ def _next(report: DiffReport, rung: int, modules: tuple[str, ...]) -> tuple[int,
     primary = report.primary
     if report.verdict == CONTROL_FLOW:
         return None
+    if report.verdict == UNRESOLVED:  # peers that can explain each other: look inside what they communicate in
+        inside = tuple(innermost_modules(report.candidates))
+        if rung < 2 or (rung == 2 and not inside):
+            return 2, ()
+        if rung == 2:
+            return 3, inside
+        return (3, ()) if modules else None
     if report.verdict == ORIGIN and primary is not None:
         if primary.kind == "module" and rung < 3:
             return 3, (primary.scope,)
@@ -267,9 +283,14 @@ def render(result: Localization) -> str:
         found = describe(ladder.finding) if ladder.finding is not None else {
             OUTSIDE: "no origin among the captured records (all differences are downstream): go deeper",
             IDENTICAL: "every captured record agrees",
+            UNRESOLVED: f"candidates remain, each explained by a peer's: resolve with {ladder.resolve}",
         }.get(ladder.verdict, ladder.verdict)
         lines.append(f"rung {ladder.rung} (step {ladder.step}{scope}): {found}" + (
             f" [{ladder.note}]" if ladder.note else ""))
+        if len(ladder.candidates) > 1 or ladder.verdict == UNRESOLVED:
+            lines.extend(f"  {c.role}: {describe(c)}" for c in ladder.candidates[:MAX_LISTED])
+            if len(ladder.candidates) > MAX_LISTED:
+                lines.append(f"  ... and {len(ladder.candidates) - MAX_LISTED} more (--json lists them all)")
     headline = {
         NAMED: "origin named",
         CONTROL_FLOW: "control-flow divergence (a record exists in one run only)",
@@ -277,6 +298,8 @@ def render(result: Localization) -> str:
         NO_DIVERGENCE: "no divergence",
         INCOMPLETE: "no evidence: the replays' traces do not cover the same ranks and steps",
         NOTHING_COMPARED: "no evidence: no traced record exists in both replays",
+        UNRESOLVED: "candidates remain: every candidate communicates with a peer whose earlier candidate can "
+                    "explain it; none is named (see the last rung)",
     }.get(result.verdict, "origin outside the capture: no traced record produced the difference")
     lines.append(f"verdict: {headline}")
     if result.origin is not None:

@@ -218,6 +218,9 @@ class FaultConfig:
     kind: FaultKind = FaultKind.flip_param_bit
     module: str | None = None  # nondeterministic_op: module path, e.g. "blocks.1.ffn"
     op: str | None = None  # nondeterministic_op: ATen op pattern, e.g. "aten.mm.default"
+    # The bit flipped in the first element: 0, one ulp (as a changed summation order makes; rounding downstream may
+    # absorb it), up to 31; e.g. 22, float32's highest mantissa bit, for a change that survives into every consumer.
+    bit: int = 0
 
     def applies_to(self, arm: str, replica: str) -> bool:
         return self.enabled and self.arm == arm and str(self.replica) == replica
@@ -610,6 +613,7 @@ def validate(cfg: TaxbenchConfig) -> None:
                  "gate would compare it; plant it earlier or raise experiment.gate_steps")
         _require(0 <= fault.rank < ws, f"experiment.fault.rank={fault.rank} must be in [0, {ws})")
         _require(fault.replica in (0, 1), f"experiment.fault.replica={fault.replica} must be 0 or 1")
+        _require(0 <= fault.bit <= 31, f"experiment.fault.bit={fault.bit} must be in [0, 31] (0: the lowest bit)")
         _require(
             fault.kind != "perturb_collective" or ws >= 2,
             "experiment.fault.kind=perturb_collective needs world size >= 2 (a gradient all-reduce to perturb)",

@@ -309,6 +309,15 @@ class MoEFeedForward(nn.Module):
         out, self.aux, _ = self.moe(x)
         return out
 
+    def collectives_within(self) -> dict[str, tuple[str, list[int] | None]]:
+        """For the tracing ladder (taxbench.tracing.capture.communicating_modules): DeepSpeed's MOELayer sends tokens
+        to their experts' ranks and back with all-to-all over its expert-parallel group."""
+        layer = self.moe.deepspeed_moe
+        if layer.ep_size <= 1:
+            return {}
+        group = None if layer.ep_group is None else sorted(dist.get_process_group_ranks(layer.ep_group))
+        return {"moe.deepspeed_moe": ("all_to_all", group)}
+
 
 def build_gpt(recipe: RecipeConfig, options: DeepSpeedOptions) -> nn.Module:
     model = recipe.model

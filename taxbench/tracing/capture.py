@@ -12,6 +12,11 @@ key, not arrival order. Digests of device tensors stay on the device (host tenso
 traced step ends with one host copy of its device digests and one batched write. Nothing here adds a collective.
 Backward ops are scoped "<module>/backward": the module is inferred from the autograd node whose output the module
 produced, and inherited by the nodes after it (approximate).
+
+Communication the ops do not show (rung 2 sees a module's output, not the all-to-all inside it) is written into the
+record as `comm` {"collectives", "group"}: a module declares the collectives it runs with a method
+`collectives_within()` (see `communicating_modules`), and every module enclosing one communicates too; a traced
+collective's record carries its group. The diff orders origin candidates across ranks by it.
 """
 
 from __future__ import annotations
@@ -140,6 +145,42 @@ class _Pending:
     outputs: list[tuple[dict[str, Any], int | None]]
 
 
+Communication = dict[str, Any]  # a record's "comm": {"collectives": [names], "group": [global ranks] or None}
+
+
+def communicating_modules(modules: Iterable[tuple[str, nn.Module]]) -> dict[str, Communication]:
+    """The `comm` of each module path that runs collectives inside its forward.
+
+    A module declares them with `collectives_within() -> {relative path: (collective, group's global ranks or None
+    when unknown)}` ("" for the module itself): taxbench's MoE layer under expert parallelism, a stack's wrapper
+    around its framework's MoE layer. Every module enclosing a declared one communicates as well."""
+    sites: list[tuple[str, str, list[int] | None]] = []
+    for path, module in modules:
+        declare = getattr(module, "collectives_within", None)
+        if callable(declare):
+            sites += [(".".join(p for p in (path, relative) if p), collective, group)
+                      for relative, (collective, group) in declare().items()]
+    merged: dict[str, tuple[set[str], set[int] | None]] = {}
+    for path, collective, group in sites:
+        parts = path.split(".") if path else []
+        for depth in range(len(parts) + 1):
+            enclosing = ".".join(parts[:depth])
+            names, ranks = merged.get(enclosing, (set(), set()))
+            merged[enclosing] = (names | {collective}, None if ranks is None or group is None else ranks | set(group))
+    return {path: {"collectives": sorted(names), "group": None if ranks is None else sorted(ranks)}
+            for path, (names, ranks) in merged.items()}
+
+
+def group_ranks(group: Any) -> list[int] | None:
+    """The global ranks of a process group (None when torch.distributed cannot say)."""
+    import torch.distributed as dist
+
+    try:
+        return sorted(dist.get_process_group_ranks(group))
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+
+
 class ModuleScope:
     """Which module is running, per thread: forward hooks push and pop module paths, and the autograd nodes that a
     module's outputs came from are tagged with its path, so backward ops are scoped "<module>/backward" (inherited by
@@ -205,6 +246,8 @@ class Tracer:
         self.modules = ModuleScope()
         self._trainer: TracedStep | None = None
         self._after_optimizer: dict[str, tuple[dict[str, Any], int | None]] = {}  # per parameter, this step
+        self._communicating: dict[str, Communication] = {}  # module path -> its record's comm
+        self._gradient_group: list[int] | None = None  # the DDP all-reduce's ranks
 
     # -- wiring -------------------------------------------------------------------------------------------------
     def attach(self, trainer: TracedStep) -> None:
@@ -214,6 +257,7 @@ class Tracer:
             probe = probe_for(trainer.model)
             if probe is not None:
                 probe.observers.append(self)
+                self._gradient_group = group_ranks(probe.group)
 
     @contextmanager
     def capture_step(self, step: int) -> Iterator[None]:
@@ -266,6 +310,7 @@ class Tracer:
     def _install_hooks(self, trainer: TracedStep) -> list[Any]:
         handles: list[Any] = []
         if self.scope.rung >= 2:  # the scope stack serves rung 3 too
+            self._communicating = communicating_modules(trainer.raw_model.named_modules())
             for path, module in trainer.raw_model.named_modules():
                 handles.append(module.register_forward_pre_hook(self._module_pre(path), with_kwargs=True))
                 handles.append(module.register_forward_hook(self._module_post(path), with_kwargs=True))
@@ -315,7 +360,8 @@ class Tracer:
             if inputs is not None:
                 del module._taxbench_inputs  # type: ignore[attr-defined]
                 with self.quieted():
-                    self.record("module", path or "<model>", path, inputs, self.summaries(outputs))
+                    self.record("module", path or "<model>", path, inputs, self.summaries(outputs),
+                                self._communicating.get(path))
         return hook
 
     # Pipeline edges: "pipeline.recv" is what a stage received (no inputs: an origin unless the sender's
@@ -387,7 +433,8 @@ class Tracer:
 
     def collective_output(self, inputs: list[tuple[dict[str, Any], int | None]], bucket: int,
                           result: torch.Tensor) -> None:
-        self.record("collective", "c10d.allreduce", f"ddp.bucket{bucket}", inputs, self.summaries([result]))
+        self.record("collective", "c10d.allreduce", f"ddp.bucket{bucket}", inputs, self.summaries([result]),
+                    {"collectives": ["all_reduce"], "group": self._gradient_group})
 
     # -- records ------------------------------------------------------------------------------------------------
     def summaries(self, values: Iterable[Any]) -> list[tuple[dict[str, Any], int | None]]:
@@ -412,13 +459,15 @@ class Tracer:
             return range(start, len(self._digests))
 
     def record(self, kind: str, name: str, scope: str, inputs: list[tuple[dict[str, Any], int | None]],
-               outputs: list[tuple[dict[str, Any], int | None]]) -> None:
+               outputs: list[tuple[dict[str, Any], int | None]], comm: Communication | None = None) -> None:
         with self._lock:
             key = (kind, scope, name)
             occurrence = self._occurrences[key]
             self._occurrences[key] += 1
             record = {"seq": self._seq, "rank": self.rank, "step": self.step, "kind": kind, "name": name,
                       "id": f"{name}:{occurrence}", "scope": scope}
+            if comm is not None:  # only records that communicate carry it (rung 3 writes many records)
+                record["comm"] = comm
             self._seq += 1
             self._pending.append(_Pending(record, inputs, outputs))
 

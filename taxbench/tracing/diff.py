@@ -11,6 +11,13 @@ pair:
 - inputs differ, outputs differ -> downstream receiver;
 - a record present in one run only -> control-flow divergence.
 No origin on any traced rank while records differ -> the origin is outside the capture (widen it).
+
+Candidates are then ordered causally across ranks, never by rank number. A candidate that holds communication (a
+traced collective, or a module whose record says it runs collectives inside: `comm`, e.g. an MoE layer's
+all-to-all) is a **receiver** while a peer of its group holds a candidate no later than the peer's own record of the
+same communication (for a traced collective strictly before it: its inputs are traced, and they agree). Every other
+candidate is an **origin**. Only an origin is named; when every candidate is a receiver (peers that can explain each
+other), the verdict is "candidates remain", with the rung that resolves them.
 Digests recorded as null (tensor above max_numel) are not compared. Only steps and ranks traced in both runs count.
 
 "identical" needs positive evidence: at least one record compared, and nothing left out. A rank traced in one run
@@ -23,7 +30,7 @@ the traces were incomplete.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +53,16 @@ DOWNSTREAM = "downstream"
 IDENTICAL = "identical"
 CONTROL_FLOW = "control_flow"
 OUTSIDE = "outside_capture"
+UNRESOLVED = "candidates_remain"  # every candidate may have received its difference from a peer's candidate
 INCOMPLETE = "incomplete"  # no difference in what was compared, but a rank or step was traced in one run only
 NOTHING_COMPARED = "nothing_compared"  # not a single record aligned: no evidence either way
 NO_EVIDENCE = (INCOMPLETE, NOTHING_COMPARED)
+
+MAX_LISTED = 12  # candidates listed by `render`; --json lists all
+
+# A candidate's role once ranks are ordered causally.
+ROLE_ORIGIN = "origin"  # no peer's candidate explains it
+ROLE_RECEIVER = "receiver"  # it holds communication and a peer's earlier candidate can explain its output
 
 
 def op_base_name(name: str) -> str:
@@ -74,10 +88,17 @@ class Finding:
     in_shapes: list[Any]
     out_shapes: list[Any]
     note: str = ""
+    role: str = ""  # origin candidates only: ROLE_ORIGIN or ROLE_RECEIVER
+    explained_by: list[str] = field(default_factory=list)  # a receiver's peer candidates, "rank R <kind> <id>"
+
+    @property
+    def is_candidate(self) -> bool:
+        return self.rule in (ORIGIN, VIA_VIEW)
 
     @property
     def is_origin(self) -> bool:
-        return self.rule in (ORIGIN, VIA_VIEW)
+        """A candidate no peer explains."""
+        return self.is_candidate and self.role != ROLE_RECEIVER
 
     @property
     def is_missing(self) -> bool:
@@ -108,6 +129,8 @@ class DiffReport:
     ranks: list[RankDiff]
     steps: list[int]
     notes: list[str] = field(default_factory=list)  # what could not be compared (a missing rank, a shorter trace)
+    candidates: list[Finding] = field(default_factory=list)  # every origin candidate with its role, in step order
+    resolve: str = ""  # UNRESOLVED: the capture that tells the remaining candidates apart
 
     @property
     def compared(self) -> int:
@@ -143,6 +166,79 @@ def _shapes(side: list[dict[str, Any]]) -> list[Any]:
 def _finding(rule: str, record: dict[str, Any], note: str = "") -> Finding:
     return Finding(rule, record["rank"], record["step"], record["seq"], record["kind"], record["name"], record["id"],
                    record["scope"], _shapes(record["in"]), _shapes(record["out"]), note)
+
+
+def _label(finding: Finding) -> str:
+    return f"rank {finding.rank} {finding.kind} {finding.id}" + (
+        f" in {finding.scope}" if finding.scope and finding.scope != finding.name else "")
+
+
+def _key_of(finding: Finding) -> tuple[int, str, str, str]:
+    return (finding.step, finding.kind, finding.scope, finding.id)
+
+
+def communication(record: dict[str, Any]) -> dict[str, Any] | None:
+    """What the record says it communicates: {"collectives": [...], "group": [global ranks] or None (unknown)}; a
+    traced collective always communicates (over every rank when its record does not say)."""
+    comm = record.get("comm")
+    if comm is None and record["kind"] == "collective":
+        return {"collectives": [record["name"]], "group": None}
+    return comm
+
+
+def order_causally(candidates: list[Finding], records: dict[tuple[int, tuple[int, str, str, str]], dict[str, Any]],
+                   ranks: list[int]) -> list[Finding]:
+    """Each candidate with its role. `records` maps (rank, key) to run A's record (its seq orders the rank's step).
+
+    A candidate that holds communication is a receiver while a peer of its group holds a candidate of the same step
+    at or before the peer's record of the same communication (the point both ranks pass together); when the peer
+    has no such record traced, any candidate of the peer's step may have been sent. For a traced collective the peer's
+    own record does not count: its inputs are traced and agree, so the collective itself made the difference."""
+    by_rank: dict[int, list[Finding]] = {}
+    for finding in candidates:
+        by_rank.setdefault(finding.rank, []).append(finding)
+    ordered = []
+    for finding in candidates:
+        record = records[(finding.rank, _key_of(finding))]
+        comm = communication(record)
+        if comm is None:
+            ordered.append(replace(finding, role=ROLE_ORIGIN))
+            continue
+        group = comm.get("group")
+        peers = [rank for rank in (ranks if group is None else group) if rank != finding.rank]
+        explaining: list[Finding] = []
+        for peer in peers:
+            meeting = records.get((peer, _key_of(finding)))
+            for other in by_rank.get(peer, []):
+                if other.step != finding.step:
+                    continue
+                if meeting is not None and (other.seq > meeting["seq"] or (
+                        record["kind"] == "collective" and other.seq == meeting["seq"])):
+                    continue
+                explaining.append(other)
+        role = ROLE_RECEIVER if explaining else ROLE_ORIGIN
+        ordered.append(replace(finding, role=role, explained_by=[_label(other) for other in explaining]))
+    # a receiver names the unexplained candidates among its explainers first
+    origins = {_label(f) for f in ordered if f.role == ROLE_ORIGIN}
+    return [replace(f, explained_by=sorted(f.explained_by, key=lambda label: label not in origins)) for f in ordered]
+
+
+def innermost_modules(findings: Iterable[Finding]) -> list[str]:
+    """The module scopes among `findings` that enclose no other one (the MoE layer, not the blocks around it)."""
+    scopes = {f.scope for f in findings if f.kind == "module"}
+    return sorted(scope for scope in scopes
+                  if not any(other != scope and (scope == "" or other.startswith(scope + ".")) for other in scopes))
+
+
+def resolving_capture(remaining: list[Finding], op_level: bool) -> str:
+    """Which capture tells candidates that explain each other apart."""
+    modules = innermost_modules(remaining)
+    if modules and not op_level:
+        return f"rung 3 inside {modules} (each rank's ops there show which one computed the difference)"
+    if not modules and not op_level:
+        return "rung 2 (module outputs: which rank computed the difference before it was communicated)"
+    return ("a wider capture: rung 3 in every module on every rank (the difference was computed in a region the "
+            "capture left out)")
 
 
 # A pipeline stage receives what its neighbour sent: activations from stage - 1, gradients from stage + 1.
@@ -210,8 +306,10 @@ def diff_traces(
                 peer_input_differs.setdefault(_key(a), rank)
 
     sends_differ = _differing_pipeline_sends(aligned)
+    records = {(rank, _key(a)): a for rank in ranks for a, _ in aligned[rank]}
 
     results = []
+    findings_of: dict[int, list[Finding]] = {}
     for rank in ranks:
         result = RankDiff(rank)
         findings: list[Finding] = []
@@ -241,21 +339,33 @@ def diff_traces(
             findings.append(_finding(rule, record, f"recorded in {present} only: control flow diverged"))
             result.differing += 1
         findings.sort(key=lambda f: (f.step, f.seq))
+        findings_of[rank] = findings
+        results.append(result)
+
+    candidates = order_causally([f for rank in ranks for f in findings_of[rank] if f.is_candidate], records, ranks)
+    roles = {(f.rank, _key_of(f)): f for f in candidates}
+    for result in results:
+        findings = [roles.get((f.rank, _key_of(f)), f) for f in findings_of[result.rank]]
         result.first_origin = next((f for f in findings if f.is_origin), None)
         result.first_missing = next((f for f in findings if f.is_missing), None)
-        results.append(result)
+        result.downstream += sum(f.role == ROLE_RECEIVER for f in findings)
 
     events = [r.first_event for r in results if r.first_event is not None]
     primary = min(events, key=lambda f: (f.step, f.rank, f.seq)) if events else None
+    candidates.sort(key=lambda f: (f.step, f.rank, f.seq))
+    resolve = ""
     if primary is not None:
         verdict = CONTROL_FLOW if primary.is_missing else ORIGIN
+    elif candidates:
+        verdict = UNRESOLVED
+        resolve = resolving_capture(candidates, any(r["kind"] == "op" for r in records.values()))
     elif any(r.differing for r in results):
         verdict = OUTSIDE
     elif not any(r.compared for r in results):
         verdict = NOTHING_COMPARED
     else:
         verdict = INCOMPLETE if notes else IDENTICAL
-    return DiffReport(run_a, run_b, verdict, primary, results, sorted(all_steps), notes)
+    return DiffReport(run_a, run_b, verdict, primary, results, sorted(all_steps), notes, candidates, resolve)
 
 
 def diff_runs(run_a: Path, run_b: Path, steps: Iterable[int] | None = None) -> DiffReport:
@@ -264,8 +374,14 @@ def diff_runs(run_a: Path, run_b: Path, steps: Iterable[int] | None = None) -> D
 
 def describe(finding: Finding) -> str:
     scope = finding.scope or "<top level>"
-    return (f"step {finding.step} rank {finding.rank}: {finding.rule} {finding.kind} {finding.id} in {scope}; "
+    rule = ROLE_RECEIVER if finding.role == ROLE_RECEIVER else finding.rule
+    text = (f"step {finding.step} rank {finding.rank}: {rule} {finding.kind} {finding.id} in {scope}; "
             f"in {finding.in_shapes} -> out {finding.out_shapes}" + (f" ({finding.note})" if finding.note else ""))
+    if finding.explained_by:
+        more = len(finding.explained_by) - 1
+        text += (f" (it communicates, and a peer's earlier candidate can explain it: {finding.explained_by[0]}"
+                 + (f", and {more} more" if more else "") + ")")
+    return text
 
 
 def render(report: DiffReport) -> str:
@@ -276,6 +392,8 @@ def render(report: DiffReport) -> str:
         CONTROL_FLOW: "control-flow divergence: a record exists in one run only",
         OUTSIDE: "records differ but no origin on any traced rank: the origin is outside the capture; widen it "
                  "(earlier step, deeper rung, more modules/ranks)",
+        UNRESOLVED: "candidates remain: each candidate communicates with a peer whose earlier candidate can explain "
+                    f"it, so none is named; resolve them with {report.resolve}",
         INCOMPLETE: "incomplete: every record compared agrees, but the traces do not cover the same ranks and steps "
                     "(notes below); not evidence of identical runs",
         NOTHING_COMPARED: "nothing compared: no traced record exists in both runs for these ranks and steps; capture "
@@ -292,5 +410,10 @@ def render(report: DiffReport) -> str:
         summary = describe(event) if event is not None else "no origin" + (
             f" ({rank.downstream} downstream receivers)" if rank.downstream else "")
         lines.append(f"  rank {rank.rank}: {rank.compared} compared, {rank.differing} differ; {summary}")
+    if report.candidates and (len(report.candidates) > 1 or report.verdict == UNRESOLVED):
+        lines.append("candidates (inputs agree, outputs differ), ordered causally across ranks:")
+        lines.extend(f"  {f.role}: {describe(f)}" for f in report.candidates[:MAX_LISTED])
+        if len(report.candidates) > MAX_LISTED:
+            lines.append(f"  ... and {len(report.candidates) - MAX_LISTED} more (--json lists them all)")
     lines.extend(f"note: {note}" for note in report.notes)
     return "\n".join(lines)

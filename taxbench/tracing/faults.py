@@ -8,8 +8,10 @@
   with a nondeterministic reduction order would.
 - flip_param_bit: flips the lowest bit of the rank's first parameter (its local shard, when sharded) after the step's
   optimizer step, where no computation of the step produced it (`flip_param_bit`, called by the trainer).
-A fault that acts reports where through its `fired(kind, step, where)` callback (the run's faults.rank<R>.jsonl), so
-a fault that never matched is visible as one that never fired.
+Each flips bit `fault.bit` (default 0, the lowest) of the first element it hits: a one-ulp change may be rounded away
+downstream (a token dropped by an MoE's capacity, a small term in a large sum); a higher bit, e.g. 22 in float32,
+survives. A fault that acts reports where through its `fired(kind, step, where)` callback (the run's
+faults.rank<R>.jsonl), so a fault that never matched is visible as one that never fired.
 """
 
 from __future__ import annotations
@@ -36,18 +38,22 @@ STEP_FAULT_KINDS = ("perturb_collective", "nondeterministic_op")
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def flip_lowest_bit(tensor: torch.Tensor) -> None:
-    """Flip the lowest bit of the tensor's first element in place, whatever its layout."""
+def flip_bit(tensor: torch.Tensor, bit: int = 0) -> None:
+    """Flip bit `bit` (0: the lowest) of the tensor's first element in place, whatever its layout."""
     if tensor.numel() == 0 or tensor.dtype is torch.bool:
         return
     first = tensor.detach().as_strided((1,), (1,))
-    first.view(_INT_OF_WIDTH[first.element_size()]).bitwise_xor_(1)
+    width = 8 * first.element_size()
+    if bit >= width:
+        raise ValueError(f"experiment.fault.bit={bit} is beyond the {width}-bit {tensor.dtype} the fault hit; choose a "
+                         f"bit below {width}")
+    first.view(_INT_OF_WIDTH[first.element_size()]).bitwise_xor_(1 << bit if bit < width - 1 else -(1 << bit))
 
 
 class _PerturbFirstOp(TorchDispatchMode):
-    def __init__(self, op_pattern: str, inside: Callable[[], bool]) -> None:
+    def __init__(self, op_pattern: str, inside: Callable[[], bool], bit: int) -> None:
         super().__init__()
-        self.op_pattern, self.inside = op_pattern, inside
+        self.op_pattern, self.inside, self.bit = op_pattern, inside, bit
         self.fired_op: str | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -55,7 +61,7 @@ class _PerturbFirstOp(TorchDispatchMode):
         if self.fired_op is None and self.inside() and fnmatch.fnmatchcase(str(func), self.op_pattern):
             outputs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
             if outputs:
-                flip_lowest_bit(outputs[0])
+                flip_bit(outputs[0], self.bit)
                 self.fired_op = str(func)
         return result
 
@@ -112,14 +118,14 @@ class StepFault:
     def _perturb_collective(self, bucket: int, result: torch.Tensor) -> None:
         if self._armed:
             self._armed = False
-            flip_lowest_bit(result)
+            flip_bit(result, self.fault.bit)
             self._perturbed = f"gradient all-reduce bucket {bucket}"
 
     def _perturb_receive(self, stage: int) -> Callable[[nn.Module, Any], None]:
         def hook(module: nn.Module, args: Any) -> None:
             if self._armed and args and isinstance(args[0], torch.Tensor):
                 self._armed = False
-                flip_lowest_bit(args[0])
+                flip_bit(args[0], self.fault.bit)
                 self._perturbed = f"pipeline activation received by stage {stage}"
         return hook
 
@@ -138,7 +144,7 @@ class StepFault:
                 self.fired(str(self.fault.kind), step, self._perturbed)
             return
         assert self.fault.op is not None
-        with _PerturbFirstOp(self.fault.op, lambda: self._depth > 0) as mode:
+        with _PerturbFirstOp(self.fault.op, lambda: self._depth > 0, self.fault.bit) as mode:
             yield
         if mode.fired_op is not None:
             self.fired(str(self.fault.kind), step, f"{mode.fired_op} in {self.fault.module}")
@@ -156,7 +162,7 @@ def flip_param_bit(fault: FaultConfig | None, rank: int, step: int,
         local = to_local() if callable(to_local) else param
         if local.numel() and local.dtype is not torch.bool:
             with torch.no_grad():
-                flip_lowest_bit(local)
+                flip_bit(local, fault.bit)
             fired(str(fault.kind), step, name)
             return
 

@@ -2,8 +2,10 @@
 
 A record is `{schema_version, seq, rank, step, kind, name, id, scope, in, out}`; `in`/`out` are lists of tensor
 summaries `{shape, dtype, digest}` (digest is a 16-hex-digit fingerprint, or null when the tensor was larger than the
-capture's max_numel). Records are written in batches (one per traced step) and flushed per batch. Readers refuse
-another schema_version and report torn or malformed lines with file and line number instead of crashing.
+capture's max_numel). A record that communicates also holds `comm`: `{collectives: [names], group: [global ranks]
+or null}` (a traced collective, or a module that runs collectives inside it). Records are written in batches (one
+per traced step) and flushed per batch. Readers refuse another schema_version and report torn or malformed lines with
+file and line number instead of crashing.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from typing import Any
 from taxbench import exit_codes
 from taxbench.rundir.evidence import experiment_of, read_regular
 
-TRACE_SCHEMA_VERSION = 2  # 2: digests of fingerprint format 2 (shape in the header, any dtype), not comparable to 1
+# 2: digests of fingerprint format 2 (shape in the header, any dtype), not comparable to 1. 3: records that communicate
+# say so (`comm`); a trace without it would let the diff name a rank that only received the difference.
+TRACE_SCHEMA_VERSION = 3
 TRACE_DIR = "trace"
 RECORD_KEYS = ("schema_version", "seq", "rank", "step", "kind", "name", "id", "scope", "in", "out")
 KINDS = ("collective", "pipeline", "optimizer", "parameter", "checkpoint", "module", "op")
@@ -83,6 +87,10 @@ def _check_record(record: Any, where: str) -> dict[str, Any]:
     for side in ("in", "out"):
         if not isinstance(record[side], list):
             raise UnreadableTrace(f"{where}: field {side!r} must be a list of tensor summaries")
+    comm = record.get("comm")
+    if comm is not None and not (isinstance(comm, dict) and isinstance(comm.get("collectives"), list)
+                                 and (comm.get("group") is None or isinstance(comm.get("group"), list))):
+        raise UnreadableTrace(f"{where}: field 'comm' must be {{collectives: [...], group: [...] or null}}")
     return record
 
 

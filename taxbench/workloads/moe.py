@@ -144,6 +144,13 @@ class MoEFeedForward(nn.Module):
         self.experts.keep(keep)
         self.ep_group, self.ep_size, self.ep_rank = group, size, rank
 
+    def collectives_within(self) -> dict[str, tuple[str, list[int] | None]]:
+        """For the tracing ladder (taxbench.tracing.capture.communicating_modules): under expert parallelism this
+        layer's forward exchanges tokens with all-to-all over the expert-parallel group."""
+        if self.ep_group is None:
+            return {}
+        return {"": ("all_to_all", sorted(dist.get_process_group_ranks(self.ep_group)))}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
