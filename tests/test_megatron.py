@@ -26,7 +26,7 @@ from taxbench.launchers.worker import rank_process
 from taxbench.parallel.distributed import free_port
 from taxbench.parallel.layout import layout_for, meshes_for
 from taxbench.parallel.plan import make_plan
-from taxbench.stacks import megatron
+from taxbench.stacks import megatron, megatron_optimizer
 from taxbench.stacks.native import build_optimizer
 
 
@@ -78,7 +78,11 @@ def test_the_deterministic_switch_records_megatrons_mode_and_environment() -> No
      "NCCL_ALGO=Ring but the deterministic arm's taxbench policy has Ring;allreduce:Tree"),
     (("recipe.parallel.pp=2", "recipe.parallel.pp_schedule=GPipe"), "not one of Megatron's schedules"),
     (("recipe.parallel.ep=2",), "recipe.parallel.ep=2 needs MoE layers"),
-    (("+recipe.model.stack.use_distributed_optimizer=true",), "use_distributed_optimizer=true is not driven"),
+    (("+recipe.model.stack.params_dtype=fp16",), "recipe.model.stack.params_dtype='fp16': choose one of"),
+    (("+recipe.model.stack.params_dtype=bf16", "recipe.precision=fp32"),
+     "params_dtype=bf16 needs recipe.precision=bf16"),
+    (("+recipe.model.stack.params_dtype=bf16", "recipe.precision=bf16"),
+     "add recipe.model.stack.use_distributed_optimizer=true"),
     (("recipe.parallel.data_parallel=fsdp",), "DistributedDataParallel"),
     (("+recipe.model.stack.flash=true",), "recipe.model.stack.flash is not a Megatron-Core option"),
     (("recipe.model.stack.spec=te",), "recipe.model.stack.spec='te'"),
@@ -369,3 +373,57 @@ def test_the_plan_counts_the_parameters_of_megatrons_own_moe_model(shared: int) 
     assert plan.valid and plan.layout["experts_per_rank"] == 2
     assert plan.total_params == sum(counts.values())
     assert plan.params_by_kind["experts"] == sum(n for name, n in counts.items() if "local_experts" in name)
+
+
+def test_the_distributed_optimizer_off_cuda_is_refused_in_one_line() -> None:
+    """Megatron's DistributedOptimizer shards its state in CUDA buffers: a rank on the host is refused before
+    anything is built, as Megatron's other CUDA paths are (the switch itself accepts the option: the plan counts it)."""
+    cfg = _config("+recipe.model.stack.use_distributed_optimizer=true", "+recipe.model.stack.params_dtype=bf16",
+                  "recipe.precision=bf16")
+    assert megatron.MegatronStack().switch(cfg.recipe, cfg.arms["deterministic"])["deterministic_mode"] is True
+    with pytest.raises(ConfigError, match=r"use_distributed_optimizer=true needs a CUDA GPU .* device is cpu") as info:
+        megatron_optimizer.require_cuda(torch.device("cpu"))
+    assert "\n" not in str(info.value)
+
+
+@needs_megatron
+@pytest.mark.parametrize("gpus", [8, 16])
+def test_the_plans_distributed_optimizer_shards_as_megatrons_own_code(gpus: int) -> None:
+    """The plan's optimizer bytes on a rank against Megatron's DistributedOptimizer._build_model_gbuf_range, which
+    cuts each (padded) gradient buffer into one contiguous range per data-parallel rank: dense parameters over dp,
+    the rank's experts over edp; each element of a range holds an fp32 main parameter and AdamW's two fp32 moments
+    (12 bytes, the 12/d of Megatron's 6 + 12/d)."""
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    cfg = compose_typed("+recipe=megatron_moe_debug", f"cluster.gpus={gpus}", "recipe.parallel.ep=2",
+                        "+recipe.model.stack.use_distributed_optimizer=true", "+recipe.model.stack.params_dtype=bf16",
+                        f"recipe.global_batch_size={2 * gpus}")
+    plan = make_plan(cfg)
+    assert plan.valid and plan.memory is not None, plan.problems
+    dp, edp = plan.layout["dp"], plan.layout["edp"]
+    held = {name: p.numel() for name, p in megatron.meta_gpt(cfg.recipe).named_parameters()
+            if "local_experts" not in name or int(name.split("local_experts.")[1].split(".")[0]) < 4 // 2}
+
+    def largest_range(numels: list[int], world: int) -> int:
+        """The most elements Megatron's own code gives one data-parallel rank of a buffer of these parameters."""
+        size = -(-sum(numels) // world) * world  # Megatron pads the buffer to a multiple of the dp size
+        index, start = {}, 0
+        for n in numels:
+            index[torch.empty(0)] = (start, start + n, 0)
+            start += n
+        most = 0
+        for rank in range(world):
+            group = SimpleNamespace(rank=lambda r=rank: r, size=lambda: world)
+            bucket = SimpleNamespace(grad_data=torch.empty(size, device="meta"), offset=0)
+            buffer = SimpleNamespace(data_parallel_group=group, buckets=[bucket], param_index_map=index)
+            ranges = DistributedOptimizer._build_model_gbuf_range(buffer, 0)["param_map"]
+            most = max(most, sum(r["param"].size for r in ranges.values()))
+        return most
+
+    dense = [n for name, n in held.items() if "local_experts" not in name]
+    experts = [n for name, n in held.items() if "local_experts" in name]
+    megatrons = 12 * (largest_range(dense, dp) + largest_range(experts, edp))
+    assert plan.memory.optimizer == pytest.approx(megatrons, abs=12 * (dp + edp))  # Megatron's padding
+    assert plan.memory.weights == 2 * sum(held.values()) and plan.memory.grads == 4 * sum(held.values())
