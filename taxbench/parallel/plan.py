@@ -380,7 +380,9 @@ def _render_interleave(plan: Plan, chosen: StageMemory) -> list[str]:
     """What the experiment holds: the timed rounds keep experiment.interleave's models in memory at once; where they
     do not fit an 80 GB H100 but one model does, the schedule that holds one."""
     models = MODELS_HELD[plan.interleave]
-    others = ", ".join(f"{mode}: {n} model{'s' if n > 1 else ''}, {chosen.held(n) / GIB:.1f} GiB"
+    one_model_interleave = not plan.one_model_alternative.startswith("whole runs")  # else refused for this stack
+    others = ", ".join(f"{mode if mode != 'policy' or one_model_interleave else 'one model'}: {n} "
+                       f"model{'s' if n > 1 else ''}, {chosen.held(n) / GIB:.1f} GiB"
                        for mode, n in MODELS_HELD.items() if mode != plan.interleave)
     lines = [f"experiment: experiment.interleave={plan.interleave} holds {models} model{'s' if models > 1 else ''} at "
              f"once, {chosen.held(models) / GIB:.1f} GiB per GPU on stage {chosen.stage}, "
