@@ -8,7 +8,9 @@ import pytest
 from helpers import compose_config, compose_typed, run_taxbench
 
 from taxbench.config.schema import ActivationCheckpointing, ConfigError
-from taxbench.parallel.plan import GIB, GPU_MEMORY, make_plan, render_plan
+from taxbench.design import ExperimentSteps, experiment_steps
+from taxbench.parallel.gpu_hours import render_total
+from taxbench.parallel.plan import GIB, GPU_MEMORY, cost_of, make_plan, render_plan
 
 _cfg = compose_typed  # plan configs name more GPUs than local ranks, which validate() refuses by design
 
@@ -213,3 +215,22 @@ def test_the_plan_costs_the_whole_experiment_at_the_assumed_mfu() -> None:
 def test_an_mfu_outside_zero_to_one_is_refused_in_one_line() -> None:
     with pytest.raises(ConfigError, match=r"cluster.planned_mfu=1.5 must be in \(0, 1\]"):
         compose_config("cluster.planned_mfu=1.5")
+
+
+def test_stacks_and_layouts_launches_are_costed_in_one_line() -> None:
+    """`taxbench stacks` and `taxbench layouts` print their runs, steps, timed share and, on GPUs, GPU-hours."""
+    cfg = _cfg("+recipe=moe_tiny", "cluster.device=cuda", "cluster.gpus=2")
+    steps = experiment_steps(cfg)
+    hours = cost_of(cfg)
+    assert hours is not None and hours.steps == steps
+    line = render_total("plan: 2 cells", [steps, steps], [hours, hours], on_gpu=True)
+    assert line.startswith(f"plan: 2 cells: {2 * steps.runs} runs, {2 * steps.total:,} steps in all, "
+                           f"{2 * steps.timed:,} timed")
+    assert f"{2 * hours.gpu_hours:.3g} GPU-hours of steps at an assumed MFU of 35% (cluster.planned_mfu)" in line
+    repeats = ExperimentSteps(0, 8, 2, 8, 0, 0, 0)
+    layout = cost_of(cfg, repeats)
+    assert layout is not None and layout.steps.total == 16 and layout.timed_share == 0
+    assert layout.wall_s == pytest.approx(16 * hours.step_s)
+    titan = _cfg("+recipe=titan_llama3_debug", "cluster.device=cuda", "cluster.gpus=1")
+    assert cost_of(titan) is None and cost_of(titan, params=1_000_000) is not None  # counted on its own size
+    assert render_total("plan: 1 cells", [steps], [None], on_gpu=False).endswith("GPU-hours do not apply on CPU")

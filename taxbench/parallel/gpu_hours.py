@@ -80,8 +80,10 @@ class GpuHours:
                         self.peak_flops, self.peak_source, self.mfu)
 
 
-def gpu_hours(cfg: TaxbenchConfig, active_params: int, max_per_run: int) -> GpuHours:
-    """The experiment as configured on cluster.gpus GPUs (`active_params`: the plan's count, embeddings included)."""
+def gpu_hours(cfg: TaxbenchConfig, active_params: int, max_per_run: int,
+              steps: ExperimentSteps | None = None) -> GpuHours:
+    """The experiment as configured on cluster.gpus GPUs (`active_params`: the plan's count, embeddings included;
+    `steps`: other runs of its recipe than the experiment's, e.g. `taxbench layouts`' repeats)."""
     recipe: RecipeConfig = cfg.recipe
     key = peak_key(recipe.precision)
     if cfg.cluster.peak_tflops > 0:
@@ -90,7 +92,8 @@ def gpu_hours(cfg: TaxbenchConfig, active_params: int, max_per_run: int) -> GpuH
         peak, source = PEAK_TFLOPS[PLANNED_GPU][key] * 1e12, f"{PLANNED_GPU} {key} datasheet peak"
     tokens = recipe.global_batch_size * recipe.model.seq_len
     flops = model_flops_per_token(recipe.model, active_params) * tokens
-    return GpuHours(cfg.cluster.gpus, experiment_steps(cfg), max_per_run, flops, peak, source, cfg.cluster.planned_mfu)
+    return GpuHours(cfg.cluster.gpus, steps or experiment_steps(cfg), max_per_run, flops, peak, source,
+                    cfg.cluster.planned_mfu)
 
 
 def _duration(seconds: float) -> str:
@@ -120,3 +123,19 @@ def render_gpu_hours(hours: GpuHours, cfg: TaxbenchConfig) -> list[str]:
                  f"reaches on your cluster) of the {hours.peak_source}, {hours.peak_flops / 1e12:.0f} TFLOP/s per GPU; "
                  "6N + 12 L s d model FLOPs per token (no recompute); startup, checkpoints, restarts not counted")
     return lines
+
+
+def render_total(what: str, steps: list[ExperimentSteps], hours: list[GpuHours | None], on_gpu: bool) -> str:
+    """One line for several launches (`taxbench stacks`' cells, `taxbench layouts`' layouts): their runs and steps,
+    the timed share, and on GPUs their GPU-hours at the assumed MFU (None: a model the planner does not count)."""
+    runs, total, timed = sum(s.runs for s in steps), sum(s.total for s in steps), sum(s.timed for s in steps)
+    line = f"{what}: {runs} runs, {total:,} steps in all, {timed:,} timed ({timed / total if total else 0:.0%})"
+    if not on_gpu:
+        return line + "; GPU-hours do not apply on CPU"
+    counted = [h for h in hours if h is not None]
+    if not counted:
+        return line + "; GPU-hours: no model here is counted by the planner"
+    mfu = counted[0].mfu
+    missing = len(hours) - len(counted)
+    return (line + f"; {sum(h.gpu_hours for h in counted):.3g} GPU-hours of steps at an assumed MFU of {mfu:.0%} "
+            f"(cluster.planned_mfu)" + (f", {missing} not counted" if missing else ""))

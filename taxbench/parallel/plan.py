@@ -53,7 +53,7 @@ from taxbench.config.schema import (
     max_steps,
 )
 from taxbench.config.shape import ParallelShape
-from taxbench.design import MODELS_HELD
+from taxbench.design import MODELS_HELD, ExperimentSteps
 from taxbench.parallel.gpu_hours import GpuHours, gpu_hours, render_gpu_hours
 from taxbench.parallel.layout import expert_modules, tensor_parallel_plan
 from taxbench.workloads import build_model
@@ -392,3 +392,16 @@ def _render_interleave(plan: Plan, chosen: StageMemory) -> list[str]:
         lines.append(f"  on an {min(GPU_MEMORY, key=GPU_MEMORY.__getitem__)} the experiment fits one model at a time "
                      f"({chosen.held(1) / GIB:.1f} GiB): {plan.one_model_alternative}")
     return lines
+
+
+def cost_of(cfg: TaxbenchConfig, steps: ExperimentSteps | None = None, params: int | None = None) -> GpuHours | None:
+    """The device time of the experiment `cfg` (or of `steps` of its recipe) on cluster.gpus GPUs; a model the
+    planner does not build (torchtitan's own) is costed on `params` (its count, taken as all active) where given,
+    else None."""
+    try:
+        plan = make_plan(cfg)
+    except ConfigError:
+        return None if params is None else gpu_hours(cfg, params, max_steps(cfg.experiment), steps)
+    if plan.hours is None:
+        return None
+    return plan.hours if steps is None else gpu_hours(cfg, plan.active_params, steps.per_run, steps)
