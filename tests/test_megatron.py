@@ -427,3 +427,90 @@ def test_the_plans_distributed_optimizer_shards_as_megatrons_own_code(gpus: int)
     megatrons = 12 * (largest_range(dense, dp) + largest_range(experts, edp))
     assert plan.memory.optimizer == pytest.approx(megatrons, abs=12 * (dp + edp))  # Megatron's padding
     assert plan.memory.weights == 2 * sum(held.values()) and plan.memory.grads == 4 * sum(held.values())
+
+
+def _cuda_type_names() -> None:
+    """Megatron's DistributedOptimizer accepts only tensors whose type() is a torch.cuda one: host tensors answer so
+    in this test process."""
+    original = torch.Tensor.type
+
+    def cuda_type(self: torch.Tensor, *args: object, **kwargs: object) -> object:
+        if args or kwargs:
+            return original(self, *args, **kwargs)
+        name = str(original(self))
+        return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = cuda_type  # type: ignore[method-assign]
+
+
+def _distributed_optimizer_round_trip(rank: int, world: int, overrides: tuple[str, ...], out: str, port: int) -> None:
+    """MegatronStack.build's distributed-optimizer pieces on the host (its Float16Module, DDP with the distributed
+    optimizer, get_megatron_optimizer over the arm's groups, the gloo groups of its checkpoint, the owned step): two
+    steps, a checkpoint between them in Megatron's format, the second step again after the restore."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    _megatron_on_the_host()
+    _cuda_type_names()
+    cfg = compose_typed(*overrides, f"cluster.cpu_ranks={world}")
+    recipe = cfg.recipe
+    with rank_process([cfg], rank, world, rank, "127.0.0.1", port) as ctx, _HostDevice():
+        options = megatron.MegatronOptions.of(recipe)
+        layout = layout_for(recipe.parallel, world, rank)
+        meshes = meshes_for(layout, ctx, cfg.arms["deterministic"])
+        groups = megatron.process_groups(meshes)
+        megatron.ensure_parallel_state(recipe.parallel)
+        config = megatron.transformer_config(recipe, options, deterministic=True, on_device=False)
+        chunks = megatron.rank_chunks(recipe, options, config, groups, layout, torch.device("cpu"))
+        wrapped = [megatron._float16(config, chunk) for chunk in chunks] if config.bf16 else chunks
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+        ddps = [DistributedDataParallel(config, ddp_config, chunk, pg_collection=groups) for chunk in wrapped]
+        config.no_sync_func, config.finalize_model_grads_func = ddps[0].no_sync, finalize_model_grads
+        settings = megatron_optimizer.optimizer_config(recipe, megatron.PARAMS_DTYPES[options.params_dtype])
+        optimizer = get_megatron_optimizer(settings, ddps, use_gloo_process_groups=False, pg_collection=groups)
+        megatron_optimizer.attach_gloo_groups(optimizer, meshes.full)
+        engine = megatron_optimizer.DistributedOptimizerStep(megatron.MegatronStep(ddps, recipe, config, groups), ddps,
+                                                             optimizer, layout, groups, torch.device("cpu"))
+        generator = torch.Generator().manual_seed(0)  # every data-parallel rank reads the same micro-batches
+        steps = [[(t[:, :-1], t[:, 1:]) for t in (torch.randint(0, recipe.model.vocab_size, (
+            recipe.micro_batch_size, recipe.model.seq_len + 1), generator=generator) for _ in range(4))]
+            for _ in range(2)]
+        engine.optimize(steps[0])
+        written = engine.save(Path(out) / "checkpoint", {"step": 1}, rank)
+        loss, norm = engine.optimize(steps[1])
+        held = [t.clone() for t in (*engine.parameters(), *engine.optimizer_tensors())]
+        extras = engine.load(Path(out) / "checkpoint", rank, torch.device("cpu"))
+        again, again_norm = engine.optimize(steps[1])
+        replayed = [t.clone() for t in (*engine.parameters(), *engine.optimizer_tensors())]
+        (Path(out) / f"{rank}.json").write_text(json.dumps({
+            "same": len(held) == len(replayed) and all(torch.equal(a, b) for a, b in zip(held, replayed, strict=True)),
+            "loss": [loss.item(), again.item()], "norm": [norm.item(), again_norm.item()], "extras": extras,
+            "shards": len(engine.parameters()), "grads": len(engine.gradients()),
+            "files": sorted(str(path.relative_to(out)) for path in written)}))
+
+
+@needs_megatron
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [
+    ("+recipe.model.stack.params_dtype=bf16",),  # bf16 parameters, dense and experts over dp=2
+    ("recipe.precision=fp32", "recipe.parallel.ep=2"),  # fp32 parameters, experts over edp=1, two mp_rank folders
+], ids=["bf16-dp2", "fp32-ep2"])
+def test_megatrons_distributed_optimizer_restores_its_own_checkpoint_bitwise(tmp_path: Path,
+                                                                            overrides: tuple[str, ...]) -> None:
+    """The restart gate's question for Megatron's DistributedOptimizer, on the host: a step after restoring its
+    legacy checkpoint (model_optim_rng.pt, distrib_optim.pt, the Adam step beside them) gives bitwise the shards of
+    main parameters and moments that the uninterrupted step gave, on every rank."""
+    moe = ("+recipe=megatron_moe_debug", "+recipe.model.stack.position_embedding_type=learned_absolute",
+           "recipe.global_batch_size=16", "+recipe.model.stack.use_distributed_optimizer=true", *overrides)
+    mp.start_processes(_distributed_optimizer_round_trip, args=(2, moe, str(tmp_path), free_port()), nprocs=2,
+                       join=True, start_method="spawn")
+    ranks = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
+    for held in ranks:
+        assert held["same"] and held["extras"] == {"step": 1} and held["shards"] == held["grads"] > 0, held
+        assert held["loss"][0] == held["loss"][1] and held["norm"][0] == held["norm"][1]
+    assert ranks[0]["loss"] == ranks[1]["loss"]  # one loss for the data-parallel ranks
+    folders = {file.split("/")[2] for held in ranks for file in held["files"]
+               if file.startswith("checkpoint/megatron/")}
+    assert folders == ({"mp_rank_00_000_000", "mp_rank_00_000_001"} if "recipe.parallel.ep=2" in overrides else
+                       {"mp_rank_00_000_000"})

@@ -36,6 +36,10 @@ from taxbench.stacks.step import Batch
 TAG = "megatron"  # <checkpoint dir>/megatron/mp_rank_.../
 MODEL_FILE = "model_optim_rng.pt"
 OPTIMIZER_FILE = "distrib_optim.pt"
+# torch's AdamW (Megatron's optimizer without Apex or Transformer Engine) counts steps per parameter, in its state;
+# Megatron's parameter state saves the main parameters and the moments only (FusedAdam keeps the step in its param
+# groups), so the step is saved beside them and set back after the restore.
+ADAM_STEPS = "taxbench_adam_steps"
 
 
 def require_cuda(device: torch.device) -> None:
@@ -134,6 +138,14 @@ class DistributedOptimizerStep:
                         if isinstance(value, torch.Tensor):
                             yield value
 
+    def _steps(self) -> list[torch.Tensor | None]:
+        """Each torch optimizer's step count (one for all its parameters; None before its first step)."""
+        steps: list[torch.Tensor | None] = []
+        for inner in self._inner():
+            held = [state["step"] for state in inner.state.values() if "step" in state]
+            steps.append(held[0].detach().clone() if held else None)
+        return steps
+
     def _folder(self, directory: Path) -> Path:
         return directory / TAG / mp_rank_dir(self.layout)
 
@@ -145,7 +157,7 @@ class DistributedOptimizerStep:
         files = [extras_path(directory, rank)]
         writer = self.groups.expt_dp.rank() == 0
         if writer:
-            state = {"checkpoint_version": 3.0, "optimizer": self.optimizer.state_dict(),
+            state = {"checkpoint_version": 3.0, "optimizer": self.optimizer.state_dict(), ADAM_STEPS: self._steps(),
                      **{f"model{i}" if len(self.ddps) > 1 else "model": ddp.state_dict_for_save_checkpoint()
                         for i, ddp in enumerate(self.ddps)}}
             write_atomically(folder / MODEL_FILE, lambda handle: torch.save(state, handle))
@@ -158,13 +170,21 @@ class DistributedOptimizerStep:
             dist.barrier()
         return files
 
+    @torch.no_grad()  # the main parameters of fp32 weights are views of them: copied into in place
     def load(self, directory: Path, rank: int, map_location: torch.device) -> dict[str, Any]:
         folder = self._folder(directory)
         state = torch.load(folder / MODEL_FILE, map_location=map_location, weights_only=False)
         for i, ddp in enumerate(self.ddps):
             ddp.load_state_dict(state[f"model{i}" if len(self.ddps) > 1 else "model"], strict=True)
         self.optimizer.load_state_dict(state["optimizer"])
+        for inner in self._inner():  # Megatron's parameter state holds no per-parameter step (see ADAM_STEPS)
+            for held in inner.state.values():
+                held.pop("step", None)
         self.optimizer.load_parameter_state(str(folder / OPTIMIZER_FILE))  # a collective over each group
+        for inner, step in zip(self._inner(), state[ADAM_STEPS], strict=True):
+            for param in (p for g in inner.param_groups for p in g["params"]):
+                if step is not None and param in inner.state:
+                    inner.state[param]["step"] = step.clone()
         extras: dict[str, Any] = torch.load(extras_path(directory, rank), map_location=map_location,
                                             weights_only=False)
         return extras
