@@ -459,7 +459,7 @@ def _distributed_optimizer_round_trip(rank: int, world: int, overrides: tuple[st
         options = megatron.MegatronOptions.of(recipe)
         layout = layout_for(recipe.parallel, world, rank)
         meshes = meshes_for(layout, ctx, cfg.arms["deterministic"])
-        groups = megatron.process_groups(meshes)
+        groups = megatron.process_groups(meshes, distributed_optimizer=True)
         megatron.ensure_parallel_state(recipe.parallel)
         config = megatron.transformer_config(recipe, options, deterministic=True, on_device=False)
         chunks = megatron.rank_chunks(recipe, options, config, groups, layout, torch.device("cpu"))

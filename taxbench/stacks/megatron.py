@@ -253,10 +253,11 @@ def _layer_spec(options: MegatronOptions, n_experts: int) -> Any:
     return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**moe)
 
 
-def process_groups(meshes: Meshes) -> Any:
+def process_groups(meshes: Meshes, distributed_optimizer: bool = False) -> Any:
     """Megatron's ProcessGroupCollection over one arm's DeviceMesh ([pp,] edp, ep, tp), whose rank order is Megatron's
     (tp innermost, ep carved out of data parallel, pp outermost): a group over several dimensions is the mesh's
-    flattened sub-mesh; context parallelism (not driven) and the embedding groups get a one-rank group. Call under the
+    flattened sub-mesh; context parallelism (not driven) and the embedding groups get a one-rank group; with
+    `distributed_optimizer`, its one instance spans the arm's world (the group of its gradient norm). Call under the
     arm's environment."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -278,8 +279,7 @@ def process_groups(meshes: Meshes) -> Any:
                         "tp_ep_pp": over("pp", "ep", "tp"), "dp": dp, "dp_cp": dp, "intra_dp_cp": dp,
                         "expt_dp": edp, "intra_expt_dp": edp, "tp_dp_cp": over("edp", "ep", "tp"),
                         "cp": alone, "embd": alone, "pos_embd": alone,
-                        # one distributed-optimizer instance over the arm's world: its gradient norm's group
-                        "intra_dist_opt": over(*present)}.items():
+                        "intra_dist_opt": over(*present) if distributed_optimizer else None}.items():
         setattr(groups, name, group)
     return groups
 
@@ -506,7 +506,7 @@ class MegatronStack:
         with policy.active(arm_policy):
             refuse_conflicts(self.name, arm_policy, SWITCH_ENV if arm_policy.deterministic else {})
             with arm_environment(arm_policy):
-                groups = process_groups(meshes)
+                groups = process_groups(meshes, options.use_distributed_optimizer)
                 ensure_parallel_state(recipe.parallel)
             model_parallel_cuda_manual_seed(recipe.seed, tp_rank=layout.tp_rank, ep_rank=layout.ep_rank,
                                             etp_rank=layout.tp_rank)
