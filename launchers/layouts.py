@@ -19,10 +19,13 @@ from rich.console import Console
 from taxbench.analysis.experiment import recipe_label
 from taxbench.analysis.layouts import PLAN_FILE, SUMMARY_FILE, LaunchRecord, LayoutsPlan
 from taxbench.config.layout_names import LayoutName, check_layout
-from taxbench.config.schema import ConfigError, ReportConfig, TaxbenchConfig, world_size, world_size_key
+from taxbench.config.schema import ConfigError, Device, ReportConfig, TaxbenchConfig, world_size, world_size_key
+from taxbench.design import ExperimentSteps
 from taxbench.launchers.local import RankFailed, start_ranks
 from taxbench.launchers.outcome import Launched
 from taxbench.launchers.worker import run_repeats_rank
+from taxbench.parallel.gpu_hours import render_total
+from taxbench.parallel.plan import cost_of
 from taxbench.preflight import check_before_launch
 from taxbench.schedule.repeats import REPLICAS
 
@@ -74,6 +77,12 @@ def run_layouts(configs: dict[str, TaxbenchConfig], arm: str, root: Path, settin
     steps, world = first.experiment.steps, world_size(first.cluster)
     plan = LayoutsPlan(recipe_label(dataclasses.asdict(first.recipe)), arm, steps, world, list(configs))
     plan.write(root)
+    # Each layout: its runs whole, one after the other, none timed against the other (a verdict on the weights).
+    repeats = ExperimentSteps(0, steps, len(REPLICAS), steps, 0, 0, 0)
+    on_gpu = first.cluster.device is Device.cuda
+    costs = [cost_of(cfg, repeats) if on_gpu else None for cfg in configs.values()]
+    total = render_total(f"plan: {len(configs)} layouts", [repeats] * len(configs), costs, on_gpu)
+    console.print(total, soft_wrap=True)
     for index, (name, cfg) in enumerate(configs.items(), start=1):
         console.print(f"layout {index}/{len(configs)} {name}: {len(REPLICAS)} runs x {steps} steps of {arm} on "
                       f"{world} ranks")

@@ -32,8 +32,11 @@ from taxbench.config.schema import (
     load_config,
     world_size,
 )
+from taxbench.design import experiment_steps
 from taxbench.launchers.local import RankFailed, start_ranks
 from taxbench.launchers.outcome import Launched
+from taxbench.parallel.gpu_hours import render_total
+from taxbench.parallel.plan import cost_of
 from taxbench.preflight import prepare
 from taxbench.stacks.deepspeed import require_deepspeed
 from taxbench.stacks.megatron import require_megatron
@@ -196,7 +199,12 @@ def run_stacks(plan: StacksPlan, configs: dict[str, TaxbenchConfig], root: Path,
         raise ConfigError(f"{root} already holds a stacks matrix; pick another experiment.name instead of "
                           "overwriting it")
     plan.write(root)
-    for index, cell in enumerate([cell for cell in plan.cells if cell.name in configs], start=1):
+    runnable = [cell for cell in plan.cells if cell.name in configs]
+    on_gpu = plan.device == Device.cuda.value
+    costs = [cost_of(configs[cell.name], params=cell.parameters) if on_gpu else None for cell in runnable]
+    console.print(render_total(f"plan: {len(runnable)} cells", [experiment_steps(configs[cell.name])
+                                                               for cell in runnable], costs, on_gpu), soft_wrap=True)
+    for index, cell in enumerate(runnable, start=1):
         cfg = configs[cell.name]
         console.print(f"cell {index}/{len(configs)} {cell.name}: {cell.recipe}, {cfg.experiment.steps} steps per run "
                       f"on {world_size(cfg.cluster)} ranks")

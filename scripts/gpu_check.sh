@@ -1,146 +1,201 @@
 #!/usr/bin/env bash
-# GPU check for a machine with CUDA (e.g. a lent H200): install, run the CUDA tests, then short GPU experiments.
-# Each step has its own time limit and the script goes on past a failed step, so one run reports every step; it
-# exits 1 if any step failed. Logs go under ${OUT:-/tmp/taxbench-gpu}; step results in $OUT/steps.txt.
-# GPU_STEPS="install megatron_gpt_policy ..." runs only the named steps (a short lease: the never-run ones first);
-# GPU_STEPS=stacks is the install and every stack's pair under its own switch and taxbench's policy, plus fp8
-# (estimated 6-10 minutes on one H200, close to a 10-minute device command: steps.txt keeps each finished step, so a
-# cut run can go on with GPU_STEPS naming the rest; none of these steps has run on a GPU yet).
-# GPU_CHECK_DRY=1 prints each step (name, limit, command) instead of running it, every stack taken as installed and
-# GPU_CHECK_GPUS (default 1) as the GPU count; it needs no GPU (tests/test_gpu_scripts.py runs it).
-# Offline machines: put wheels of the dependencies the machine lacks in .wheels/ (scripts/gpu_wheels.sh makes them).
+# GPU check for a lent CUDA machine: the figures we have never had first, each step under its own time limit, the
+# whole default set within one device command's budget.
+#
+# Steps, in order of value (a cut run has the most valuable ones):
+#   1. wheels: install the carried wheels (.wheels, scripts/gpu_wheels.sh) and import the image's packages
+#      (scripts/gpu_image.txt), taxbench and each stack in a few seconds (scripts/gpu_imports.py); the steps of a
+#      stack that does not import are skipped with the reason, never run to their limit;
+#   2. each installed stack's pair under taxbench's policy (*_policy) and under its own switch (*_native), with tax
+#      and gates: Megatron's MoE (and its distributed optimizer), torchtitan, DeepSpeed (its MoE at ep=2 on 2+ GPUs);
+#   3. moe_tiny's tax on the GPU;  4. fp8;  5. the NCCL policies, Ring vs Tree (2+ GPUs);
+#   6. `taxbench run` over torchtitan's own trainer (skipped until `python -m taxbench run --help` documents it);
+#   7. what has run on a GPU before (megatron_gpt, the CUDA tests, interleave=policy, the planted tax, the op scan).
+# The plan is printed first, `planned device time: N s` (the steps' limits and the device check); the default set is
+# what fits GPU_CHECK_BUDGET (default 600 s, one device command) in this order, every other step is listed as over
+# the budget. GPU_STEPS="a b ..." plans only the named steps (any budget, said when over it).
+# After every step $OUT/gpu_table.md is rewritten (the device, and per step its status, seconds, tax and gates:
+# scripts/gpu_table.py); $OUT/steps.txt has one line per finished step and a rerun with the same OUT skips the steps
+# that passed there (a cut run goes on). Exit 1 if any step failed.
+# GPU_CHECK_DRY=1 prints the plan (every stack taken as installed, GPU_CHECK_GPUS GPUs, default 1) and writes nothing
+# a real run reads; it needs no GPU (tests/test_gpu_scripts.py runs it).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/taxbench-gpu}
 DRY=${GPU_CHECK_DRY:-}
-mkdir -p "$OUT"
+BUDGET=${GPU_CHECK_BUDGET:-600}
+DEVICE_S=25  # the CUDA check and nvidia-smi before the first step, the table written after each step
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 failed=0
-STACK_STEPS="install deepspeed_dense_policy deepspeed_dense_native deepspeed_moe_policy deepspeed_moe_native"
-STACK_STEPS+=" titan_llama3_policy titan_llama3_native megatron_gpt_policy megatron_gpt_native"
-STACK_STEPS+=" megatron_moe_policy megatron_moe_native fp8_policy fp8_native"
-[ "${GPU_STEPS:-}" = stacks ] && GPU_STEPS=$STACK_STEPS
-
-step() {  # step NAME LIMIT_S COMMAND...: run one step, log it, record rc and seconds (rc in $step_rc)
-    local name=$1 limit=$2
-    shift 2
-    step_rc=0
-    if [ -n "${GPU_STEPS:-}" ] && [[ " $GPU_STEPS " != *" $name "* ]]; then return 0; fi
-    if [ -n "$DRY" ]; then printf 'step %s %ss: %s\n' "$name" "$limit" "$*"; return 0; fi
-    local start=$SECONDS
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-    step_rc=$?
-    printf '%-22s rc=%-3s %4ss\n' "$name" "$step_rc" "$((SECONDS - start))" | tee -a "$OUT/steps.txt"
-    [ "$step_rc" -eq 0 ] || { failed=1; tail -n 25 "$OUT/$name.log"; }
-}
-
-has() {  # has MODULE: whether the stack's import works here (always in the dry mode)
-    [ -n "$DRY" ] || $PY -c "import $1" 2>"$OUT/import_$1.err"
-}
-
-skip() {  # skip MESSAGE: a step that cannot run on this machine, said in the step results
-    echo "$1" | tee -a "$OUT/steps.txt"
-}
 
 if [ -n "$DRY" ]; then
     GPUS=${GPU_CHECK_GPUS:-1}
 else
-    $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA'; print(torch.__version__, torch.cuda.get_device_name())" \
-        || exit 1
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+    mkdir -p "$OUT"
+    $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA'; print(torch.cuda.get_device_name(), \
+'x', torch.cuda.device_count(), '- torch', torch.__version__, 'CUDA', torch.version.cuda)" >"$OUT/device.txt" \
+        || { cat "$OUT/device.txt"; exit 1; }
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -n1 \
+        | sed 's/^/driver: /' >>"$OUT/device.txt"
+    cat "$OUT/device.txt"
     GPUS=$($PY -c 'import torch; print(torch.cuda.device_count())')
 fi
-if [ -d .wheels ]; then
-    # --no-deps: .wheels holds what each stack's import needs beyond the image, not its whole declared tree.
-    step install 120 bash -c "$PY -m pip install -q --no-index --no-deps .wheels/*.whl && \
-        $PY -m pip install -q --no-deps --no-build-isolation -e ."
-else
-    step install 120 "$PY" -m pip install -q -e ".[dev]"
-fi
+
+# ------------------------------------------------------------------------------------------------------- the plan
+names=() limits=() needs=() commands=() notes=()
+planned=$DEVICE_S
+
+passed_before() {  # passed_before NAME: whether $OUT/steps.txt records NAME with rc=0 (a real run resumes)
+    [ -z "$DRY" ] && [ -f "$OUT/steps.txt" ] && grep -qE "^$1 +rc=0 " "$OUT/steps.txt"
+}
+
+plan() {  # plan NAME LIMIT_S NEEDS COMMAND...: a step in order of value; NEEDS is the stack it imports, or -
+    local name=$1 limit=$2 need=$3
+    shift 3
+    if [ -n "${GPU_STEPS:-}" ] && [[ " $GPU_STEPS " != *" $name "* ]]; then return 0; fi
+    if passed_before "$name"; then notes+=("skip $name: passed in an earlier run ($OUT/steps.txt)"); return 0; fi
+    if [ -z "${GPU_STEPS:-}" ] && [ $((planned + limit)) -gt "$BUDGET" ]; then
+        notes+=("skip $name: over the ${BUDGET} s budget (${limit} s; GPU_STEPS=$name runs it)")
+        return 0
+    fi
+    names+=("$name"); limits+=("$limit"); needs+=("$need"); commands+=("$(printf '%q ' "$@")")
+    planned=$((planned + limit))
+}
+
+not_here() {  # not_here NAME WHY: a step this machine cannot run, said in the plan
+    if [ -n "${GPU_STEPS:-}" ] && [[ " $GPU_STEPS " != *" $1 "* ]]; then return 0; fi
+    notes+=("skip $1: $2")
+}
 
 EXP=(cluster=inprocess cluster.device=cuda cluster.gpus=1 experiment.out_dir="$OUT/runs" report.wandb=false)
-step pytest_gpu 200 "$PY" -m pytest -m gpu -v -p no:cacheprovider tests/test_gpu.py tests/test_attribution.py
-step moe_tiny_bf16 90 "$PY" -m taxbench "${EXP[@]}" +recipe=moe_tiny recipe.precision=bf16 experiment.name=moe_tiny_gpu
-# The tax timed on one model, lanes switching policy per block (moe_1t's default mode).
-step interleave_policy 90 "$PY" -m taxbench "${EXP[@]}" +recipe=moe_tiny experiment.interleave=policy \
-    experiment.name=interleave_policy_gpu
-# The calibrated instrument on GPU: a planted 5% tax on an A/A pair (spin kernel, CUDA event times).
-step planted_5pct 150 "$PY" -m taxbench "${EXP[@]}" experiment.calibration=true experiment.planted_tax=0.05 \
-    experiment.steps=240 experiment.name=planted_gpu
-# The two NCCL policies against one baseline (docs/configuration.md): Megatron's Ring and torchtitan's pinned Tree
-# all-reduce, one sweep point each. NCCL runs no collective on one rank, so this needs 2 GPUs; never run yet.
-if [ "$GPUS" -ge 2 ]; then
-    # NCCL_DEBUG_SUBSYS=ENV: NCCL logs each NCCL_* value it read ("NCCL_ALGO set by environment to ..."), per arm.
-    step nccl_policies 300 env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=ENV "$PY" -m taxbench -m cluster.device=cuda cluster.gpus=2 experiment.out_dir="$OUT/runs" \
-        report.wandb=false +recipe=moe_tiny 'mode@arms.deterministic=deterministic,deterministic_tree' \
-        experiment.name=nccl_policies_gpu
-    [ -n "$DRY" ] || [ ! -f "$OUT/nccl_policies.log" ] || grep -h "set by environment to" "$OUT/nccl_policies.log" | sed 's/.*NCCL INFO //' | sort | uniq -c
-else
-    skip "fewer than 2 GPUs: nccl_policies not run (one rank runs no NCCL collective)"
-fi
-# The op repeat scan on CUDA: the baseline's atomic MoE ops (index_add_ in combine and dispatch backward) named, the
-# deterministic policy clean (exit 0).
-step scan_moe_tiny 120 "$PY" -m taxbench scan +recipe=moe_tiny cluster.device=cuda cluster.gpus=1 \
-    scan.out="$OUT/scan_moe_tiny.json"
-# Every stack's pair (issue 32), each under taxbench's policy (*_policy) and under the stack's own switch alone
-# (*_native: mode@arms.deterministic=stack_native; the run prints the audit of what taxbench's policy would add).
-# Short runs: 24 steps, restart replay from step 12. None of these steps has run on a GPU yet.
+EXP2=(cluster=local cluster.device=cuda cluster.gpus=2 experiment.out_dir="$OUT/runs" report.wandb=false)
+# Short pairs: 24 steps per run, 6-step blocks, restart replay from step 12.
 SHORT=(experiment.steps=24 experiment.block_steps=6 experiment.warmup_steps=4 experiment.resume_step=12)
 NATIVE=mode@arms.deterministic=stack_native
-if has deepspeed; then
-    # ZeRO-3, dense: one rank is a world of one (its partitions are whole).
-    step deepspeed_dense_policy 180 "$PY" -m taxbench "${EXP[@]}" "${SHORT[@]}" +recipe=deepspeed_dense_debug \
-        experiment.name=deepspeed_dense_gpu
-    step deepspeed_dense_native 180 "$PY" -m taxbench "${EXP[@]}" "${SHORT[@]}" +recipe=deepspeed_dense_debug \
-        "$NATIVE" experiment.name=deepspeed_dense_native_gpu
-    # ZeRO-2 with DeepSpeed's MoE layer at ep=2: two ranks, so two GPUs.
-    if [ "$GPUS" -ge 2 ]; then
-        EXP2=(cluster=local cluster.device=cuda cluster.gpus=2 experiment.out_dir="$OUT/runs" report.wandb=false)
-        step deepspeed_moe_policy 150 "$PY" -m taxbench "${EXP2[@]}" "${SHORT[@]}" +recipe=deepspeed_moe_debug \
-            experiment.name=deepspeed_moe_gpu
-        step deepspeed_moe_native 150 "$PY" -m taxbench "${EXP2[@]}" "${SHORT[@]}" +recipe=deepspeed_moe_debug \
-            "$NATIVE" experiment.name=deepspeed_moe_native_gpu
-    else
-        skip "fewer than 2 GPUs: deepspeed_moe_policy and deepspeed_moe_native not run (its ep=2 needs 2 ranks)"
-    fi
+TB=("$PY" -m taxbench)
+
+# 1. the wheels, checked before anything else spends the budget
+if [ -d .wheels ] || [ -n "$DRY" ]; then  # the dry plan is the device run's, which carries .wheels
+    # --no-deps: .wheels holds what each stack's import needs beyond the image, not its whole declared tree.
+    # Its exit code is the imports' (1: taxbench does not import); a failed install shows as what is missing.
+    plan wheels 60 - bash -c "($PY -m pip install -q --no-index --no-deps .wheels/*.whl && \
+$PY -m pip install -q --no-deps --no-build-isolation -e .); $PY scripts/gpu_imports.py $OUT/imports.txt"
 else
-    skip "deepspeed not installed: deepspeed_dense_* and deepspeed_moe_* not run ($(tail -n1 "$OUT/import_deepspeed.err"))"
+    plan wheels 120 - bash -c "$PY -m pip install -q -e '.[dev]'; $PY scripts/gpu_imports.py $OUT/imports.txt"
 fi
-# torchtitan with its FlexAttention, under its own switch (debug.deterministic) and under taxbench's policy.
-if has torchtitan.trainer; then
-    TITAN=(+recipe=titan_llama3_debug recipe.model.stack.attn_backend=flex)
-    step titan_llama3_policy 180 "$PY" -m taxbench "${EXP[@]}" "${SHORT[@]}" "${TITAN[@]}" experiment.name=titan_gpu
-    step titan_llama3_native 180 "$PY" -m taxbench "${EXP[@]}" "${SHORT[@]}" "${TITAN[@]}" "$NATIVE" \
-        experiment.name=titan_native_gpu
+# 2. every installed stack's pair, under taxbench's policy and under its own switch: never run on a GPU yet
+MOE=(+recipe=megatron_moe_debug)
+plan megatron_moe_policy 55 megatron "${TB[@]}" "${EXP[@]}" "${SHORT[@]}" "${MOE[@]}" experiment.name=megatron_moe_policy
+plan megatron_moe_native 55 megatron "${TB[@]}" "${EXP[@]}" "${SHORT[@]}" "${MOE[@]}" "$NATIVE" \
+    experiment.name=megatron_moe_native
+# Megatron's DistributedOptimizer with bf16 parameters (the seed's recipe as NVIDIA runs it): its own step, state
+# and checkpoint; the restart gate checks its save and restore.
+plan megatron_moe_distopt 55 megatron "${TB[@]}" "${EXP[@]}" "${SHORT[@]}" "${MOE[@]}" \
+    +recipe.model.stack.use_distributed_optimizer=true +recipe.model.stack.params_dtype=bf16 \
+    experiment.name=megatron_moe_distopt
+# torchtitan with its FlexAttention (compiled on first use: a longer limit)
+TITAN=(+recipe=titan_llama3_debug recipe.model.stack.attn_backend=flex)
+plan titan_llama3_policy 70 titan "${TB[@]}" "${EXP[@]}" "${SHORT[@]}" "${TITAN[@]}" experiment.name=titan_llama3_policy
+plan titan_llama3_native 70 titan "${TB[@]}" "${EXP[@]}" "${SHORT[@]}" "${TITAN[@]}" "$NATIVE" \
+    experiment.name=titan_llama3_native
+# DeepSpeed ZeRO-3, dense: one rank is a world of one (its partitions are whole)
+DS=(+recipe=deepspeed_dense_debug)
+plan deepspeed_dense_policy 45 deepspeed "${TB[@]}" "${EXP[@]}" "${SHORT[@]}" "${DS[@]}" \
+    experiment.name=deepspeed_dense_policy
+plan deepspeed_dense_native 45 deepspeed "${TB[@]}" "${EXP[@]}" "${SHORT[@]}" "${DS[@]}" "$NATIVE" \
+    experiment.name=deepspeed_dense_native
+if [ "$GPUS" -ge 2 ]; then  # ZeRO-2 with DeepSpeed's MoE layer at ep=2: two ranks
+    DSMOE=(+recipe=deepspeed_moe_debug)
+    plan deepspeed_moe_policy 70 deepspeed "${TB[@]}" "${EXP2[@]}" "${SHORT[@]}" "${DSMOE[@]}" \
+        experiment.name=deepspeed_moe_policy
+    plan deepspeed_moe_native 70 deepspeed "${TB[@]}" "${EXP2[@]}" "${SHORT[@]}" "${DSMOE[@]}" "$NATIVE" \
+        experiment.name=deepspeed_moe_native
 else
-    skip "torchtitan not installed: titan_llama3_* not run ($(tail -n1 "$OUT/import_torchtitan.trainer.err"))"
+    not_here deepspeed_moe_policy "fewer than 2 GPUs (its ep=2 needs 2 ranks); deepspeed_moe_native neither"
 fi
-# Megatron-Core's GPTModel pair and its MoE layers (top-2 of 4, allgather dispatcher, sequential experts) on one GPU;
-# its tests: the host contract and the gpu end-to-end.
-if has megatron.core; then
-    step megatron_tests 200 "$PY" -m pytest -v -p no:cacheprovider tests/test_megatron.py
-    step megatron_gpt_policy 150 "$PY" -m taxbench "${EXP[@]}" +recipe=megatron_gpt_debug experiment.name=megatron_gpu
-    step megatron_gpt_native 120 "$PY" -m taxbench "${EXP[@]}" "${SHORT[@]}" +recipe=megatron_gpt_debug \
-        "$NATIVE" experiment.name=megatron_native_gpu
-    step megatron_moe_policy 150 "$PY" -m taxbench "${EXP[@]}" "${SHORT[@]}" +recipe=megatron_moe_debug \
-        experiment.name=megatron_moe_gpu
-    step megatron_moe_native 150 "$PY" -m taxbench "${EXP[@]}" "${SHORT[@]}" +recipe=megatron_moe_debug \
-        "$NATIVE" experiment.name=megatron_moe_native_gpu
+# 3. moe_tiny's tax on the GPU (taxbench's own stack, bf16)
+plan moe_tiny_bf16 40 - "${TB[@]}" "${EXP[@]}" +recipe=moe_tiny recipe.precision=bf16 experiment.name=moe_tiny_bf16
+# 4. fp8 (torchao's float8 linears, compute capability 8.9+) on taxbench's dense GPT, widened to float8's shapes
+FP8=(recipe.precision=fp8 recipe.model.d_model=128 recipe.model.d_ff=512)
+plan fp8_policy 40 fp8 "${TB[@]}" "${EXP[@]}" "${SHORT[@]}" "${FP8[@]}" experiment.name=fp8_policy
+plan fp8_native 40 fp8 "${TB[@]}" "${EXP[@]}" "${SHORT[@]}" "${FP8[@]}" "$NATIVE" experiment.name=fp8_native
+# 5. the two NCCL policies against one baseline: Megatron's Ring and torchtitan's pinned Tree, one sweep point each
+# (NCCL_DEBUG_SUBSYS=ENV logs each NCCL_* value it read, per arm). NCCL runs no collective on one rank.
+if [ "$GPUS" -ge 2 ]; then
+    plan nccl_policies 150 - env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=ENV "${TB[@]}" -m cluster.device=cuda \
+        cluster.gpus=2 experiment.out_dir="$OUT/runs" report.wandb=false +recipe=moe_tiny \
+        'mode@arms.deterministic=deterministic,deterministic_tree' experiment.name=nccl_policies
 else
-    skip "megatron-core not installed: megatron_* not run ($(tail -n1 "$OUT/import_megatron.core.err"))"
+    not_here nccl_policies "fewer than 2 GPUs (one rank runs no NCCL collective)"
 fi
-# fp8 (recipe.precision=fp8: torchao's float8 linears, compute capability 8.9+) on taxbench's own dense GPT, widened
-# so that the linears take float8's shapes; under taxbench's policy and under its own stack's switch.
-if has torchao; then
-    FP8=(recipe.precision=fp8 recipe.model.d_model=128 recipe.model.d_ff=512)
-    step fp8_policy 120 "$PY" -m taxbench "${EXP[@]}" "${SHORT[@]}" "${FP8[@]}" experiment.name=fp8_gpu
-    step fp8_native 120 "$PY" -m taxbench "${EXP[@]}" "${SHORT[@]}" "${FP8[@]}" "$NATIVE" \
-        experiment.name=fp8_native_gpu
+# 6. torchtitan's own trainer, unchanged, as each run of a pair (`taxbench run [overrides] -- COMMAND`)
+run_available() {  # whether `python -m taxbench run --help` documents the subcommand (not the general help)
+    "$PY" -m taxbench run --help 2>/dev/null | head -n 3 | grep -q "taxbench run"
+}
+# Before the wheels step a real run may not import taxbench yet: then the step is planned and checked after it.
+if run_available || { [ -z "$DRY" ] && ! "$PY" -c "import taxbench.cli" 2>/dev/null; }; then
+    plan titan_run 90 taxbench-run "${TB[@]}" run cluster.device=cuda cluster.gpus=1 experiment.out_dir="$OUT/runs" \
+        report.wandb=false experiment.name=titan_run -- "$PY" -m torchtitan.train --module llama3 \
+        --config llama3_debugmodel --training.steps 24
 else
-    skip "torchao not installed: fp8_policy and fp8_native not run ($(tail -n1 "$OUT/import_torchao.err"))"
+    not_here titan_run "taxbench run not available"
 fi
+# 7. what an H200 ran on 2026-12-04 (docs/stacks.md "On a GPU"): again where the budget allows
+plan megatron_gpt_policy 60 megatron "${TB[@]}" "${EXP[@]}" "${SHORT[@]}" +recipe=megatron_gpt_debug \
+    experiment.name=megatron_gpt_policy
+plan megatron_gpt_native 60 megatron "${TB[@]}" "${EXP[@]}" "${SHORT[@]}" +recipe=megatron_gpt_debug "$NATIVE" \
+    experiment.name=megatron_gpt_native
+plan interleave_policy 90 - "${TB[@]}" "${EXP[@]}" +recipe=moe_tiny experiment.interleave=policy \
+    experiment.name=interleave_policy
+plan planted_5pct 150 - "${TB[@]}" "${EXP[@]}" experiment.calibration=true experiment.planted_tax=0.05 \
+    experiment.steps=240 experiment.name=planted_5pct
+plan pytest_gpu 200 - "$PY" -m pytest -m gpu -v -p no:cacheprovider tests/test_gpu.py tests/test_attribution.py
+plan scan_moe_tiny 120 - "${TB[@]}" scan +recipe=moe_tiny cluster.device=cuda cluster.gpus=1 \
+    scan.out="$OUT/scan_moe_tiny.json"
+plan megatron_tests 200 megatron "$PY" -m pytest -v -p no:cacheprovider tests/test_megatron.py
+
+echo "planned device time: $planned s (${#names[@]} steps' limits, ${DEVICE_S} s for the device check and tables;" \
+    "budget $BUDGET s, $GPUS GPU(s))"
+[ "$planned" -le "$BUDGET" ] || echo "over the budget: GPU_STEPS names more than $BUDGET s of limits"
+for i in "${!names[@]}"; do
+    printf 'step %s %ss: %s\n' "${names[$i]}" "${limits[$i]}" "${commands[$i]}"
+done
+printf '%s\n' "${notes[@]}"
 [ -n "$DRY" ] && exit 0
-grep -h -E "tax|deterministic:|planted|audit" "$OUT"/moe_tiny_bf16.log "$OUT"/interleave_policy.log \
-    "$OUT"/planted_5pct.log "$OUT"/nccl_policies.log "$OUT"/*_policy.log "$OUT"/*_native.log 2>/dev/null | head -80
+
+# ----------------------------------------------------------------------------------------------------- the steps
+record() {  # record LINE: one finished (or skipped) step in steps.txt, and the table rewritten
+    echo "$1" | tee -a "$OUT/steps.txt"
+    "$PY" scripts/gpu_table.py "$OUT" || true
+}
+for note in "${notes[@]}"; do
+    [[ $note == *"passed in an earlier run"* ]] || echo "$note" >>"$OUT/steps.txt"
+done
+"$PY" scripts/gpu_table.py "$OUT" || true
+taxbench_ok=1
+for i in "${!names[@]}"; do
+    name=${names[$i]} limit=${limits[$i]} need=${needs[$i]}
+    if [ "$taxbench_ok" = 0 ]; then record "skip $name: taxbench does not import (see wheels.log)"; continue; fi
+    if [ "$need" = taxbench-run ]; then
+        run_available || { record "skip $name: taxbench run not available"; continue; }
+        need=titan
+    fi
+    if [ "$need" != - ] && [ -f "$OUT/imports.txt" ] && ! grep -q "^$need ok" "$OUT/imports.txt"; then
+        record "skip $name: stack $(grep "^$need " "$OUT/imports.txt" || echo "$need not checked")"
+        continue
+    fi
+    start=$SECONDS
+    eval "timeout $limit ${commands[$i]}" >"$OUT/$name.log" 2>&1
+    rc=$?
+    record "$(printf '%-22s rc=%-3s %4ss limit=%ss' "$name" "$rc" "$((SECONDS - start))" "$limit")"
+    if [ "$rc" -ne 0 ]; then
+        failed=1
+        tail -n 25 "$OUT/$name.log"
+        [ "$name" = wheels ] && taxbench_ok=0
+    fi
+    [ "$name" = nccl_policies ] && grep -h "set by environment to" "$OUT/nccl_policies.log" 2>/dev/null | sed 's/.*NCCL INFO //' \
+        | sort | uniq -c
+done
+cat "$OUT/gpu_table.md"
 exit $failed

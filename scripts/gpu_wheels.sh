@@ -1,20 +1,34 @@
 #!/usr/bin/env bash
 # Wheels that the lent GPU machine's image lacks, put here into .wheels/ (ignored by git) for scripts/gpu_check.sh to
 # install offline with `pip install --no-index --no-deps .wheels/*.whl`. Carry .wheels with the device run.
-# The image: Python 3.12 with torch (CUDA, so also triton, sympy, networkx, jinja2, filelock, fsspec), numpy, pandas,
-# pyarrow, scipy, rich, matplotlib, xxhash, pytest, PyYAML; no Hydra, no training stack. Every wheel is fetched
-# without its dependencies: each stack gets exactly what its import needs beyond the image (read off
-# `import torchtitan.trainer` / `import deepspeed` in a venv with the stack installed, versions as tested on CPU),
-# not its whole declared tree (torchtitan declares wandb and more that its import never touches).
-# TORCH_VERSION: the image's torch (major.minor), which picks the torchao release built against it; unknown from here,
-# the default is the one the last lent H200 had (2.11+cu130). PYTHON_VERSION: the image's Python (3.12).
+# The image's packages are listed in scripts/gpu_image.txt (read here and by gpu_check.sh's first step): Python 3.12
+# with a CUDA torch (so also triton, sympy, networkx, jinja2, filelock, fsspec), numpy, pandas, pyarrow, scipy, ...;
+# no Hydra, no training stack. Every wheel is fetched without its dependencies: each stack gets exactly what its import
+# needs beyond the image (read off `import torchtitan.trainer` / `import deepspeed` in a venv with the stack installed,
+# versions as tested on CPU), not its whole declared tree (torchtitan declares wandb and more that its import never
+# touches).
+# TORCH_VERSION: the image's torch (major.minor), which picks the torchao release built against it; PYTHON_VERSION: the
+# image's Python (major.minor); both default to gpu_image.txt's. GPU_WHEELS_DRY=1 prints the targets, fetches nothing.
 # Total, measured 2026-12-05 with the defaults: 33 MiB in 54 wheels (32,812 KiB), under the device tool's 64 MiB
 # carry limit, so one .wheels serves every step (no split needed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-TORCH_VERSION=${TORCH_VERSION:-2.11}
-PYTHON_VERSION=${PYTHON_VERSION:-3.12}
+image_version() {  # image_version DISTRIBUTION: its major.minor in scripts/gpu_image.txt
+    awk -v name="$1" '$1 == name { split($3, v, /[.+]/); print v[1] "." v[2] }' scripts/gpu_image.txt
+}
+TORCH_VERSION=${TORCH_VERSION:-$(image_version torch)}
+PYTHON_VERSION=${PYTHON_VERSION:-$(image_version python)}
 WHEELS=${WHEELS:-.wheels}
+case "$TORCH_VERSION" in  # torchao for recipe.precision=fp8: each release is built against one torch
+    2.9) torchao=0.15.0 ;;
+    2.10) torchao=0.16.0 ;;
+    2.11) torchao=0.17.0 ;;
+    *) torchao=0.18.0 ;;
+esac
+if [ -n "${GPU_WHEELS_DRY:-}" ]; then
+    echo "wheels for Python $PYTHON_VERSION, torch $TORCH_VERSION (torchao $torchao) into $WHEELS"
+    exit 0
+fi
 mkdir -p "$WHEELS"
 
 binary() {  # binary REQUIREMENT...: wheels built for the image's Python (a pure wheel where that is all there is)
@@ -39,13 +53,6 @@ binary torchtitan==0.3.0 spmd_types==0.2.3 torchdata==0.11.0 tyro==1.0.17 docstr
 DS_BUILD_OPS=0 python3 -m pip wheel -q --no-deps -w "$WHEELS" deepspeed==0.19.8
 binary hjson==3.1.0 ninja==1.13.2 py-cpuinfo==9.0.0 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 \
     typing-inspection==0.4.5 msgpack==1.2.4 psutil==7.2.2 einops==0.8.2
-# torchao for recipe.precision=fp8: each release is built against one torch (its compatibility table).
-case "$TORCH_VERSION" in
-    2.9) torchao=0.15.0 ;;
-    2.10) torchao=0.16.0 ;;
-    2.11) torchao=0.17.0 ;;
-    *) torchao=0.18.0 ;;
-esac
 binary "torchao==$torchao"
 ls -s --block-size=K "$WHEELS"
 du -sh "$WHEELS"

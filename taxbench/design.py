@@ -254,6 +254,48 @@ def run_steps(name: str, timed: Collection[str], rounds_steps: int, experiment: 
     return gate_run_steps(int(experiment["gate_steps"]), int(experiment["steps"]), rounds_steps)
 
 
+@dataclass(frozen=True)
+class ExperimentSteps:
+    """The steps an experiment takes, per kind of run, at `per_run` steps per timed run."""
+
+    timed_runs: int  # runs timed in the interleaved rounds
+    per_run: int  # steps of each timed run
+    gate_runs: int  # runs after the rounds (gate-only and knob replicas), gate_run_steps each
+    gate_steps: int
+    profile_runs: int  # the ablation's op-profile runs
+    profile_steps: int  # warmup and profiled steps of each
+    warmup_steps: int  # of each timed run, left out of the tax
+
+    @property
+    def runs(self) -> int:
+        return self.timed_runs + self.gate_runs + self.profile_runs
+
+    @property
+    def timed(self) -> int:
+        return self.timed_runs * self.per_run
+
+    @property
+    def total(self) -> int:
+        return self.timed + self.gate_runs * self.gate_steps + self.profile_runs * self.profile_steps
+
+    @property
+    def in_tax(self) -> int:
+        """Timed steps after each run's fixed warmup: the ones the tax estimate is made of."""
+        return self.timed_runs * max(self.per_run - self.warmup_steps, 0)
+
+
+def experiment_steps(cfg: TaxbenchConfig, per_run: int | None = None,
+                     design: ExperimentDesign | None = None) -> ExperimentSteps:
+    """Steps of the whole experiment at `per_run` steps per timed run (default experiment.steps: with a precision
+    target, the least it may take) and gate_run_steps per run after the rounds."""
+    exp = cfg.experiment
+    per_run = exp.steps if per_run is None else per_run
+    design = design or design_of(cfg)
+    timed = sum(ref in design.interleaved for ref in design.runs)
+    return ExperimentSteps(timed, per_run, len(design.runs) - timed, gate_run_steps(exp.gate_steps, exp.steps, per_run),
+                           len(design.profiled), exp.warmup_steps + exp.profile_steps, exp.warmup_steps)
+
+
 def checkpoint_after(step: int, block_steps: int, every: int) -> bool:
     """Whether the runs commit a checkpoint after the block of `block_steps` steps ending at `step`: every
     experiment.checkpoint_every_steps (`every`) steps, 0 never. The first step after one is left out of the tax

@@ -157,6 +157,8 @@ def test_two_layouts_compare_with_identical_step0_weights(clean_run: tuple[Path,
                                                           ) -> None:
     root, result = clean_run
     assert result.returncode == exit_codes.OK, result.stderr + result.stdout
+    # what the launch costs, said before it starts
+    assert "plan: 2 layouts: 4 runs, 12 steps in all, 0 timed (0%); GPU-hours do not apply on CPU" in result.stderr
     summary = json.loads((root / "summary.json").read_text())
     assert summary["initial_weights_identical"] is True
     assert "identical step-0 weights: yes" in result.stdout

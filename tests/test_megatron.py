@@ -26,7 +26,7 @@ from taxbench.launchers.worker import rank_process
 from taxbench.parallel.distributed import free_port
 from taxbench.parallel.layout import layout_for, meshes_for
 from taxbench.parallel.plan import make_plan
-from taxbench.stacks import megatron
+from taxbench.stacks import megatron, megatron_optimizer
 from taxbench.stacks.native import build_optimizer
 
 
@@ -78,7 +78,11 @@ def test_the_deterministic_switch_records_megatrons_mode_and_environment() -> No
      "NCCL_ALGO=Ring but the deterministic arm's taxbench policy has Ring;allreduce:Tree"),
     (("recipe.parallel.pp=2", "recipe.parallel.pp_schedule=GPipe"), "not one of Megatron's schedules"),
     (("recipe.parallel.ep=2",), "recipe.parallel.ep=2 needs MoE layers"),
-    (("+recipe.model.stack.use_distributed_optimizer=true",), "use_distributed_optimizer=true is not driven"),
+    (("+recipe.model.stack.params_dtype=fp16",), "recipe.model.stack.params_dtype='fp16': choose one of"),
+    (("+recipe.model.stack.params_dtype=bf16", "recipe.precision=fp32"),
+     "params_dtype=bf16 needs recipe.precision=bf16"),
+    (("+recipe.model.stack.params_dtype=bf16", "recipe.precision=bf16"),
+     "add recipe.model.stack.use_distributed_optimizer=true"),
     (("recipe.parallel.data_parallel=fsdp",), "DistributedDataParallel"),
     (("+recipe.model.stack.flash=true",), "recipe.model.stack.flash is not a Megatron-Core option"),
     (("recipe.model.stack.spec=te",), "recipe.model.stack.spec='te'"),
@@ -369,3 +373,144 @@ def test_the_plan_counts_the_parameters_of_megatrons_own_moe_model(shared: int) 
     assert plan.valid and plan.layout["experts_per_rank"] == 2
     assert plan.total_params == sum(counts.values())
     assert plan.params_by_kind["experts"] == sum(n for name, n in counts.items() if "local_experts" in name)
+
+
+def test_the_distributed_optimizer_off_cuda_is_refused_in_one_line() -> None:
+    """Megatron's DistributedOptimizer shards its state in CUDA buffers: a rank on the host is refused before
+    anything is built, as Megatron's other CUDA paths are (the switch itself accepts the option: the plan counts it)."""
+    cfg = _config("+recipe.model.stack.use_distributed_optimizer=true", "+recipe.model.stack.params_dtype=bf16",
+                  "recipe.precision=bf16")
+    assert megatron.MegatronStack().switch(cfg.recipe, cfg.arms["deterministic"])["deterministic_mode"] is True
+    with pytest.raises(ConfigError, match=r"use_distributed_optimizer=true needs a CUDA GPU .* device is cpu") as info:
+        megatron_optimizer.require_cuda(torch.device("cpu"))
+    assert "\n" not in str(info.value)
+
+
+@needs_megatron
+@pytest.mark.parametrize("gpus", [8, 16])
+def test_the_plans_distributed_optimizer_shards_as_megatrons_own_code(gpus: int) -> None:
+    """The plan's optimizer bytes on a rank against Megatron's DistributedOptimizer._build_model_gbuf_range, which
+    cuts each (padded) gradient buffer into one contiguous range per data-parallel rank: dense parameters over dp,
+    the rank's experts over edp; each element of a range holds an fp32 main parameter and AdamW's two fp32 moments
+    (12 bytes, the 12/d of Megatron's 6 + 12/d)."""
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    cfg = compose_typed("+recipe=megatron_moe_debug", f"cluster.gpus={gpus}", "recipe.parallel.ep=2",
+                        "+recipe.model.stack.use_distributed_optimizer=true", "+recipe.model.stack.params_dtype=bf16",
+                        f"recipe.global_batch_size={2 * gpus}")
+    plan = make_plan(cfg)
+    assert plan.valid and plan.memory is not None, plan.problems
+    dp, edp = plan.layout["dp"], plan.layout["edp"]
+    held = {name: p.numel() for name, p in megatron.meta_gpt(cfg.recipe).named_parameters()
+            if "local_experts" not in name or int(name.split("local_experts.")[1].split(".")[0]) < 4 // 2}
+
+    def largest_range(numels: list[int], world: int) -> int:
+        """The most elements Megatron's own code gives one data-parallel rank of a buffer of these parameters."""
+        size = -(-sum(numels) // world) * world  # Megatron pads the buffer to a multiple of the dp size
+        index, start = {}, 0
+        for n in numels:
+            index[torch.empty(0)] = (start, start + n, 0)
+            start += n
+        most = 0
+        for rank in range(world):
+            group = SimpleNamespace(rank=lambda r=rank: r, size=lambda: world)
+            bucket = SimpleNamespace(grad_data=torch.empty(size, device="meta"), offset=0)
+            buffer = SimpleNamespace(data_parallel_group=group, buckets=[bucket], param_index_map=index)
+            ranges = DistributedOptimizer._build_model_gbuf_range(buffer, 0)["param_map"]
+            most = max(most, sum(r["param"].size for r in ranges.values()))
+        return most
+
+    dense = [n for name, n in held.items() if "local_experts" not in name]
+    experts = [n for name, n in held.items() if "local_experts" in name]
+    megatrons = 12 * (largest_range(dense, dp) + largest_range(experts, edp))
+    assert plan.memory.optimizer == pytest.approx(megatrons, abs=12 * (dp + edp))  # Megatron's padding
+    assert plan.memory.weights == 2 * sum(held.values()) and plan.memory.grads == 4 * sum(held.values())
+
+
+def _cuda_type_names() -> None:
+    """Megatron's DistributedOptimizer accepts only tensors whose type() is a torch.cuda one: host tensors answer so
+    in this test process."""
+    original = torch.Tensor.type
+
+    def cuda_type(self: torch.Tensor, *args: object, **kwargs: object) -> object:
+        if args or kwargs:
+            return original(self, *args, **kwargs)
+        name = str(original(self))
+        return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = cuda_type  # type: ignore[method-assign]
+
+
+def _distributed_optimizer_round_trip(rank: int, world: int, overrides: tuple[str, ...], out: str, port: int) -> None:
+    """MegatronStack.build's distributed-optimizer pieces on the host (its Float16Module, DDP with the distributed
+    optimizer, get_megatron_optimizer over the arm's groups, the gloo groups of its checkpoint, the owned step): two
+    steps, a checkpoint between them in Megatron's format, the second step again after the restore."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    _megatron_on_the_host()
+    _cuda_type_names()
+    cfg = compose_typed(*overrides, f"cluster.cpu_ranks={world}")
+    recipe = cfg.recipe
+    with rank_process([cfg], rank, world, rank, "127.0.0.1", port) as ctx, _HostDevice():
+        options = megatron.MegatronOptions.of(recipe)
+        layout = layout_for(recipe.parallel, world, rank)
+        meshes = meshes_for(layout, ctx, cfg.arms["deterministic"])
+        groups = megatron.process_groups(meshes, distributed_optimizer=True)
+        megatron.ensure_parallel_state(recipe.parallel)
+        config = megatron.transformer_config(recipe, options, deterministic=True, on_device=False)
+        chunks = megatron.rank_chunks(recipe, options, config, groups, layout, torch.device("cpu"))
+        wrapped = [megatron._float16(config, chunk) for chunk in chunks] if config.bf16 else chunks
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+        ddps = [DistributedDataParallel(config, ddp_config, chunk, pg_collection=groups) for chunk in wrapped]
+        config.no_sync_func, config.finalize_model_grads_func = ddps[0].no_sync, finalize_model_grads
+        settings = megatron_optimizer.optimizer_config(recipe, megatron.PARAMS_DTYPES[options.params_dtype])
+        optimizer = get_megatron_optimizer(settings, ddps, use_gloo_process_groups=False, pg_collection=groups)
+        megatron_optimizer.attach_gloo_groups(optimizer, meshes.full)
+        engine = megatron_optimizer.DistributedOptimizerStep(megatron.MegatronStep(ddps, recipe, config, groups), ddps,
+                                                             optimizer, layout, groups, torch.device("cpu"))
+        generator = torch.Generator().manual_seed(0)  # every data-parallel rank reads the same micro-batches
+        steps = [[(t[:, :-1], t[:, 1:]) for t in (torch.randint(0, recipe.model.vocab_size, (
+            recipe.micro_batch_size, recipe.model.seq_len + 1), generator=generator) for _ in range(4))]
+            for _ in range(2)]
+        engine.optimize(steps[0])
+        written = engine.save(Path(out) / "checkpoint", {"step": 1}, rank)
+        loss, norm = engine.optimize(steps[1])
+        held = [t.clone() for t in (*engine.parameters(), *engine.optimizer_tensors())]
+        extras = engine.load(Path(out) / "checkpoint", rank, torch.device("cpu"))
+        again, again_norm = engine.optimize(steps[1])
+        replayed = [t.clone() for t in (*engine.parameters(), *engine.optimizer_tensors())]
+        (Path(out) / f"{rank}.json").write_text(json.dumps({
+            "same": len(held) == len(replayed) and all(torch.equal(a, b) for a, b in zip(held, replayed, strict=True)),
+            "loss": [loss.item(), again.item()], "norm": [norm.item(), again_norm.item()], "extras": extras,
+            "shards": len(engine.parameters()), "grads": len(engine.gradients()),
+            "files": sorted(str(path.relative_to(out)) for path in written)}))
+
+
+@needs_megatron
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [
+    ("+recipe.model.stack.params_dtype=bf16",),  # bf16 parameters, dense and experts over dp=2
+    ("recipe.precision=fp32", "recipe.parallel.ep=2"),  # fp32 parameters, experts over edp=1, two mp_rank folders
+], ids=["bf16-dp2", "fp32-ep2"])
+def test_megatrons_distributed_optimizer_restores_its_own_checkpoint_bitwise(tmp_path: Path,
+                                                                            overrides: tuple[str, ...]) -> None:
+    """The restart gate's question for Megatron's DistributedOptimizer, on the host: a step after restoring its
+    legacy checkpoint (model_optim_rng.pt, distrib_optim.pt, the Adam step beside them) gives bitwise the shards of
+    main parameters and moments that the uninterrupted step gave, on every rank."""
+    moe = ("+recipe=megatron_moe_debug", "+recipe.model.stack.position_embedding_type=learned_absolute",
+           "recipe.global_batch_size=16", "+recipe.model.stack.use_distributed_optimizer=true", *overrides)
+    mp.start_processes(_distributed_optimizer_round_trip, args=(2, moe, str(tmp_path), free_port()), nprocs=2,
+                       join=True, start_method="spawn")
+    ranks = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
+    for held in ranks:
+        assert held["same"] and held["extras"] == {"step": 1} and held["shards"] == held["grads"] > 0, held
+        assert held["loss"][0] == held["loss"][1] and held["norm"][0] == held["norm"][1]
+    assert ranks[0]["loss"] == ranks[1]["loss"]  # one loss for the data-parallel ranks
+    folders = {file.split("/")[2] for held in ranks for file in held["files"]
+               if file.startswith("checkpoint/megatron/")}
+    assert folders == ({"mp_rank_00_000_000", "mp_rank_00_000_001"} if "recipe.parallel.ep=2" in overrides else
+                       {"mp_rank_00_000_000"})

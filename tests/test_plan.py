@@ -8,7 +8,9 @@ import pytest
 from helpers import compose_config, compose_typed, run_taxbench
 
 from taxbench.config.schema import ActivationCheckpointing, ConfigError
-from taxbench.parallel.plan import GIB, GPU_MEMORY, make_plan, render_plan
+from taxbench.design import ExperimentSteps, experiment_steps
+from taxbench.parallel.gpu_hours import render_total
+from taxbench.parallel.plan import GIB, GPU_MEMORY, cost_of, make_plan, render_plan
 
 _cfg = compose_typed  # plan configs name more GPUs than local ranks, which validate() refuses by design
 
@@ -149,3 +151,86 @@ def test_torchtitans_own_model_is_not_planned_but_refused_in_one_line() -> None:
     with pytest.raises(ConfigError, match="recipe titan_llama3_debug is torchtitan's own model") as info:
         make_plan(compose_typed("+recipe=titan_llama3_debug"))
     assert "\n" not in str(info.value)
+
+
+def test_the_seeds_recipe_as_nvidia_runs_it_plans_within_an_h100_and_says_what_it_assumes() -> None:
+    """megatron_moe_1t: bf16 parameters, fp32 gradient buffers, Megatron's distributed optimizer (6 + 12/d bytes per
+    parameter); the pair's two models fit an H200 and the plan names the one-model schedule for an H100."""
+    plan = make_plan(_cfg("+recipe=megatron_moe_1t", "cluster.gpus=2432"))
+    assert plan.valid and plan.memory is not None and plan.state is not None and plan.state.sharded
+    assert plan.memory.total < GPU_MEMORY["80 GB H100"] < 80 * GIB
+    assert plan.memory.weights == 2 * plan.memory.params and plan.memory.grads == 4 * plan.memory.params
+    # sharded over dp=152 (dense) and edp=19 (experts): between 12/152 and 12/19 bytes per parameter held
+    assert 12 / 152 * plan.memory.params < plan.memory.optimizer < 12 / 19 * plan.memory.params
+    text = render_plan(plan)
+    assert "fits neither" not in text
+    assert "6 + 12/d bytes per parameter" in text and "assumes:" in text
+    assert "holds 2 models at once" in text and "fits a 141 GB H200, not an 80 GB H100" in text
+    assert "on an 80 GB H100 the experiment fits one model at a time" in text
+    assert "whole runs alternated A B B A" in text and "taxbench run" in text
+    assert "GPU-hours" in text and "cluster.planned_mfu" in text
+
+
+def test_without_the_distributed_optimizer_every_rank_holds_megatrons_18_bytes_per_parameter() -> None:
+    sharded = make_plan(_cfg("+recipe=megatron_moe_1t", "cluster.gpus=2432"))
+    whole = make_plan(_cfg("+recipe=megatron_moe_1t", "cluster.gpus=2432",
+                           "recipe.model.stack.use_distributed_optimizer=false",
+                           "recipe.model.stack.params_dtype=fp32"))
+    assert whole.memory is not None and sharded.memory is not None and whole.state is not None
+    assert not whole.state.sharded and whole.state.per_param(152) == 16  # fp32 params, fp32 grads: 16
+    state = whole.memory.weights + whole.memory.grads + whole.memory.optimizer
+    assert state == pytest.approx(16 * whole.memory.params)
+    assert "fits neither" in render_plan(whole)  # the seed's plan before: 153.9 GiB
+    assert sharded.state is not None and sharded.state.per_param(8) == pytest.approx(6 + 12 / 8)
+
+
+def test_the_plan_costs_the_whole_experiment_at_the_assumed_mfu() -> None:
+    """Runs and steps from the experiment design; wall clock = steps x model FLOPs / (gpus x peak x MFU)."""
+    base = ("+recipe=megatron_moe_1t", "cluster.gpus=2432", "experiment.steps=100", "experiment.gate_steps=40",
+            "experiment.warmup_steps=10")
+    plan = make_plan(_cfg(*base))
+    hours = plan.hours
+    assert hours is not None
+    steps = hours.steps
+    assert (steps.timed_runs, steps.gate_runs, steps.total, steps.in_tax) == (2, 3, 2 * 100 + 3 * 40, 2 * 90)
+    assert hours.timed_share == pytest.approx(200 / 320)
+    m = plan.cfg.recipe.model if plan.cfg else None
+    assert m is not None
+    tokens = 3648 * 4096
+    per_token = 6 * (plan.active_params - m.vocab_size * m.d_model) + 12 * m.n_layers * m.seq_len * m.d_model
+    assert hours.flops_per_step == pytest.approx(per_token * tokens)
+    assert hours.wall_s == pytest.approx(320 * per_token * tokens / (2432 * 989e12 * 0.35))
+    assert hours.gpu_hours == pytest.approx(hours.wall_s * 2432 / 3600)
+    text = render_plan(plan)
+    assert f"{hours.gpu_hours:,.0f} GPU-hours" in text and "timed: 200 of 320 steps (62% of the GPU-hours)" in text
+    assert "MFU 35% (cluster.planned_mfu, an assumption" in text
+    halved = make_plan(_cfg(*base, "cluster.planned_mfu=0.175")).hours
+    assert halved is not None and halved.gpu_hours == pytest.approx(2 * hours.gpu_hours)
+    every = make_plan(_cfg(*base, "experiment.interleave=all")).hours
+    assert every is not None and (every.steps.timed_runs, every.steps.gate_runs) == (4, 1)
+    capped = make_plan(_cfg(*base, "experiment.target_half_width=0.005", "experiment.max_steps=300"))
+    assert "may add rounds up to 300 steps per timed run" in render_plan(capped)
+
+
+def test_an_mfu_outside_zero_to_one_is_refused_in_one_line() -> None:
+    with pytest.raises(ConfigError, match=r"cluster.planned_mfu=1.5 must be in \(0, 1\]"):
+        compose_config("cluster.planned_mfu=1.5")
+
+
+def test_stacks_and_layouts_launches_are_costed_in_one_line() -> None:
+    """`taxbench stacks` and `taxbench layouts` print their runs, steps, timed share and, on GPUs, GPU-hours."""
+    cfg = _cfg("+recipe=moe_tiny", "cluster.device=cuda", "cluster.gpus=2")
+    steps = experiment_steps(cfg)
+    hours = cost_of(cfg)
+    assert hours is not None and hours.steps == steps
+    line = render_total("plan: 2 cells", [steps, steps], [hours, hours], on_gpu=True)
+    assert line.startswith(f"plan: 2 cells: {2 * steps.runs} runs, {2 * steps.total:,} steps in all, "
+                           f"{2 * steps.timed:,} timed")
+    assert f"{2 * hours.gpu_hours:.3g} GPU-hours of steps at an assumed MFU of 35% (cluster.planned_mfu)" in line
+    repeats = ExperimentSteps(0, 8, 2, 8, 0, 0, 0)
+    layout = cost_of(cfg, repeats)
+    assert layout is not None and layout.steps.total == 16 and layout.timed_share == 0
+    assert layout.wall_s == pytest.approx(16 * hours.step_s)
+    titan = _cfg("+recipe=titan_llama3_debug", "cluster.device=cuda", "cluster.gpus=1")
+    assert cost_of(titan) is None and cost_of(titan, params=1_000_000) is not None  # counted on its own size
+    assert render_total("plan: 1 cells", [steps], [None], on_gpu=False).endswith("GPU-hours do not apply on CPU")

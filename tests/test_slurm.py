@@ -259,7 +259,8 @@ def test_moe_1t_dry_run_on_2432_gpus_prints_plan_and_job_and_writes_the_script(t
     script = root / slurm.DRY_RUN_DIR / slurm.DRY_RUN_SCRIPT
     for line in ("parameters: 985,328,009,216", "layout: valid - tp=1 x pp=16 x dp=152 = 2432 GPUs",
                  "per-GPU memory estimate", "size: 304 nodes x 8 GPUs = 2432 GPUs, 8 tasks per node",
-                 "8 CPUs per task", "time limit: 240 min", "partition: gpu", f"sbatch script: {script}"):
+                 "8 CPUs per task", "time limit: 240 min", "partition: gpu", f"sbatch script: {script}",
+                 "GPU-hours", "timed: ", "(cluster.planned_mfu, an assumption"):
         assert line in done.stdout, line
     text = script.read_text()
     for line in ("#SBATCH --nodes=304", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",

@@ -59,7 +59,7 @@ RERUN_MAY_CHANGE = (
     "cluster.name", "cluster.launcher", "cluster.master_addr", "cluster.master_port", "cluster.nodes",
     "cluster.gpus_per_node", "cluster.threads_per_rank", "cluster.partition", "cluster.account", "cluster.qos",
     "cluster.constraint", "cluster.time_min", "cluster.setup", "cluster.sbatch_args", "cluster.submitit_dir",
-    "cluster.dry_run", "cluster.peak_tflops",
+    "cluster.dry_run", "cluster.peak_tflops", "cluster.planned_mfu",
     "experiment.name", "experiment.out_dir", "experiment.steps", "experiment.block_steps",
     "experiment.checkpoint_every_steps", "experiment.continue_existing", "report",
 )

@@ -193,6 +193,9 @@ class ClusterConfig:
     master_port: int = 0  # 0 picks a free port
     # Peak dense TFLOP/s of one device for MFU; 0: taxbench.train.flops's table by GPU name (no MFU on CPU).
     peak_tflops: float = 0.0
+    # The MFU a plan assumes (plan=true, the Slurm dry run) to turn the recipe's model FLOPs into wall clock and
+    # GPU-hours: an assumption, printed as one; set it to what the recipe reaches on your cluster.
+    planned_mfu: float = 0.35
     # Slurm (cluster=slurm)
     partition: str | None = None
     account: str | None = None
@@ -534,6 +537,8 @@ def validate(cfg: TaxbenchConfig) -> None:
     _check_numbers(cfg)
     _require(cluster.peak_tflops >= 0,
              f"cluster.peak_tflops={cluster.peak_tflops} must be >= 0 (0: from the GPU name; H100 bf16: 989)")
+    _require(0 < cluster.planned_mfu <= 1,
+             f"cluster.planned_mfu={cluster.planned_mfu} must be in (0, 1] (a fraction of the peak: 0.35 is 35% MFU)")
     _require(0 <= cluster.master_port <= 65535,
              f"cluster.master_port={cluster.master_port} must be a TCP port in [1, 65535], or 0 to pick a free one")
     _require(

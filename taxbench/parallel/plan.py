@@ -3,12 +3,19 @@ the parallel layout for `cluster.gpus` ranks and estimate per-GPU memory.
 
     python -m taxbench +recipe=moe_1t cluster.gpus=2432 plan=true
 
-Memory is estimated as taxbench's trainer holds state: fp32 parameters (bf16 recipes compute under autocast), fp32
-gradients and AdamW's two fp32 moments, i.e. 4 + 4 + 8 bytes per parameter held by a rank. A rank holds its pipeline
-stage's layers; attention and dense/shared MLP matrices are split over tp, routed experts over ep; FSDP also shards
-everything over data parallel (experts over dp/ep). Activations are per-token counts of the tensors the backward keeps,
-for the micro-batches a 1F1B pipeline schedule keeps in flight on that stage (pp - stage), with flash attention (no
-seq^2 term) and no sequence parallelism, for each `recipe.activation_checkpointing` (taxbench.parallel.recompute):
+Memory is estimated as the recipe's stack holds state (ModelState): taxbench's trainer keeps fp32 parameters (bf16
+recipes compute under autocast), fp32 gradients and AdamW's two fp32 moments, i.e. 4 + 4 + 8 bytes per parameter held
+by a rank. Megatron-Core with its distributed optimizer (recipe.model.stack.use_distributed_optimizer=true) keeps the
+model's parameters (bf16 with recipe.model.stack.params_dtype=bf16, else fp32) and fp32 gradient buffers whole on every
+data-parallel rank, and shards the optimizer's state (the fp32 main parameters of bf16 ones, and AdamW's two moments)
+over the parameter's data-parallel group, dp for dense parameters and edp for experts: 6 + 12/d bytes per parameter
+(bf16) or 8 + 8/d (fp32) against 18 or 16 without it, Megatron's own table (docs: distributed optimizer).
+
+A rank holds its pipeline stage's layers; attention and dense/shared MLP matrices are split over tp, routed experts
+over ep; FSDP also shards everything over data parallel (experts over dp/ep). Activations are per-token counts of the
+tensors the backward keeps, for the micro-batches a 1F1B pipeline schedule keeps in flight on that stage
+(pp - stage), with flash attention (no seq^2 term) and no sequence parallelism, for each
+`recipe.activation_checkpointing` (taxbench.parallel.recompute):
 
 - none: everything autograd saves in each layer;
 - full: each layer's input, plus the rest of one layer's activations while its backward recomputes them;
@@ -18,6 +25,10 @@ seq^2 term) and no sequence parallelism, for each `recipe.activation_checkpointi
 
 The headline is the recipe's setting; the other two are shown beside it so that a user sees what recompute buys. The
 heaviest stage is reported. Not counted: the CUDA context, communication buffers and FSDP's gathered layer weights.
+
+The experiment holds experiment.interleave's models at once in its timed rounds; where they do not fit a GPU, the plan
+names the schedule that does (one model at a time). And it costs the whole experiment as configured: runs, steps,
+wall clock at an assumed MFU, GPU-hours and the timed share (taxbench.parallel.gpu_hours).
 """
 
 from __future__ import annotations
@@ -39,16 +50,52 @@ from taxbench.config.schema import (
     Precision,
     RecipeConfig,
     TaxbenchConfig,
+    max_steps,
 )
 from taxbench.config.shape import ParallelShape
-from taxbench.design import MODELS_HELD
+from taxbench.design import MODELS_HELD, ExperimentSteps
+from taxbench.parallel.gpu_hours import GpuHours, gpu_hours, render_gpu_hours
 from taxbench.parallel.layout import expert_modules, tensor_parallel_plan
 from taxbench.workloads import build_model
 
-BYTES_PER_PARAM = {"weights": 4, "grads": 4, "optimizer": 8}
+BYTES_PER_PARAM = {"weights": 4, "grads": 4, "optimizer": 8}  # taxbench's trainer: fp32 weights, grads, moments
 GIB = 1024**3
 GPU_MEMORY = {"80 GB H100": 80e9, "141 GB H200": 141e9}  # bytes, as the vendors count them
 RECOMPUTE_MODES = (ActivationCheckpointing.none, ActivationCheckpointing.selective, ActivationCheckpointing.full)
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """Bytes per parameter of what a rank keeps between steps: weights and gradients on every rank that holds the
+    parameter, optimizer state (with the fp32 main copy of low-precision weights) divided over its data-parallel group
+    when `sharded` (Megatron's distributed optimizer)."""
+
+    weights: int
+    grads: int
+    optimizer: int
+    sharded: bool
+    description: str
+
+    def per_param(self, shards: int) -> float:
+        """Bytes per parameter with the optimizer state over `shards` data-parallel ranks (Megatron's 6 + 12/d)."""
+        return self.weights + self.grads + self.optimizer / (shards if self.sharded else 1)
+
+
+def model_state(recipe: RecipeConfig) -> ModelState:
+    """How the recipe's stack keeps parameters, gradients and optimizer state (see the module docstring)."""
+    stack = recipe.model.stack if str(recipe.model.kind) == ModelKind.megatron.value else {}
+    distributed = bool(stack.get("use_distributed_optimizer", False))
+    bf16 = stack.get("params_dtype") == "bf16"
+    if bf16:  # the fp32 main parameters are the optimizer's, beside the moments (Megatron's Float16 optimizers)
+        weights, optimizer, held = 2, 12, "bf16 weights, fp32 grads, fp32 main params and AdamW moments"
+    else:
+        weights, optimizer, held = 4, 8, "fp32 weights and grads, AdamW fp32 moments"
+    if distributed:
+        formula = f"{weights + 4} + {optimizer}/d"
+        return ModelState(weights, 4, optimizer, True, f"{held}; Megatron's distributed optimizer shards the "
+                          f"optimizer state over each parameter's data-parallel group (dp dense, edp experts): "
+                          f"{formula} bytes per parameter")
+    return ModelState(weights, 4, optimizer, False, f"{held}: {weights + 4 + optimizer} bytes per parameter")
 
 
 @dataclass
@@ -109,6 +156,10 @@ class Plan:
     # Every stage under the recipe's activation recompute, in stage order (what one rank of each stage holds).
     stages: list[StageMemory] = field(default_factory=list)
     interleave: str = "all"  # the experiment's experiment.interleave: how many models its timed rounds hold
+    state: ModelState | None = None  # how the stack keeps parameters, gradients and optimizer state
+    one_model_alternative: str = ""  # the one-model schedule this recipe can run, where interleave's models do not fit
+    hours: GpuHours | None = None  # the experiment's device time; None when the layout is invalid
+    cfg: TaxbenchConfig | None = None
 
     @property
     def valid(self) -> bool:
@@ -152,6 +203,16 @@ def _layer_activations(recipe: RecipeConfig) -> LayerActivations:
         ffn = 2 * d + 2 * m.d_ff / tp
         ffn_matmuls = m.d_ff / tp + d  # up and down projections
     return LayerActivations(saved=attention + ffn, matmul_outputs=attention_matmuls + ffn_matmuls, layer_input=d)
+
+
+def _one_model_schedule(cfg: TaxbenchConfig) -> str:
+    """How this recipe's experiment runs with one model in memory at a time."""
+    kind = cfg.recipe.model.kind
+    if kind in (ModelKind.megatron, ModelKind.deepspeed):  # experiment.interleave=policy is refused for them
+        stack = "Megatron-Core's deterministic_mode" if kind == ModelKind.megatron else "DeepSpeed's deterministic_mode"
+        return (f"whole runs alternated A B B A, one model at a time, as `taxbench run -- COMMAND` runs the stack's "
+                f"own trainer (experiment.interleave=policy is refused here: {stack} is fixed when the model is built)")
+    return "experiment.interleave=policy (one model whose policy switches per block)"
 
 
 def _rank_share(shape: tuple[int, ...], experts: bool, tp_split: bool, par: ParallelConfig, dp: int,
@@ -205,9 +266,12 @@ def make_plan(cfg: TaxbenchConfig) -> Plan:
     m = recipe.model
     active = total - by_kind["experts"] + (by_kind["experts"] * m.top_k // m.n_experts if m.n_experts else 0)
     problems = layout_problems(recipe, gpus)
-    plan = Plan(recipe.name, gpus, total, active, by_kind, problems, interleave=cfg.experiment.interleave)
+    state = model_state(recipe)
+    plan = Plan(recipe.name, gpus, total, active, by_kind, problems, interleave=cfg.experiment.interleave, state=state,
+                one_model_alternative=_one_model_schedule(cfg), cfg=cfg)
     if problems:
         return plan
+    plan.hours = gpu_hours(cfg, active, max_steps(cfg.experiment))
 
     par = recipe.parallel
     shape = ParallelShape.of(par, gpus)
@@ -226,17 +290,21 @@ def make_plan(cfg: TaxbenchConfig) -> Plan:
     tokens = recipe.micro_batch_size * m.seq_len
     stages: dict[ActivationCheckpointing, list[StageMemory]] = {mode: [] for mode in RECOMPUTE_MODES}
     for stage in range(par.pp):
-        held = 0.0
-        for name, shape in shapes.items():
+        held = optimizer = 0.0
+        for name, param_shape in shapes.items():
             if _stage_of(name, layers_per_stage, par.pp) == stage:
-                held += _rank_share(shape, kinds[name] == "experts", name in tp_split, par, dp, fsdp)
+                experts = kinds[name] == "experts"
+                share = _rank_share(param_shape, experts, name in tp_split, par, dp, fsdp)
+                held += share
+                optimizer += share * state.optimizer / (
+                    (shape.edp if experts else dp) if state.sharded else 1)
         in_flight = min(par.pp - stage, micro_batches)
         logits = tokens * m.vocab_size * 4 * 2 if stage == par.pp - 1 else 0  # fp32 logits and their gradient
         for mode in RECOMPUTE_MODES:
             kept = layers_per_stage * layer.kept(mode) * in_flight + layer.working_set(mode)
             stages[mode].append(StageMemory(
-                stage, mode, held, held * BYTES_PER_PARAM["weights"], held * BYTES_PER_PARAM["grads"],
-                held * BYTES_PER_PARAM["optimizer"], kept * tokens * element + logits,
+                stage, mode, held, held * state.weights, held * state.grads, optimizer,
+                kept * tokens * element + logits,
             ))
     plan.memory_by_mode = {mode: max(per_stage, key=lambda s: s.total) for mode, per_stage in stages.items()}
     plan.activation_checkpointing = recipe.activation_checkpointing
@@ -274,17 +342,22 @@ def render_plan(plan: Plan) -> str:
 
 def _fits(total: float) -> str:
     gpus = [name for name, capacity in GPU_MEMORY.items() if total <= capacity]
-    return f"fits an {' and a '.join(gpus)}" if gpus else f"fits neither an {' nor a '.join(GPU_MEMORY)}"
+    if len(gpus) == len(GPU_MEMORY):
+        return f"fits an {' and a '.join(gpus)}"
+    if gpus:
+        missing = [name for name in GPU_MEMORY if name not in gpus]
+        return f"fits a {' and a '.join(gpus)}, not an {' or a '.join(missing)}"
+    return f"fits neither an {' nor a '.join(GPU_MEMORY)}"
 
 
 def _render_memory(plan: Plan) -> list[str]:
     chosen = plan.memory
-    assert chosen is not None
+    assert chosen is not None and plan.state is not None
     columns = [plan.memory_by_mode[mode] for mode in RECOMPUTE_MODES]
     headers = [f"{m.recompute.value}{' *' if m.recompute is chosen.recompute else ''} (stage {m.stage})"
                for m in columns]
     lines = [
-        "per-GPU memory estimate, GiB (fp32 weights and grads, AdamW fp32 moments), heaviest pipeline stage:",
+        f"per-GPU memory estimate, GiB ({plan.state.description}), heaviest pipeline stage:",
         f"  recipe.activation_checkpointing={chosen.recompute.value}: {chosen.total / GIB:.1f} GiB on stage "
         f"{chosen.stage}, {_fits(chosen.total)}",
         f"  {'':12}" + "".join(f" {h:>20}" for h in headers),
@@ -294,14 +367,41 @@ def _render_memory(plan: Plan) -> list[str]:
         lines.append(f"  {label:12}" + "".join(f" {getattr(m, label) / GIB:20.1f}" for m in columns))
     lines.append("  * the recipe's setting. none keeps all activations, selective each layer's input and matmul "
                  "outputs, full its input")
-    return lines + _render_interleave(plan, chosen)
+    lines.append(f"  assumes: {plan.layout['pp']}-stage 1F1B keeping pp - stage micro-batches in flight, flash "
+                 "attention, no sequence parallelism; not counted: the CUDA context, NCCL and token-dispatch "
+                 "buffers, FSDP's gathered weights, allocator fragmentation (keep a few GiB free)")
+    lines += _render_interleave(plan, chosen)
+    if plan.hours is not None and plan.cfg is not None:
+        lines += render_gpu_hours(plan.hours, plan.cfg)
+    return lines
 
 
 def _render_interleave(plan: Plan, chosen: StageMemory) -> list[str]:
-    """What the experiment holds: the timed rounds keep experiment.interleave's models in memory at once."""
+    """What the experiment holds: the timed rounds keep experiment.interleave's models in memory at once; where they
+    do not fit an 80 GB H100 but one model does, the schedule that holds one."""
     models = MODELS_HELD[plan.interleave]
-    others = ", ".join(f"{mode}: {n} model{'s' if n > 1 else ''}, {chosen.held(n) / GIB:.1f} GiB"
+    one_model_interleave = not plan.one_model_alternative.startswith("whole runs")  # else refused for this stack
+    others = ", ".join(f"{mode if mode != 'policy' or one_model_interleave else 'one model'}: {n} "
+                       f"model{'s' if n > 1 else ''}, {chosen.held(n) / GIB:.1f} GiB"
                        for mode, n in MODELS_HELD.items() if mode != plan.interleave)
-    return [f"experiment: experiment.interleave={plan.interleave} holds {models} model{'s' if models > 1 else ''} at "
-            f"once, {chosen.held(models) / GIB:.1f} GiB per GPU on stage {chosen.stage}, "
-            f"{_fits(chosen.held(models))} ({others})"]
+    lines = [f"experiment: experiment.interleave={plan.interleave} holds {models} model{'s' if models > 1 else ''} at "
+             f"once, {chosen.held(models) / GIB:.1f} GiB per GPU on stage {chosen.stage}, "
+             f"{_fits(chosen.held(models))} ({others})"]
+    smallest = min(GPU_MEMORY.values())
+    if chosen.held(models) > smallest and models > 1 and chosen.held(1) <= smallest:
+        lines.append(f"  on an {min(GPU_MEMORY, key=GPU_MEMORY.__getitem__)} the experiment fits one model at a time "
+                     f"({chosen.held(1) / GIB:.1f} GiB): {plan.one_model_alternative}")
+    return lines
+
+
+def cost_of(cfg: TaxbenchConfig, steps: ExperimentSteps | None = None, params: int | None = None) -> GpuHours | None:
+    """The device time of the experiment `cfg` (or of `steps` of its recipe) on cluster.gpus GPUs; a model the
+    planner does not build (torchtitan's own) is costed on `params` (its count, taken as all active) where given,
+    else None."""
+    try:
+        plan = make_plan(cfg)
+    except ConfigError:
+        return None if params is None else gpu_hours(cfg, params, max_steps(cfg.experiment), steps)
+    if plan.hours is None:
+        return None
+    return plan.hours if steps is None else gpu_hours(cfg, plan.active_params, steps.per_run, steps)

@@ -36,6 +36,7 @@ from taxbench.design import (
     ExperimentDesign,
     RunRef,
     design_of,
+    experiment_steps,
     gate_run_steps,
     round_orders,
 )
@@ -61,12 +62,7 @@ def profile_run_steps(cfg: TaxbenchConfig) -> int:
 def total_steps(cfg: TaxbenchConfig, steps: int | None = None, design: ExperimentDesign | None = None) -> int:
     """Steps of the whole experiment at `steps` per timed run (default experiment.steps: with a precision target, the
     least it may take; the progress bar grows) and gate_run_steps per gate-only run."""
-    exp = cfg.experiment
-    per_run = exp.steps if steps is None else steps
-    design = design or design_of(cfg)
-    timed = sum(ref in design.interleaved for ref in design.runs)
-    gate = gate_run_steps(exp.gate_steps, exp.steps, per_run)
-    return timed * per_run + (len(design.runs) - timed) * gate + len(design.profiled) * profile_run_steps(cfg)
+    return experiment_steps(cfg, steps, design).total
 
 
 class Experiment:

@@ -26,8 +26,11 @@ The deterministic arm turns on Megatron's `deterministic_mode` (TransformerConfi
 (NCCL_ALGO=Ring, NVTE_ALLOW_NONDETERMINISTIC_ALGO=0, CUBLAS_WORKSPACE_CONFIG), which must agree with taxbench's
 policy; like Megatron's `--deterministic-mode`, it refuses cross-entropy loss fusion (not deterministic). Its MoE
 unpermute takes Megatron's index_add path when torch's deterministic algorithms are on (the arm's policy).
-Not driven here (refused in one line): FSDP, context parallelism, Megatron's distributed optimizer (its own optimizer
-state and checkpoint format), its dist_checkpointing, pipeline schedules other than 1F1B and interleaved 1F1B, fp8.
+With recipe.model.stack.use_distributed_optimizer=true (CUDA only; refused in one line elsewhere) Megatron also owns
+the optimizer step, its state and its checkpoint: its DistributedOptimizer, bf16 parameters with
+recipe.model.stack.params_dtype=bf16 (taxbench.stacks.megatron_optimizer).
+Not driven here (refused in one line): FSDP, context parallelism, its dist_checkpointing (the distributed optimizer
+saves in Megatron's legacy torch format), pipeline schedules other than 1F1B and interleaved 1F1B, fp8.
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ from taxbench.config.schema import (
 from taxbench.parallel.distributed import DistContext
 from taxbench.parallel.layout import Layout, Meshes, ParallelModel, layout_for, meshes_for
 from taxbench.runtime import determinism
-from taxbench.stacks import megatron_chunks
+from taxbench.stacks import megatron_chunks, megatron_optimizer
+from taxbench.stacks.megatron_optimizer import DistributedOptimizerStep
 from taxbench.stacks.native import build_optimizer
 from taxbench.stacks.protocol import RankModel, refuse_conflicts, refuse_unknown_options
 from taxbench.stacks.step import Batch
@@ -73,6 +77,7 @@ SWITCH_FIELDS = {"deterministic": True, "cudnn_benchmark": True, "allow_tf32": T
                  "nvte_allow_nondeterministic_algo": False, "fill_uninitialized_memory": True,
                  "deterministic_kernels": False}
 SPECS = ("local", "transformer_engine")
+PARAMS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")
 DISPATCHERS = ("allgather", "alltoall")
 LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
@@ -91,7 +96,11 @@ class MegatronOptions:
     moe_token_dispatcher_type: str = "allgather"
     moe_grouped_gemm: bool = False
     moe_router_load_balancing_type: str = "aux_loss"
+    # Megatron's distributed optimizer (DistributedOptimizer: fp32 main parameters and AdamW's moments sharded over
+    # each parameter's data-parallel group; CUDA only) and the model's parameter dtype (bf16: Megatron's Float16Module,
+    # with the optimizer's fp32 main copy; needs recipe.precision=bf16).
     use_distributed_optimizer: bool = False
+    params_dtype: str = "fp32"
 
     @classmethod
     def of(cls, recipe: RecipeConfig) -> MegatronOptions:
@@ -114,11 +123,16 @@ class MegatronOptions:
             raise ConfigError("recipe.model.stack.moe_grouped_gemm=true needs recipe.model.stack.spec="
                               "transformer_engine (Transformer Engine's grouped GEMM; the local spec runs Megatron's "
                               "SequentialMLP)")
-        if options.use_distributed_optimizer:
-            raise ConfigError("recipe.model.stack.use_distributed_optimizer=true is not driven: Megatron's "
-                              "DistributedOptimizer keeps its own state and checkpoint format, and the harness "
-                              "fingerprints and checkpoints the optimizer it steps (AdamW over the DDP buffers); set "
-                              "it to false")
+        if options.params_dtype not in PARAMS_DTYPES:
+            raise ConfigError(f"recipe.model.stack.params_dtype={options.params_dtype!r}: choose one of "
+                              f"{list(PARAMS_DTYPES)}")
+        if options.params_dtype == "bf16" and str(recipe.precision) != Precision.bf16.value:
+            raise ConfigError(f"recipe.model.stack.params_dtype=bf16 needs recipe.precision=bf16, not "
+                              f"{recipe.precision}; set one of them")
+        if options.params_dtype == "bf16" and not options.use_distributed_optimizer:
+            raise ConfigError("recipe.model.stack.params_dtype=bf16 keeps the fp32 main parameters in Megatron's "
+                              "optimizer, which this adapter drives as its distributed optimizer only; add "
+                              "recipe.model.stack.use_distributed_optimizer=true")
         return options
 
 
@@ -168,19 +182,23 @@ def _version() -> str:
 
 
 def transformer_config(recipe: RecipeConfig, options: MegatronOptions, deterministic: bool, on_device: bool) -> Any:
-    """Megatron's TransformerConfig for the recipe: fp32 parameters, bf16 as autocast, no dropout (as the harness's
-    models), recipe.activation_checkpointing as Megatron's recompute, deterministic_mode for the deterministic arm.
+    """Megatron's TransformerConfig for the recipe: fp32 parameters with bf16 as autocast, or with
+    recipe.model.stack.params_dtype=bf16 Megatron's bf16 model (built in fp32 and cast by its Float16Module, as
+    get_model wraps it, so that its initial weights are the fp32 ones rounded), no dropout (as the harness's models),
+    recipe.activation_checkpointing as Megatron's recompute, deterministic_mode for the deterministic arm.
     `on_device=False`: built on the host or the meta device (use_cpu_initialization; no CUDA RNG tracker)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     model, tp = recipe.model, recipe.parallel.tp
     bf16 = str(recipe.precision) == Precision.bf16.value
+    bf16_params = options.params_dtype == "bf16"
     return TransformerConfig(**_recompute(recipe.activation_checkpointing), **_moe(recipe, options),
         **_pipeline(recipe.parallel),
         num_layers=model.n_layers, hidden_size=model.d_model, num_attention_heads=model.n_heads,
         ffn_hidden_size=model.d_ff, tensor_model_parallel_size=tp, sequence_parallel=options.sequence_parallel,
-        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, pipeline_dtype=torch.float32,
-        enable_autocast=bf16, autocast_dtype=torch.bfloat16 if bf16 else None,
+        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, bf16=bf16_params,
+        pipeline_dtype=torch.bfloat16 if bf16_params else torch.float32,
+        enable_autocast=bf16 and not bf16_params, autocast_dtype=torch.bfloat16 if bf16 and not bf16_params else None,
         deterministic_mode=deterministic, cross_entropy_loss_fusion=options.cross_entropy_loss_fusion,
         gradient_accumulation_fusion=False, use_cpu_initialization=not on_device, init_method_std=0.02,
     )
@@ -235,10 +253,11 @@ def _layer_spec(options: MegatronOptions, n_experts: int) -> Any:
     return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**moe)
 
 
-def process_groups(meshes: Meshes) -> Any:
+def process_groups(meshes: Meshes, distributed_optimizer: bool = False) -> Any:
     """Megatron's ProcessGroupCollection over one arm's DeviceMesh ([pp,] edp, ep, tp), whose rank order is Megatron's
     (tp innermost, ep carved out of data parallel, pp outermost): a group over several dimensions is the mesh's
-    flattened sub-mesh; context parallelism (not driven) and the embedding groups get a one-rank group. Call under the
+    flattened sub-mesh; context parallelism (not driven) and the embedding groups get a one-rank group; with
+    `distributed_optimizer`, its one instance spans the arm's world (the group of its gradient norm). Call under the
     arm's environment."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -259,7 +278,8 @@ def process_groups(meshes: Meshes) -> Any:
                         "ep": over("ep"), "mp": over("pp", "tp"), "tp_ep": over("ep", "tp"),
                         "tp_ep_pp": over("pp", "ep", "tp"), "dp": dp, "dp_cp": dp, "intra_dp_cp": dp,
                         "expt_dp": edp, "intra_expt_dp": edp, "tp_dp_cp": over("edp", "ep", "tp"),
-                        "cp": alone, "embd": alone, "pos_embd": alone}.items():
+                        "cp": alone, "embd": alone, "pos_embd": alone,
+                        "intra_dist_opt": over(*present) if distributed_optimizer else None}.items():
         setattr(groups, name, group)
     return groups
 
@@ -486,24 +506,54 @@ class MegatronStack:
         with determinism.active(arm_policy):
             refuse_conflicts(self.name, arm_policy, SWITCH_ENV if arm_policy.deterministic else {})
             with determinism.arm_environment(arm_policy):
-                groups = process_groups(meshes)
+                groups = process_groups(meshes, options.use_distributed_optimizer)
                 ensure_parallel_state(recipe.parallel)
             model_parallel_cuda_manual_seed(recipe.seed, tp_rank=layout.tp_rank, ep_rank=layout.ep_rank,
                                             etp_rank=layout.tp_rank)
             config = transformer_config(recipe, options, arm_policy.deterministic, on_device=True)
             chunks = rank_chunks(recipe, options, config, groups, layout, ctx.device)
+            distributed = options.use_distributed_optimizer
             ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                       use_distributed_optimizer=False)
-            # As Megatron's get_model: one DDP per chunk, bucketing only the first.
+                                                       use_distributed_optimizer=distributed)
+            # As Megatron's get_model: a bf16 model in its Float16Module, one DDP per chunk, bucketing only the first.
+            wrapped = [_float16(config, chunk) for chunk in chunks] if config.bf16 else chunks
             ddps = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=index > 0,
-                                            pg_collection=groups) for index, chunk in enumerate(chunks)]
+                                            pg_collection=groups) for index, chunk in enumerate(wrapped)]
             config.no_sync_func = [ddp.no_sync for ddp in ddps] if len(ddps) > 1 else ddps[0].no_sync
             config.finalize_model_grads_func = finalize_model_grads
+            step = MegatronStep(ddps, recipe, config, groups)
+            engine = _distributed_optimizer(recipe, options, ddps, step, layout, meshes, groups, ctx.device) \
+                if distributed else None
         parallel = MegatronParallel(chunks, ddps, layout, meshes, groups)
-        return RankModel(parallel, None, [], MegatronStep(ddps, recipe, config, groups), None)
+        return RankModel(parallel, None, [], step, None, engine=engine)
 
     def optimizer(self, recipe: RecipeConfig, model: RankModel) -> torch.optim.Optimizer:
+        if isinstance(model.engine, DistributedOptimizerStep):
+            # The torch optimizer over the dense parameters' shards (a tracing capture or the op scan hooks its
+            # step); the state of every chained optimizer is the engine's.
+            return model.engine.torch_optimizers()[0]
         return build_optimizer(recipe, model.parts.parameters())
+
+
+def _float16(config: Any, chunk: nn.Module) -> nn.Module:
+    from megatron.core.transformer.module import Float16Module
+
+    return Float16Module(config, chunk)
+
+
+def _distributed_optimizer(recipe: RecipeConfig, options: MegatronOptions, ddps: list[nn.Module], step: MegatronStep,
+                           layout: Layout, meshes: Meshes, groups: Any,
+                           device: torch.device) -> DistributedOptimizerStep:
+    """Megatron's DistributedOptimizer over the DDP chunks (chained: dense over dp, experts over edp), with gloo groups
+    over the same ranks for its checkpoint's gathers (Megatron makes those itself only from its global
+    parallel_state, not for the arm's process groups)."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    megatron_optimizer.require_cuda(device)
+    config = megatron_optimizer.optimizer_config(recipe, PARAMS_DTYPES[options.params_dtype])
+    optimizer = get_megatron_optimizer(config, ddps, use_gloo_process_groups=False, pg_collection=groups)
+    megatron_optimizer.attach_gloo_groups(optimizer, meshes.full)
+    return DistributedOptimizerStep(step, ddps, optimizer, layout, groups, device)
 
 
 def _refuse_env_conflicts(arm_policy: PolicyConfig) -> None:

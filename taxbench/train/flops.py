@@ -15,18 +15,10 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from taxbench.config.schema import ClusterConfig, Precision, RecipeConfig
+from taxbench.parallel.gpu_hours import PEAK_TFLOPS, peak_key
 from taxbench.parallel.plan import planned_model
 from taxbench.stacks.registry import foreign_stack, stack_for
 from taxbench.workloads import TooLargeForHost, build_model, on_meta_or_host
-
-# Dense peak TFLOP/s per GPU (no sparsity) by precision: the vendors' datasheets (SXM parts). fp32 steps are held to
-# the TF32 tensor-core peak, which is what fp32 matmuls reach with TF32 on (the baseline's setting).
-PEAK_TFLOPS = {
-    "H200": {"bf16": 989.0, "fp32": 494.0},
-    "H100": {"bf16": 989.0, "fp32": 494.0},
-    "A100": {"bf16": 312.0, "fp32": 156.0},
-    "B200": {"bf16": 2250.0, "fp32": 1100.0},
-}
 
 
 def _count(recipe: RecipeConfig, device: str) -> int:
@@ -69,8 +61,7 @@ def peak_flops(cluster: ClusterConfig, precision: Precision, device_name: str | 
         return cluster.peak_tflops * 1e12, "cluster.peak_tflops"
     if cluster.device.value != "cuda" or not device_name:
         return None, "MFU does not apply on CPU"
-    # fp8 recipes are held to the dense bf16 peak (as torchtitan does): only their linears run in float8
-    key = "bf16" if precision in (Precision.bf16, Precision.fp8) else "fp32"
+    key = peak_key(precision)
     for name, peaks in PEAK_TFLOPS.items():
         if name in device_name:
             return peaks[key] * 1e12, f"{name} {key} datasheet peak"
