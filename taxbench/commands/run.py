@@ -58,6 +58,9 @@ def split_command(argv: list[str]) -> tuple[list[str], list[str]]:
         raise CommandError("no command: put the training command after `--`, e.g. "
                            "`python -m taxbench run -- torchrun --nproc-per-node 2 train.py`")
     at = argv.index("--")
+    if at + 1 == len(argv):
+        raise CommandError("no command after `--`: give the training command to run, e.g. "
+                           "`python -m taxbench run -- torchrun --nproc-per-node 2 train.py`")
     return argv[:at], argv[at + 1:]
 
 

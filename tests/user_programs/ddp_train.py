@@ -5,6 +5,7 @@
 
 import argparse
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -34,16 +35,25 @@ class Net(nn.Module):
         self.body = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 1))
 
     def forward(self, idx: torch.Tensor, scatter_add: bool) -> torch.Tensor:
-        rows = self.table[idx]
-        if scatter_add:  # accumulate rows into a buffer: index_put_ with accumulate is nondeterministic on 2 threads
-            buffer = torch.zeros(64, 32)
-            buffer = buffer.index_put((idx,), rows, accumulate=True)
-            rows = rows + buffer[idx]
+        if scatter_add:  # rows gathered many times over: their gradient's index_put (accumulate) races on 2 threads
+            rows = self.table[idx.repeat(128)].view(128, len(idx), -1).mean(0)
+        else:
+            rows = self.table[idx]
         return self.body(rows).squeeze(-1)
+
+
+def single_process_defaults() -> None:
+    """Started as plain `python ddp_train.py`: a world of one."""
+    if "RANK" not in os.environ:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
 def main() -> None:
     args = parse()
+    single_process_defaults()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.set_num_threads(2)
