@@ -12,10 +12,10 @@ from helpers import compose_config
 from test_deepspeed import needs_deepspeed
 from test_megatron import needs_megatron
 
-from taxbench.config import policy
 from taxbench.config.policy import audit, full_policy, validate_policy
 from taxbench.config.schema import ConfigError, Device
 from taxbench.preflight import stack_native_audits
+from taxbench.runtime import determinism
 
 NATIVE = "mode@arms.deterministic=stack_native"
 
@@ -85,9 +85,9 @@ def test_a_native_arm_that_leaves_tf32_runs_the_processs_tf32_flags_and_taxbench
     try:
         for process in ((False, True), (True, False)):  # torch's defaults, and a process that set its own
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = process
-            with policy.active(cfg.arms["deterministic"]):
+            with determinism.active(cfg.arms["deterministic"]):
                 assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == process
-            with policy.active(cfg.arms["baseline"]):  # taxbench's baseline sets TF32 on
+            with determinism.active(cfg.arms["baseline"]):  # taxbench's baseline sets TF32 on
                 assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
