@@ -231,6 +231,44 @@ def test_a_command_that_fails_or_leaves_no_evidence_is_one_line_with_its_code(
         assert "continue with:" in result.stderr and "experiment.continue_existing=true" in result.stderr
 
 
+def _deepspeed_installed() -> bool:
+    return (Path(sys.executable).parent / "deepspeed").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _deepspeed_installed(), reason="needs taxbench[deepspeed]")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_deepspeed_script_with_its_json_passes_its_gates_under_its_own_launcher(tmp_path: Path, stage: int) -> None:
+    (tmp_path / "ds_config.json").write_text((PROGRAMS / "ds_config.json").read_text())
+    edits = [f"run.{arm}.config_file=ds_config.json" for arm in ("baseline", "deterministic")]
+    edits += [f"+run.{arm}.config_set={{zero_optimization.stage: {stage}}}" for arm in ("baseline", "deterministic")]
+    launcher = str(Path(sys.executable).parent / "deepspeed")
+    result = _taxbench_run(tmp_path, *edits, command=[launcher, "--num_gpus", "2", str(PROGRAMS / "ds_train.py"),
+                                                      "--deepspeed_config", "ds_config.json"])
+    assert result.returncode == 4, result.stdout + result.stderr  # the restart gate is not run: never a pass
+    summary = _summary(tmp_path)
+    outcomes = {v["gate"]: v["outcome"] for v in summary["verdicts"]}
+    assert outcomes == {"repeatability": "identical", "restart_replay": "incomplete", "baseline_sanity": "identical"}
+    assert summary["world_size"] == 2 and summary["steps"] == 8
+    manifest = json.loads((tmp_path / "job" / "deterministic-0" / "manifest.json").read_text())
+    copy = Path(manifest["command"]["config_copy"])
+    assert manifest["command"]["argv"][-1] == str(copy) and copy.parent == tmp_path / "job" / "deterministic-0"
+    assert json.loads(copy.read_text())["zero_optimization"]["stage"] == stage
+    assert json.loads((tmp_path / "ds_config.json").read_text())["zero_optimization"]["stage"] == 2
+
+
+@pytest.mark.slow
+def test_a_hugging_face_trainer_script_passes_its_gates(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    result = _taxbench_run(tmp_path, command=[sys.executable, str(PROGRAMS / "hf_train.py"), "--output",
+                                              str(tmp_path / "hf-out")])
+    assert result.returncode == 4, result.stdout + result.stderr  # the restart gate is not run: never a pass
+    outcomes = {v["gate"]: v["outcome"] for v in _summary(tmp_path)["verdicts"]}
+    assert outcomes == {"repeatability": "identical", "restart_replay": "incomplete", "baseline_sanity": "identical"}
+    records = [json.loads(line) for line in (tmp_path / "job" / "deterministic-0" / "steps.rank0.jsonl").open()]
+    assert [r["step"] for r in records] == list(range(1, 7)) and all(r["loss_bits"] for r in records)
+
+
 def test_no_command_after_the_separator_is_bad_input(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "taxbench", "run", f"experiment.out_dir={tmp_path}", "--"],
                             capture_output=True, text=True, timeout=120)
