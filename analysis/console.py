@@ -197,7 +197,8 @@ def render(summary: ExperimentSummary, console: Console | None = None, report_pa
     if summary.stopped_by == TARGET:
         sample += f", stopped at +/-{pct_plain(summary.target_half_width)}"
     elif summary.target_half_width:
-        sample += f", stopped by the step cap before +/-{pct_plain(summary.target_half_width)}"
+        cap = "run.max_pairs" if summary.interleave == WHOLE_RUNS else "the step cap"
+        sample += f", stopped by {cap} before +/-{pct_plain(summary.target_half_width)}"
     table.add_row("sample", sample)
     base, det = summary.throughput["baseline"], summary.throughput["deterministic"]
     if base is not None and det is not None:
