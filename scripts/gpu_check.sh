@@ -136,8 +136,9 @@ run_available() {  # whether `python -m taxbench run --help` documents the subco
 # Before the wheels step a real run may not import taxbench yet: then the step is planned and checked after it.
 if run_available || { [ -z "$DRY" ] && ! "$PY" -c "import taxbench.cli" 2>/dev/null; }; then
     plan titan_run 90 taxbench-run "${TB[@]}" run cluster.device=cuda cluster.gpus=1 experiment.out_dir="$OUT/runs" \
-        report.wandb=false experiment.name=titan_run -- "$PY" -m torchtitan.train --module llama3 \
-        --config llama3_debugmodel --training.steps 24
+        report.wandb=false experiment.name=titan_run -- "$PY" -m torch.distributed.run --nproc-per-node 1 \
+        -m torchtitan.train --module llama3 --config llama3_debugmodel --training.steps 24 \
+        --training.disable_cuda_graphs
 else
     not_here titan_run "taxbench run not available"
 fi

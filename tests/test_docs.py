@@ -12,6 +12,7 @@ from helpers import REPO, compose_raw
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from taxbench.cli import SUBCOMMANDS
+from taxbench.commands.run import quoted_argument_lists
 from taxbench.config.schema import load_config
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -52,7 +53,9 @@ def test_a_documented_command_composes(where: str, command: str) -> None:
     words = shlex.split(command)
     if words and words[0] in SUBCOMMANDS and not SUBCOMMANDS[words[0]].overrides:
         return  # these take paths (runs/<experiment>); argparse's own tests cover their options
-    if words and words[0] in SUBCOMMANDS:
+    if words[:1] == ["run"]:  # taxbench run: the overrides before `--`, then the user's command
+        words = quoted_argument_lists(words[1:words.index("--")] if "--" in words else words[1:])
+    elif words and words[0] in SUBCOMMANDS:
         own = OWN_KEYS.get(words[0], ())
         words = [w for w in words[1:] if not w.startswith(own) or not own]
         while words[:1] and not ("=" in words[0] or words[0].startswith(("+", "~", "-"))):
