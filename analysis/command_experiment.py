@@ -1,5 +1,5 @@
 """The results of a `taxbench run -- COMMAND` experiment: whole runs of the user's command, in the result model of a
-recipe experiment (taxbench.analysis.experiment), so that every presenter, verify and the certificate read it alike.
+recipe experiment (taxbench.analysis.experiment), so that every presenter reads it alike.
 
 What differs from a recipe experiment:
 - the tax comes from whole-run pairs (baseline-<p>, deterministic-<p>): per pair the ratio of the runs' steady-state
@@ -111,7 +111,7 @@ def _load(root: Path, name: str, steps: int, config: dict[str, Any], fields: tup
     return manifest, frame.drop(columns=["flags"], errors="ignore"), problems
 
 
-def _restart_verdict(root: Path, runs: dict[str, pd.DataFrame], problems: dict[str, list[str]],
+def _restart_verdict(runs: dict[str, pd.DataFrame], problems: dict[str, list[str]],
                      restarted: bool, resumed_from: int) -> Verdict:
     gate = next(g for g in GATES if g.after_resume)
     reference, candidate = gate.reference.name, gate.candidate.name
@@ -153,7 +153,7 @@ def compute_command_experiment(root: Path, first: str) -> CommandAnalysis:
     verdicts = []
     for gate in GATES:
         if gate.after_resume:
-            verdicts.append(_restart_verdict(root, runs, problems, restarted, resumed_from))
+            verdicts.append(_restart_verdict(runs, problems, restarted, resumed_from))
             continue
         reference, candidate = gate.reference.name, gate.candidate.name
         verdicts.append(compare_runs(gate.name, reference, runs[reference], candidate, runs[candidate], 0,

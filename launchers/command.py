@@ -78,14 +78,10 @@ def restart_runs() -> list[PlannedRun]:
     return [PlannedRun(ref, -1, True, "save"), PlannedRun(ref, -1, True, "resume")]
 
 
-def arm_policy(cfg: TaxbenchConfig, arm: str) -> PolicyConfig:
-    return cfg.arms[arm]
-
-
 def probe_policy(cfg: TaxbenchConfig, arm: str) -> PolicyConfig | None:
     """The policy whose torch flags the probe applies: taxbench's for the deterministic arm; none for the baseline
     (the command as given) and for a stack-native arm (the stack's own switch alone)."""
-    policy = arm_policy(cfg, arm)
+    policy = cfg.arms[arm]
     return policy if arm == "deterministic" and not policy.stack_native else None
 
 
@@ -231,7 +227,7 @@ class CommandRunner:
 
     def _write_manifest(self, run: PlannedRun, command: EditedCommand, facts: list[RankFacts], wall: float) -> None:
         first = facts[0]
-        policy = arm_policy(self.cfg, run.ref.arm)
+        policy = self.cfg.arms[run.ref.arm]
         native = policy.stack_native and run.ref.arm == "deterministic"
         layout = {"world_size": first.world_size, "dp": first.world_size, "ranks_recorded": [f.rank for f in facts]}
         stack = {**first.software, "hostnames": sorted({f.hostname for f in facts}),

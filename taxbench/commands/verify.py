@@ -118,6 +118,10 @@ def load_reference(path: Path) -> Reference:
                           "experiment's deterministic-0")
     if not isinstance(config, dict):
         raise UnreadableRecords(f"{run_dir / MANIFEST}: holds no config; the manifest is damaged")
+    if (config.get("run") or {}).get("command"):
+        raise RecordError(f"{run_dir.parent}: an experiment of `taxbench run -- COMMAND`; verify reruns recipes only "
+                          "(not yet your own command); `python -m taxbench run` with the same command is the rerun "
+                          "for now")
     problems = config_problems(run_dir, manifest, config)
     try:
         experiment = config["experiment"]

@@ -1,4 +1,5 @@
-"""The determinism tax from interleaved rounds.
+"""The determinism tax from interleaved rounds, or from whole-run pairs (`taxbench run -- COMMAND`: estimate_pairs_tax,
+where a pair of whole runs is the unit a round is here).
 
 Each round holds one block of every timed run, in a seeded random order. Per round, the log ratio is the mean log
 median step time of the deterministic runs' blocks minus that of the baseline runs' blocks, post-warmup (with one
