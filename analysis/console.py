@@ -345,9 +345,11 @@ def render_stacks(summary: StacksSummary, console: Console | None = None, report
     if plan.shape:
         console.print(f"shape    {escape(plan.shape)} (torchtitan: its flavor's own)", soft_wrap=True)
     console.print(f"[bold {colour}]{escape(line)}[/bold {colour}]")
-    table = Table(box=None, padding=(0, 1))
+    # One space between columns and none at the edges: a recipe's name and a tax with its interval stay one phrase
+    # each within 80 columns.
+    table = Table(box=None, padding=(0, 1), pad_edge=False, collapse_padding=True)
     for column in ("stack", "recipe", "params", "arm", "tax", "gates"):
-        table.add_column(column, overflow="fold", no_wrap=column == "tax")  # a tax and its interval: one phrase
+        table.add_column(column, overflow="fold", no_wrap=column in ("recipe", "tax"))
     for cell, row in zip(summary.cells, console_rows(summary), strict=True):
         table.add_row(*row, style="dim" if not cell.ran else None)
     console.print(table)
