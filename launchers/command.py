@@ -19,13 +19,13 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import taxbench
 from taxbench.config.command import EditedCommand, edited_command
 from taxbench.config.policy import arm_env_values, audit, full_policy, policy_env, validate_policy_env
-from taxbench.config.schema import ARM_NAMES, PolicyConfig, TaxbenchConfig
+from taxbench.config.schema import ARM_NAMES, PolicyConfig, TaxbenchConfig, load_config
 from taxbench.design import RunRef
 from taxbench.launchers.local import continue_command
 from taxbench.rundir.manifest import RunFacts, write_run_manifest
@@ -33,11 +33,12 @@ from taxbench.rundir.probe_files import (
     PROBE_DIR,
     PROBE_ENV,
     ProbeSettings,
+    ProbeTrace,
     RankFacts,
     loaded_processes,
     read_rank_facts,
 )
-from taxbench.rundir.read import load_run
+from taxbench.rundir.read import load_manifest, load_run
 from taxbench.rundir.records import MANIFEST, STEPS, TARGET, Stop
 from taxbench.stats.tax import estimate_pairs_tax
 
@@ -105,8 +106,9 @@ def arm_environment(cfg: TaxbenchConfig, arm: str, base: dict[str, str]) -> dict
 class CommandRunner:
     """Runs the planned runs of one experiment folder, one at a time, and keeps what each left."""
 
-    def __init__(self, cfg: TaxbenchConfig, root: Path, overrides: Sequence[str]) -> None:
-        self.cfg, self.root, self.overrides = cfg, root, list(overrides)
+    def __init__(self, cfg: TaxbenchConfig, root: Path, overrides: Sequence[str], continuable: bool = True) -> None:
+        """`continuable`: a failure names the command that continues the experiment (not for a replay)."""
+        self.cfg, self.root, self.overrides, self.continuable = cfg, root, list(overrides), continuable
         self.attempt = uuid.uuid4().hex[:12]
         self.cwd = Path(cfg.run.cwd) if cfg.run.cwd else Path.cwd()
 
@@ -151,7 +153,8 @@ class CommandRunner:
         return int(frame["step"].max()) if not frame.empty else 0
 
     # -------------------------------------------------------------------------------------------------- one run
-    def run_one(self, run: PlannedRun, index: int, total: int) -> None:
+    def run_one(self, run: PlannedRun, index: int, total: int, trace: ProbeTrace | None = None) -> None:
+        """Run `run` (skipped when an earlier attempt ended it well); `trace`: a replay's capture."""
         run_dir = self.root / run.ref.name
         if (run_dir / MANIFEST).exists():  # ended well in an earlier attempt: kept
             return
@@ -162,7 +165,7 @@ class CommandRunner:
         policy = probe_policy(self.cfg, run.ref.arm)
         settings = ProbeSettings(str(run_dir.resolve()), run.ref.arm, run.ref.replica, run.block,
                                  None if policy is None else asdict(policy), fingerprint_every,
-                                 resume=run.part == "resume")
+                                 resume=run.part == "resume", trace=trace)
         restart = self.cfg.run.restart
         extra = {"save": restart.save_args, "resume": restart.resume_args}.get(run.part, [])
         command = edited_command(self.cfg.run, run.ref.arm, run_dir, extra,
@@ -210,9 +213,12 @@ class CommandRunner:
         log = run_dir / LOG_FILE
         tail = _tail(log, 12)
         how = f"ran past run.timeout_s={self.cfg.run.timeout_s}" if code == -9 else f"exited with code {code}"
+        failed = f"{run.label}: the command {how} (its output: {log})\n{tail}"
+        if not self.continuable:
+            return failed
         again = shlex.join([*continue_command([sys.argv[0], "run", *self.overrides], self.cfg.experiment.name),
                             "--", *self.cfg.run.command])
-        return (f"{run.label}: the command {how} (its output: {log})\n{tail}\ncontinue with: {again}")
+        return f"{failed}\ncontinue with: {again}"
 
     def _no_records(self, run_dir: Path) -> str:
         failed = sorted((run_dir / PROBE_DIR).glob("failed.*"))
@@ -255,6 +261,29 @@ class CommandRunner:
                       "loaded_processes": loaded_processes(self.root / run.ref.name),
                       "resumed_from": first.resumed_from, "optimizers": first.optimizers},
         })
+
+
+def replay_run(original: Path, into: Path, trace: ProbeTrace) -> Path:
+    """Run a recorded run of the command again, as it ran (its config, arm, edits and cwd; a restart replay's own
+    save, then its resume), with the probe capturing `trace`'s steps; the command ends once they are captured. The
+    replay's folder: `into/<run name>`. The environment is today's with the arm's (the launch's was not recorded)."""
+    manifest = load_manifest(original)
+    cfg = load_config(manifest["config"])
+    ref = RunRef(manifest["arm"], str(manifest["replica"]))
+    recorded = manifest.get("command") or {}
+    runner = CommandRunner(cfg, into, [], continuable=False)
+    runner.cwd = Path(recorded.get("cwd") or runner.cwd)
+    if ref.replica != RESUMED_REPLICA:
+        runner.run_one(PlannedRun(ref, int(ref.replica), gated=True), 0, 0, trace)
+        return into / ref.name
+    resumed_from = int((recorded.get("probe") or {}).get("resumed_from") or 0)
+    save, resume = restart_runs()
+    if max(trace.steps) <= resumed_from:  # the saving process took the step: it alone is replayed
+        runner.run_one(save, 0, 0, trace)
+    else:
+        runner.run_one(save, 0, 0)
+        runner.run_one(resume, 0, 0, replace(trace, resumed_from=resumed_from))
+    return into / ref.name
 
 
 def _audit_live(applied: dict) -> list[str]:

@@ -42,6 +42,7 @@ LAZY_IMPORTS_ALLOWED = {
     "taxbench.commands.run": "its --help loads no torch: the launchers and torch once the arguments are read",
     "taxbench.probe.boot.sitecustomize": "runs at interpreter start in every process of a user's command (taxbench "
                                          "run): it imports the probe only once the command has imported torch",
+    "taxbench.probe.runtime": "the tracing machinery loads into a user's command only in a replay of localize",
 }
 
 

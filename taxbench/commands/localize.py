@@ -12,8 +12,11 @@ Candidates are ordered causally across ranks (taxbench.tracing.diff): when every
 its difference from a peer's ("candidates remain"), the ladder goes where that resolves: rung 2 after rung 1, rung 3
 inside the innermost communicating modules after rung 2, every module after a narrowed rung 3.
 If the replays diverge before s, s moves to the replays' first mismatch. If the replays do not diverge at all, the
-divergence did not recur (a rare nondeterministic event) and that is reported. Replays run on this machine, one
-process per rank of the original run (gloo on CPU, NCCL on CUDA).
+divergence did not recur (a rare nondeterministic event) and that is reported. Replays of recipe runs run on this
+machine, one process per rank of the original run (gloo on CPU, NCCL on CUDA). Replays of runs of `taxbench run --
+COMMAND` run the recorded command again (launchers.command.replay_run), the probe capturing step s in every rank
+(taxbench.probe.capture), the command ending once it is captured; they start from step 0, or from the command's own
+save for a restart replay.
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ from typing import Any
 from taxbench.analysis.verdicts import compare_runs
 from taxbench.checkpoint.store import RunCheckpoints
 from taxbench.config.schema import load_config
+from taxbench.launchers.command import replay_run
 from taxbench.launchers.local import die_with_parent
 from taxbench.launchers.worker import rank_process
 from taxbench.parallel.distributed import free_port
+from taxbench.rundir.probe_files import ProbeTrace
 from taxbench.rundir.read import load_manifest, load_run
 from taxbench.tracing.diff import (
     CONTROL_FLOW,
@@ -66,6 +71,7 @@ class RecordedRun:
     replica: str
     config: dict[str, Any]
     world_size: int
+    command: bool = False  # a run of `taxbench run -- COMMAND`: replayed by running the command again
 
     @classmethod
     def load(cls, run_dir: Path) -> RecordedRun:
@@ -74,7 +80,7 @@ class RecordedRun:
             config = manifest["config"]
             world = int(manifest.get("layout", {}).get("world_size") or 0)
             return cls(run_dir, manifest.get("run", run_dir.name), manifest["arm"], str(manifest["replica"]),
-                       config, world)
+                       config, world, manifest.get("command") is not None)
         except KeyError as exc:
             raise LocalizeError(f"{run_dir}/manifest.json lacks {exc}; localize needs a manifest written by "
                                 "`python -m taxbench`") from exc
@@ -184,6 +190,18 @@ def replay(jobs: list[ReplayJob], world: int) -> None:
                        start_method="spawn")
 
 
+def replay_both(spec_a: RecordedRun, spec_b: RecordedRun, where: Path, rung: int, step: int,
+                modules: tuple[str, ...], max_numel: int) -> tuple[Path, Path]:
+    """Replay both runs to `step` with that step captured at `rung`; the two replays' run folders."""
+    if spec_a.command:
+        trace = ProbeTrace(rung, [step], list(modules), [], max_numel)
+        return replay_run(spec_a.run_dir, where / "a", trace), replay_run(spec_b.run_dir, where / "b", trace)
+    dir_a, dir_b = where / "a", where / "b"
+    replay([_job(spec_a, dir_a, rung, step, modules, max_numel),
+            _job(spec_b, dir_b, rung, step, modules, max_numel)], spec_a.world_size)
+    return dir_a, dir_b
+
+
 def _first_mismatch(dir_a: Path, dir_b: Path, from_step: int = 0) -> Any:
     return compare_runs("localize", str(dir_a), load_run(dir_a), str(dir_b), load_run(dir_b), from_step).first_mismatch
 
@@ -194,6 +212,10 @@ def _check_comparable(a: RecordedRun, b: RecordedRun) -> None:
                             "replays both on the same ranks, so compare runs of the same world size")
     if a.world_size < 1:
         raise LocalizeError(f"{a.run_dir}/manifest.json has no layout.world_size; re-run with this taxbench")
+    if a.command != b.command:
+        command, recipe = (a, b) if a.command else (b, a)
+        raise LocalizeError(f"{command.run_dir} is a run of `taxbench run -- COMMAND` and {recipe.run_dir} a recipe "
+                            "run; localize replays two runs of the same kind")
 
 
 def localize(run_a: Path, run_b: Path, work_dir: Path, max_numel: int = 0) -> Localization:
@@ -209,9 +231,7 @@ def localize(run_a: Path, run_b: Path, work_dir: Path, max_numel: int = 0) -> Lo
     for attempt in range(1, MAX_REPLAYS + 1):
         tried.add((step, rung, modules))
         where = work_dir / f"replay{attempt}-step{step}-rung{rung}"
-        dir_a, dir_b = where / "a", where / "b"
-        replay([_job(spec_a, dir_a, rung, step, modules, max_numel),
-                _job(spec_b, dir_b, rung, step, modules, max_numel)], spec_a.world_size)
+        dir_a, dir_b = replay_both(spec_a, spec_b, where, rung, step, modules, max_numel)
         report = diff_runs(dir_a, dir_b, steps=[step])
         ladder = LadderStep(rung, step, list(modules), report.verdict, report.primary, str(dir_a), str(dir_b),
                             candidates=report.candidates, resolve=report.resolve)

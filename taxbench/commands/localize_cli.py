@@ -4,7 +4,9 @@ replays ranks; imported only once the arguments are read, so that `taxbench loca
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import sys
 from pathlib import Path
 
 from taxbench import exit_codes
@@ -33,13 +35,22 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     from taxbench.commands.localize import NO_DIVERGENCE, LocalizeError, localize, render
+    from taxbench.launchers.command import CommandFailed, NoEvidence
     from taxbench.tracing.diff import NO_EVIDENCE
 
     with one_line_input_errors(TraceError, LocalizeError, RecordError, FileNotFoundError):
         work = args.work_dir or args.run_b.parent / "localize" / f"{args.run_a.name}-vs-{args.run_b.name}"
         if work.exists() and any(work.iterdir()):
             raise LocalizeError(f"--work-dir {work} is not empty; pass another --work-dir or remove it")
-        result = localize(args.run_a, args.run_b, work, args.max_numel)
+        try:
+            with contextlib.redirect_stdout(sys.stderr):  # replays' progress: stdout holds the result alone
+                result = localize(args.run_a, args.run_b, work, args.max_numel)
+        except CommandFailed as exc:  # a replay of a `taxbench run` command
+            print(f"taxbench: error: a replay failed: {exc}", file=sys.stderr)
+            return exit_codes.FAILED
+        except NoEvidence as exc:
+            print(f"taxbench: error: a replay recorded nothing: {exc}", file=sys.stderr)
+            return exit_codes.INCOMPLETE
     print(json.dumps(result.to_dict(), indent=2) if args.json else render(result))
     if result.verdict == NO_DIVERGENCE:
         return exit_codes.OK

@@ -8,7 +8,8 @@ runs a torch op:
 - reads each loss where a backward call shows it (`torch.autograd.backward`, which `Tensor.backward` calls);
 - digests what this rank's optimizer holds with taxbench's digest (on the device where the tensors are): gradients
   before the step, parameters and optimizer state after it;
-- writes the same step records as the trainer (steps.rank<R>.jsonl), only from processes that step an optimizer.
+- writes the same step records as the trainer (steps.rank<R>.jsonl), only from processes that step an optimizer;
+- in a replay of `taxbench localize`, captures the asked steps for the tracing ladder (taxbench.probe.capture).
 Its own work is measured and taken out of the step times it records.
 """
 
@@ -17,9 +18,11 @@ from __future__ import annotations
 import atexit
 import os
 import socket
+import sys
 import time
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +35,9 @@ from taxbench.rundir.probe_files import LiveFlags, ProbeSettings, RankFacts, mar
 from taxbench.rundir.records import steps_file
 from taxbench.rundir.step_stream import StepWriter
 from taxbench.runtime.determinism import applied_state, apply_flags
+
+if TYPE_CHECKING:
+    from taxbench.probe.capture import ProbeCapture
 
 _probe: Probe | None = None
 
@@ -87,6 +93,7 @@ class Probe:
         self.offset = 0  # a resumed process: its steps continue the optimizer's own count
         self.cuda = torch.cuda.is_available()
         self.pending: list[tuple[dict[str, Any], ClosedStep]] = []
+        self.capture: ProbeCapture | None = None
 
     # ------------------------------------------------------------------------------------------------ installing
     def install(self) -> None:
@@ -97,6 +104,11 @@ class Probe:
         post = torch.compiler.disable(self._post_step)
         register_optimizer_step_pre_hook(pre)
         register_optimizer_step_post_hook(post)
+        if self.settings.trace is not None:
+            from taxbench.probe.capture import ProbeCapture
+
+            self.capture = ProbeCapture(self.settings.trace, self.run_dir, lambda: self._rank()[0],
+                                        lambda: self._absolute(self.folder.under_way), self._finish_replay)
         original = torch.autograd.backward
 
         def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
@@ -107,16 +119,22 @@ class Probe:
         atexit.register(self.close)
 
     # ------------------------------------------------------------------------------------------------ hooks
+    def _quiet(self) -> AbstractContextManager[Any]:
+        return self.capture.quiet() if self.capture is not None else nullcontext()
+
     def _backward(self, tensors: Any) -> None:
         began = time.perf_counter()
-        closed = self.folder.on_backward(began)
-        if closed is not None:
-            self._record(closed)
-        loss = tensors if isinstance(tensors, torch.Tensor) else None
-        if loss is None and isinstance(tensors, list | tuple) and tensors and isinstance(tensors[0], torch.Tensor):
-            loss = tensors[0]
-        if loss is not None and loss.numel() == 1 and loss.is_floating_point():
-            self.folder.add_loss(fingerprint.float_bits(loss.detach().reshape(())), loss.dtype)
+        if self.capture is not None:
+            self.capture.at(self._absolute(self.folder.under_way))
+        with self._quiet():
+            closed = self.folder.on_backward(began)
+            if closed is not None:
+                self._record(closed)
+            loss = tensors if isinstance(tensors, torch.Tensor) else None
+            if loss is None and isinstance(tensors, list | tuple) and tensors and isinstance(tensors[0], torch.Tensor):
+                loss = tensors[0]
+            if loss is not None and loss.numel() == 1 and loss.is_floating_point():
+                self.folder.add_loss(fingerprint.float_bits(loss.detach().reshape(())), loss.dtype)
         self.folder.add_overhead(time.perf_counter() - began)
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -124,11 +142,14 @@ class Probe:
         params, _ = _optimizer_tensors(optimizer)
         key = tuple((id(p), p.data_ptr()) for p in params)
         outermost, closed = self.folder.on_pre_step(optimizer, key, began)
-        if closed is not None:
-            self._record(closed)
-        if outermost and self._digesting(self.folder.next_step):
-            grads = [p.grad for p in params if p.grad is not None]
-            self.folder.add_grads(fingerprint.collection_digest(grads) if grads else 0)
+        with self._quiet():
+            if closed is not None:
+                self._record(closed)
+            if outermost and self._digesting(self.folder.next_step):
+                grads = [p.grad for p in params if p.grad is not None]
+                self.folder.add_grads(fingerprint.collection_digest(grads) if grads else 0)
+        if outermost and self.capture is not None:
+            self.capture.optimizer_called(optimizer, args, kwargs)
         self.folder.add_overhead(time.perf_counter() - began)
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -142,12 +163,21 @@ class Probe:
         name = type(optimizer).__qualname__
         if name not in self.optimizer_classes:
             self.optimizer_classes.append(name)
-        if self._digesting(self.folder.next_step):
-            params, state = _optimizer_tensors(optimizer)  # now: ZeRO-3 swaps its sub-group out after the call
-            self.folder.add_state(fingerprint.collection_digest(params) or 0,
-                                  fingerprint.collection_digest(state) or 0)
-        self.folder.add_own_count(own_step_count(optimizer))
+        if self.capture is not None:
+            self.capture.optimizer_returned(optimizer, args, kwargs, self._absolute(self.folder.under_way))
+        with self._quiet():
+            if self._digesting(self.folder.next_step):
+                params, state = _optimizer_tensors(optimizer)  # now: ZeRO-3 swaps its sub-group out after the call
+                self.folder.add_state(fingerprint.collection_digest(params) or 0,
+                                      fingerprint.collection_digest(state) or 0)
+            self.folder.add_own_count(own_step_count(optimizer))
         self.folder.add_overhead(time.perf_counter() - ended)
+
+    def _absolute(self, step: int) -> int:
+        """A step of this process as the run numbers it (a resumed process continues the optimizer's count)."""
+        if self.writer is None and self.settings.resume and self.settings.trace is not None:
+            return step + self.settings.trace.resumed_from  # before the first record fixes the offset
+        return step + self.offset
 
     def _digesting(self, step: int) -> bool:
         every = self.settings.fingerprint_every
@@ -209,7 +239,18 @@ class Probe:
             self.writer.write(record)
         self.pending.clear()
 
+    def _finish_replay(self) -> None:
+        """A replay has captured every step it asked for: the process ends here, its records written (every rank
+        reaches this at the same point of the program: the first sign of the step after the last captured one)."""
+        self.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
     def close(self) -> None:
+        if self.capture is not None:
+            self.capture.close()
+            self.capture = None
         closed = self.folder.close(time.perf_counter())
         if closed is not None:
             self._record(closed)

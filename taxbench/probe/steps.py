@@ -104,6 +104,11 @@ class StepFolder:
         self._overhead = 0.0  # the probe's own work so far (seconds)
         self._prev_end, self._prev_overhead, self._prev_event = started, 0.0, None
 
+    @property
+    def under_way(self) -> int:
+        """The step the program is on: the open one until an optimizer call of it returned, then the next."""
+        return self.next_step + (1 if self._open is not None and self._open.calls else 0)
+
     def add_overhead(self, seconds: float) -> None:
         self._overhead += seconds
 

@@ -1,7 +1,7 @@
 """The files of a run of `taxbench run -- COMMAND` beside its step records, one typed model and one reader/writer each.
 
 - `probe.json` (ProbeSettings): written by the launcher before the command starts; the probe in every process of the
-  command reads it (its path is in TAXBENCH_PROBE).
+  command reads it (its path is in TAXBENCH_PROBE). A replay of `taxbench localize` adds a capture (ProbeTrace).
 - `probe/loaded.<host>.<pid>`: one empty file per process in which the probe activated (torch was imported): the
   proof that it loaded, even where no process stepped an optimizer.
 - `probe/rank<R>.json` (RankFacts): what a rank that stepped an optimizer knows: its place in the world, its host and
@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,19 @@ class ProbeFileError(ValueError):
 
 
 @dataclass(frozen=True)
+class ProbeTrace:
+    """The tracing ladder's capture in a replay of the command (taxbench.tracing.capture.CaptureScope's fields)."""
+
+    rung: int
+    steps: list[int]
+    modules: list[str] = field(default_factory=list)
+    ops: list[str] = field(default_factory=list)
+    max_numel: int = 0
+    stop_after: bool = True  # the command ends once the last traced step is captured (a replay needs no more)
+    resumed_from: int = 0  # a resumed process: the step it starts after, before its optimizer's count is known
+
+
+@dataclass(frozen=True)
 class ProbeSettings:
     run_dir: str
     arm: str
@@ -41,6 +54,7 @@ class ProbeSettings:
     policy: dict[str, Any] | None  # taxbench's policy whose torch flags the probe applies (None: the flags as given)
     fingerprint_every: int = 1  # digest every Nth step (0: none; the gated runs digest every step)
     resume: bool = False  # a resumed process: steps are the optimizer's own step count, records past it dropped
+    trace: ProbeTrace | None = None
     format: int = FORMAT
 
     def write(self) -> Path:
@@ -54,7 +68,8 @@ def read_probe_settings(path: Path) -> ProbeSettings:
         stored = json.loads(path.read_text(encoding="utf-8"))
         if stored.get("format") != FORMAT:
             raise ProbeFileError(f"{path}: probe settings of format {stored.get('format')!r}, expected {FORMAT}")
-        return ProbeSettings(**stored)
+        trace = stored.pop("trace", None)
+        return ProbeSettings(**stored, trace=None if trace is None else ProbeTrace(**trace))
     except (OSError, ValueError, TypeError, AttributeError) as exc:
         raise ProbeFileError(f"{path}: not readable probe settings ({exc})") from exc
 

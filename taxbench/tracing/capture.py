@@ -73,6 +73,11 @@ PARAMETERS_SCOPE = "end of step"  # rung 1: each parameter as the step leaves it
 PIPELINE_SCOPE = "pipeline/stage"  # + the stage index
 SKIPPED_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_dtensor", "profiler"})
 SKIPPED_OP_PREFIXES = ("aten.empty", "aten.new_empty", "aten._local_scalar_dense", "aten.set_.")
+# In-place ops that overwrite every element of their first argument (dropout's bernoulli_ on an empty_like): what it
+# held before is not an input, and is often uninitialized memory that would hide the op as an origin.
+OVERWRITING_OP_PREFIXES = ("aten.bernoulli_.", "aten.uniform_.", "aten.normal_.", "aten.random_.",
+                           "aten.exponential_.", "aten.geometric_.", "aten.cauchy_.", "aten.log_normal_.",
+                           "aten.fill_.", "aten.zero_.")
 _SCOPE_TAG = "taxbench_scope"
 
 
@@ -253,9 +258,13 @@ class Tracer:
     def attach(self, trainer: TracedStep) -> None:
         """Called once by the trainer; the collective probe must be registered before the first step."""
         self._trainer = trainer
-        if self.scope.wants_rank(trainer.ctx.rank):
-            probe = probe_for(trainer.model)
-            if probe is not None:
+        self.observe(trainer.model)
+
+    def observe(self, model: nn.Module) -> None:
+        """Fingerprint the gradient all-reduce of `model` when it is a DDP model (once per model)."""
+        if self.scope.wants_rank(self.rank):
+            probe = probe_for(model)
+            if probe is not None and self not in probe.observers:
                 probe.observers.append(self)
                 self._gradient_group = group_ranks(probe.group)
 
@@ -439,12 +448,21 @@ class Tracer:
     # -- records ------------------------------------------------------------------------------------------------
     def summaries(self, values: Iterable[Any]) -> list[tuple[dict[str, Any], int | None]]:
         """(summary, index of its pending digest) for each tensor among `values`; device digests stay there."""
-        tensors = [value for value in values if isinstance(value, torch.Tensor)]
+        return self.adopt(self.held_summaries([value for value in values if isinstance(value, torch.Tensor)]))
+
+    def held_summaries(self, tensors: Sequence[torch.Tensor]) -> list[tuple[dict[str, Any], Any]]:
+        """(summary, digest or None) for each tensor, the digests held by the caller: taken outside a capture and
+        recorded in a later one (`adopt`)."""
         limit = self.scope.max_numel
         wanted = [not limit or t.numel() <= limit for t in tensors]
-        indices = iter(self._keep(fingerprint.digests([t for t, w in zip(tensors, wanted, strict=True) if w])))
-        return [({"shape": list(t.shape), "dtype": dtype_name(t.dtype)}, next(indices) if w else None)
+        digests = iter(fingerprint.digests([t for t, w in zip(tensors, wanted, strict=True) if w]))
+        return [({"shape": list(t.shape), "dtype": dtype_name(t.dtype)}, next(digests) if w else None)
                 for t, w in zip(tensors, wanted, strict=True)]
+
+    def adopt(self, held: Sequence[tuple[dict[str, Any], Any]]) -> list[tuple[dict[str, Any], int | None]]:
+        """Held summaries as pending ones of the current capture."""
+        indices = iter(self._keep([digest for _, digest in held if digest is not None]))
+        return [(summary, None if digest is None else next(indices)) for summary, digest in held]
 
     def labelled(self, label: str, tensors: Sequence[torch.Tensor]) -> tuple[dict[str, Any], int | None]:
         """One summary for an ordered group of tensors (e.g. all parameters)."""
@@ -535,6 +553,8 @@ class OpCapture(TorchDispatchMode):
         if not tracer.scope.wants_module(scope):
             return func(*args, **kwargs)
         inputs = tracer.summaries(tensor_leaves((args, kwargs)))  # before the op: in-place ops mutate them
+        if inputs and name.startswith(OVERWRITING_OP_PREFIXES):
+            inputs[0] = (inputs[0][0], None)  # recorded by shape only
         result = func(*args, **kwargs)
         tracer.record("op", name, scope, inputs, tracer.summaries(tensor_leaves(result)))
         return result
