@@ -179,7 +179,7 @@ def test_the_manifest_records_the_config_the_engine_received_read_back_from_it(t
     with one_rank(cfg) as ctx:
         experiment = Experiment(cfg, ctx, tmp_path / "exp")
         trainer = experiment._trainer(RunRef("baseline", "0"))
-        engine = trainer.engine.engine
+        engine = trainer.owned_step.engine
         trainer.close()
     switch = json.loads((tmp_path / "exp" / "baseline-0" / "manifest.json").read_text())["stack_switch"]
     assert switch["zero_stage"] == engine.zero_optimization_stage() == 1

@@ -110,8 +110,7 @@ class Experiment:
             self._throughput = throughput_manifest(self.cfg.recipe, self.cfg.cluster)
         training_stack = stack_for(self.cfg.recipe.model)
         switch = training_stack.switch(self.cfg.recipe, arm_policy)
-        if trainer.engine is not None:  # what the built engine received, read back, over what was planned
-            switch.update(trainer.engine.received())
+        switch.update(trainer.owned_step.received())  # what a built engine received, read back, over what was planned
         facts = RunFacts(
             policy_applied=applied,
             stack_switch=switch,

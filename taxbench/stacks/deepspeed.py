@@ -57,7 +57,7 @@ from taxbench.parallel.layout import ParallelModel, layout_for
 from taxbench.rundir.records import write_atomically
 from taxbench.runtime import determinism
 from taxbench.stacks.protocol import RankModel, refuse_conflicts, refuse_unknown_options
-from taxbench.stacks.step import Batch, cross_entropy
+from taxbench.stacks.step import Batch, cross_entropy, numbered_partitions
 from taxbench.workloads.dense import GPT, MLP
 
 log = logger(__name__)
@@ -451,6 +451,12 @@ class EngineStep:
 
     def parameters(self) -> list[torch.Tensor]:
         return self._partitions()
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return numbered_partitions(self.parameters())
+
+    def held_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return self.gradients(), self.parameters()
 
     def optimizer_tensors(self) -> Iterator[torch.Tensor]:
         for param in self._partitions():

@@ -31,7 +31,7 @@ from taxbench.checkpoint.state import extras_path
 from taxbench.config.schema import ConfigError, RecipeConfig
 from taxbench.parallel.layout import Layout
 from taxbench.rundir.records import write_atomically
-from taxbench.stacks.step import Batch
+from taxbench.stacks.step import Batch, numbered_partitions
 
 TAG = "megatron"  # <checkpoint dir>/megatron/mp_rank_.../
 MODEL_FILE = "model_optim_rng.pt"
@@ -129,6 +129,12 @@ class DistributedOptimizerStep:
 
     def parameters(self) -> list[torch.Tensor]:
         return self._shards()
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return numbered_partitions(self.parameters())
+
+    def held_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return self.gradients(), self.parameters()
 
     def optimizer_tensors(self) -> Iterator[torch.Tensor]:
         for inner in self._inner():

@@ -17,13 +17,16 @@ the harness's:
 - `native_policy`: what the stack's own switch sets, as policy fields, for a stack-native arm (mode=stack_native:
   the switch alone, recorded and audited against taxbench's full policy instead of refused where it disagrees);
 - the checkpoint is the harness's DCP state of the parts and optimizer, with the data-loader position and the RNG
-  streams beside it (taxbench.checkpoint.state): a stack only has to give DCP-readable parts. A stack whose engine
-  owns the optimizer step and the checkpoint (DeepSpeed) returns an OwnedStep (taxbench.stacks.step) in its
-  RankModel instead, and the trainer drives and fingerprints that.
+  streams beside it (taxbench.checkpoint.state): a stack only has to give DCP-readable parts.
+The trainer drives one OwnedStep (taxbench.stacks.step), chosen once per built model (`RankModel.owned_step`): the
+harness's own (taxbench.stacks.harness_step: the executor, then gradient finishing, clipping, the optimizer step and
+the DCP checkpoint), or, from a stack whose engine owns the optimizer step and the checkpoint (DeepSpeed, Megatron's
+distributed optimizer), the engine's, which its RankModel carries.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -35,6 +38,7 @@ from taxbench.config.schema import ConfigError, PolicyConfig, RecipeConfig
 from taxbench.parallel.distributed import DistContext
 from taxbench.parallel.layout import ModelParts, ParallelModel
 from taxbench.parallel.pipeline import Boundary, StageSplit
+from taxbench.stacks.harness_step import HarnessStep
 from taxbench.stacks.step import OwnedStep, PipelineStep, StepExecutor
 
 
@@ -52,6 +56,13 @@ class RankModel:
     @property
     def parts(self) -> ModelParts:
         return self.parallel.parts
+
+    def owned_step(self, optimizer: torch.optim.Optimizer, grad_clip: float, where: Callable[[], str]) -> OwnedStep:
+        """The step the trainer drives: the stack's engine, or else the harness's own over the executor and
+        `optimizer` (`where` names a step in its errors)."""
+        if self.engine is not None:
+            return self.engine
+        return HarnessStep(self.parallel, self.executor, optimizer, grad_clip, where)
 
 
 class TrainingStack(Protocol):

@@ -30,18 +30,23 @@ class StepExecutor(Protocol):
 
 
 class OwnedStep(Protocol):
-    """What a stack whose engine owns the optimizer step and the checkpoint gives the trainer (DeepSpeed's engine):
-    the whole timed step, the tensors this rank holds (fingerprinted), and its own checkpoint."""
+    """The step the trainer drives, whoever owns it: the whole timed step, the tensors this rank holds (fingerprinted),
+    and the checkpoint. An engine that owns the optimizer step and the checkpoint gives its own (DeepSpeed's engine,
+    Megatron's distributed optimizer); every other stack's is the harness's (taxbench.stacks.harness_step), chosen
+    once per built model (taxbench.stacks.protocol.RankModel.owned_step)."""
 
     def optimize(self, batches: list[Batch], optimizer_step: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward, backward, reduction, clipping and the optimizer step; the mean loss and the gradient norm."""
+        """Forward, backward, reduction, clipping and, unless told not to, the optimizer step; the mean loss and the
+        gradient norm."""
         ...
 
-    def gradients(self) -> list[torch.Tensor]:
-        """The last step's gradients as this rank holds them (e.g. its ZeRO partition)."""
+    def held_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The last step's gradients and the parameters, as this rank holds them (e.g. its ZeRO partition), read
+        together: the trainer reads them inside the timed step."""
         ...
 
-    def parameters(self) -> list[torch.Tensor]:
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The parameters by name, as faults and the tracing capture name them (an engine's: `numbered_partitions`)."""
         ...
 
     def optimizer_tensors(self) -> Iterator[torch.Tensor]:
@@ -57,8 +62,13 @@ class OwnedStep(Protocol):
 
     def received(self) -> dict[str, Any]:
         """What the engine received, read back from it after the build: the manifest's stack_switch holds this
-        over what the stack's `switch` planned."""
+        over what the stack's `switch` planned (nothing without an engine)."""
         ...
+
+
+def numbered_partitions(partitions: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """An engine's partitions by name, "partition <i>" (it copies them into the module's parameters after its step)."""
+    return ((f"partition {i}", t) for i, t in enumerate(partitions))
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from taxbench.checkpoint import state as checkpoint_state
 from taxbench.checkpoint.rng import RngSnapshot
 from taxbench.checkpoint.store import CheckpointError
 from taxbench.config.schema import FaultConfig, PolicyConfig, RecipeConfig, TaxbenchConfig, TraceConfig
@@ -95,7 +94,6 @@ class Trainer:
         self.recipe, self.ctx = recipe, ctx
         self.fault = spec.fault
         self.step = 0
-        self.grad_clip = recipe.optimizer.grad_clip
         layout = layout_for(recipe.parallel, ctx.world_size, ctx.rank)
         dp_size, dp_rank = layout.dp, layout.dp_rank
         self.grad_accum = recipe.global_batch_size // (recipe.micro_batch_size * dp_size)
@@ -105,18 +103,18 @@ class Trainer:
         stack = stack_for(recipe.model)
         built = stack.build(recipe, arm_policy, ctx, self.grad_accum)
         self.parallel, self.split, self.boundaries = built.parallel, built.split, built.boundaries
-        self.pipeline, self.executor = built.pipeline, built.executor
-        self.engine = built.engine  # a stack's engine that owns the optimizer step and checkpoint, if any
+        self.pipeline = built.pipeline
         self.raw_model = self.parallel.parts
         self.model: torch.nn.Module = self.parallel.module
         self.optimizer = stack.optimizer(recipe, built)
+        # The step, what it holds and its checkpoint: the stack's engine's where it owns them, else the harness's own.
+        self.owned_step = built.owned_step(self.optimizer, recipe.optimizer.grad_clip, self._where)
         self.data = build_source(
             recipe.data, recipe.model.vocab_size, recipe.model.seq_len, recipe.micro_batch_size, dp_rank, dp_size
         )
         self.rng = RngSnapshot(rng.python, rng.numpy, rng.torch_cpu, rng.torch_cuda)
         self.timer = StepTimer(ctx.device)
         self.manual_gc = spec.manual_gc
-        self._gradients_checked = False  # see _require_every_parameter_trained
         self.block_times: list[float] = []  # this rank's step times of the last block run (for the stopping rule)
         self.lanes: dict[str, Lane] = {}
         self.lane = self.add_lane(spec)
@@ -294,58 +292,24 @@ class Trainer:
     def optimize(self, batches: list[Batch], optimizer_step: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's work on `batches` (what is timed): forward, backward, gradient reduction, clipping and, unless
         told not to, the optimizer step; the mean loss and the gradient norm."""
-        if self.engine is not None:
-            return self.engine.optimize(batches, optimizer_step)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_mean = self.executor.run(batches)
-        self.parallel.finish_gradients()
-        if not self._gradients_checked:
-            self._require_every_parameter_trained()
-        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
-        grad_norm = self.parallel.clip_grad_norm_(max_norm)
-        if optimizer_step:
-            self.optimizer.step()
-        return loss_mean, grad_norm
+        return self.owned_step.optimize(batches, optimizer_step)
 
-    def _require_every_parameter_trained(self) -> None:
-        """Fail the first step this trainer runs when a trainable parameter of this rank got no gradient: the
-        gates cannot see it (a parameter that never moves is perfectly repeatable), as a zero-bubble schedule's
-        split weight pass on FSDP2 showed by leaving a whole pipeline stage untrained."""
-        self._gradients_checked = True
-        missing = [name for name, p in self.raw_model.named_parameters() if p.requires_grad and p.grad is None]
-        if missing:
-            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            raise RuntimeError(
-                f"rank {self.ctx.rank}, {run_name(self.arm, self.replica)} step {self.step}: {len(missing)} trainable "
-                f"parameters got no gradient ({shown}); this layout or schedule would leave them untrained"
-            )
+    def _where(self) -> str:
+        """This rank, run and step, as an error from inside the step names them."""
+        return f"rank {self.ctx.rank}, {run_name(self.arm, self.replica)} step {self.step}"
 
     def named_held_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The parameters this rank holds and its optimizer steps, by name (a stack's engine: its partitions,
         "partition <i>", which it copies into the module's parameters after its optimizer step)."""
-        if self.engine is not None:
-            return ((f"partition {i}", t) for i, t in enumerate(self.engine.parameters()))
-        return self.raw_model.named_parameters()
+        return self.owned_step.named_parameters()
 
     def held_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The gradients and parameters this rank holds, as fingerprinted (a stack's engine: its partitions)."""
-        if self.engine is not None:
-            return self.engine.gradients(), self.engine.parameters()
-        params = list(self.raw_model.parameters())
-        return [p.grad for p in params if p.grad is not None], params
+        return self.owned_step.held_tensors()
 
     def optimizer_tensors(self) -> Iterator[torch.Tensor]:
-        """Optimizer state in a fixed order, on its parameter's device (Adam keeps `step` on the CPU); a container of
-        optimizers (torchtitan's) is read through the optimizers that hold the state."""
-        if self.engine is not None:
-            yield from self.engine.optimizer_tensors()
-            return
-        states = [part.state for part in checkpoint_state.optimizer_parts(self.optimizer)]
-        for param in self.raw_model.parameters():
-            state = next((held[param] for held in states if param in held), {})
-            for _, value in sorted(state.items()):
-                if isinstance(value, torch.Tensor):
-                    yield value if value.device == param.device else value.to(param.device, non_blocking=True)
+        """Optimizer state in a fixed order, as this rank holds it (taxbench.stacks.step.OwnedStep)."""
+        return self.owned_step.optimizer_tensors()
 
     def _fault_fired(self, kind: str, step: int, where: str) -> None:
         if self.fault_log is not None:
@@ -358,15 +322,12 @@ class Trainer:
             lane.recorder.sync()
         extras = {"step": self.step, "lane_steps": {name: lane.step for name, lane in self.lanes.items()},
                   "data": self.data.state_dict(), "rng": self.rng.state_dict()}
-        if self.engine is not None:
-            return self.engine.save(directory, extras, self.ctx.rank)
-        return checkpoint_state.save(directory, self.parallel, self.optimizer, extras, self.ctx.rank)
+        return self.owned_step.save(directory, extras, self.ctx.rank)
 
     def load_checkpoint(self, directory: Path) -> None:
         """Restore the state saved in `directory`, then check it reproduces the step record written at that step."""
         try:
-            extras = (self.engine.load(directory, self.ctx.rank, self.ctx.device) if self.engine is not None else
-                      checkpoint_state.load(directory, self.parallel, self.optimizer, self.ctx.rank, self.ctx.device))
+            extras = self.owned_step.load(directory, self.ctx.rank, self.ctx.device)
             self.data.load_state_dict(extras["data"])
             self.rng = RngSnapshot.from_state_dict(extras["rng"])
             self.step = int(extras["step"])
