@@ -210,8 +210,7 @@ class CommandRunner:
         log = run_dir / LOG_FILE
         tail = _tail(log, 12)
         how = f"ran past run.timeout_s={self.cfg.run.timeout_s}" if code == -9 else f"exited with code {code}"
-        again = shlex.join([*continue_command([sys.argv[0], "run", *self.overrides], self.cfg.experiment.name),
-                            "--", *self.cfg.run.command])
+        again = continue_run(self.cfg, self.overrides)
         return (f"{run.label}: the command {how} (its output: {log})\n{tail}\ncontinue with: {again}")
 
     def _no_records(self, run_dir: Path) -> str:
@@ -255,6 +254,12 @@ class CommandRunner:
                       "loaded_processes": loaded_processes(self.root / run.ref.name),
                       "resumed_from": first.resumed_from, "optimizers": first.optimizers},
         })
+
+
+def continue_run(cfg: TaxbenchConfig, overrides: Sequence[str]) -> str:
+    """The `taxbench run` command line that continues this experiment (runs that ended well are kept)."""
+    return shlex.join([*continue_command([sys.argv[0], "run", *overrides], cfg.experiment.name),
+                       "--", *cfg.run.command])
 
 
 def _audit_live(applied: dict) -> list[str]:
