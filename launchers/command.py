@@ -106,9 +106,9 @@ def arm_environment(cfg: TaxbenchConfig, arm: str, base: dict[str, str]) -> dict
 class CommandRunner:
     """Runs the planned runs of one experiment folder, one at a time, and keeps what each left."""
 
-    def __init__(self, cfg: TaxbenchConfig, root: Path, overrides: Sequence[str], continuable: bool = True) -> None:
-        """`continuable`: a failure names the command that continues the experiment (not for a replay)."""
-        self.cfg, self.root, self.overrides, self.continuable = cfg, root, list(overrides), continuable
+    def __init__(self, cfg: TaxbenchConfig, root: Path, overrides: Sequence[str], again: str | None = None) -> None:
+        """`again`: the command line a failed run names to go on (None: this `taxbench run`, continued; "": none)."""
+        self.cfg, self.root, self.overrides, self.again = cfg, root, list(overrides), again
         self.attempt = uuid.uuid4().hex[:12]
         self.cwd = Path(cfg.run.cwd) if cfg.run.cwd else Path.cwd()
 
@@ -214,11 +214,8 @@ class CommandRunner:
         tail = _tail(log, 12)
         how = f"ran past run.timeout_s={self.cfg.run.timeout_s}" if code == -9 else f"exited with code {code}"
         failed = f"{run.label}: the command {how} (its output: {log})\n{tail}"
-        if not self.continuable:
-            return failed
-        again = shlex.join([*continue_command([sys.argv[0], "run", *self.overrides], self.cfg.experiment.name),
-                            "--", *self.cfg.run.command])
-        return f"{failed}\ncontinue with: {again}"
+        again = continue_run(self.cfg, self.overrides) if self.again is None else self.again
+        return f"{failed}\ncontinue with: {again}" if again else failed
 
     def _no_records(self, run_dir: Path) -> str:
         failed = sorted((run_dir / PROBE_DIR).glob("failed.*"))
@@ -263,6 +260,12 @@ class CommandRunner:
         })
 
 
+def continue_run(cfg: TaxbenchConfig, overrides: Sequence[str]) -> str:
+    """The `taxbench run` command line that continues this experiment (runs that ended well are kept)."""
+    return shlex.join([*continue_command([sys.argv[0], "run", *overrides], cfg.experiment.name),
+                       "--", *cfg.run.command])
+
+
 def replay_run(original: Path, into: Path, trace: ProbeTrace) -> Path:
     """Run a recorded run of the command again, as it ran (its config, arm, edits and cwd; a restart replay's own
     save, then its resume), with the probe capturing `trace`'s steps; the command ends once they are captured. The
@@ -271,7 +274,7 @@ def replay_run(original: Path, into: Path, trace: ProbeTrace) -> Path:
     cfg = load_config(manifest["config"])
     ref = RunRef(manifest["arm"], str(manifest["replica"]))
     recorded = manifest.get("command") or {}
-    runner = CommandRunner(cfg, into, [], continuable=False)
+    runner = CommandRunner(cfg, into, [], again="")
     runner.cwd = Path(recorded.get("cwd") or runner.cwd)
     if ref.replica != RESUMED_REPLICA:
         runner.run_one(PlannedRun(ref, int(ref.replica), gated=True), 0, 0, trace)

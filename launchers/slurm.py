@@ -18,6 +18,10 @@ under a multirun the points are submitted without waiting: all are queued at onc
 a `Queued` outcome (taxbench.launchers.outcome) to Hydra, and the multirun callback (taxbench.launchers.multirun)
 waits for them, publishes each point and prints tax against GPU count.
 
+`taxbench run cluster=slurm -- COMMAND` (taxbench.launchers.command_slurm): one job of the same shape whose batch step
+runs one driver process (`launch_driver`), not one task per rank; what the driver starts (the user's own srun,
+torchrun or deepspeed) runs inside that allocation.
+
 Dry run (`cluster.dry_run=true`): after the same pre-launch checks, print the plan and the job, and write the sbatch
 script submitit would hand to sbatch to `<experiment>/slurm_dry_run/submission.sh`; nothing is submitted, and no Slurm
 (sbatch, srun) is needed on the machine.
@@ -30,6 +34,8 @@ import json
 import os
 import shutil
 import socket
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -52,6 +58,9 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 JOB_FILE = "slurm_job.json"
 DRY_RUN_DIR = "slurm_dry_run"  # inside the experiment folder
 DRY_RUN_SCRIPT = "submission.sh"
+# Slurm job states of a job that Slurm ended (sacct/squeue names; a cancel reads "CANCELLED by <uid>" in sacct).
+JOB_ENDED_BADLY = frozenset({"CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY", "DEADLINE",
+                             "BOOT_FAIL", "FAILED"})
 
 
 
@@ -152,7 +161,11 @@ class ScriptOnlyExecutor(submitit.SlurmExecutor):
 
 
 def make_executor(cfg: TaxbenchConfig, root: Path,
-                  executor_class: type[submitit.SlurmExecutor] = submitit.SlurmExecutor) -> submitit.SlurmExecutor:
+                  executor_class: type[submitit.SlurmExecutor] = submitit.SlurmExecutor,
+                  in_batch_step: bool = False) -> submitit.SlurmExecutor:
+    """The executor of a job shaped as cfg.cluster's ranks. `in_batch_step`: the job's callable runs once, in the
+    batch step on the allocation's first node (as the command of a user's own sbatch script), instead of once per
+    task under srun; the allocation is the same."""
     cluster = cfg.cluster
     shape = job_shape(cluster)
     check_master(cluster, shape)
@@ -169,6 +182,8 @@ def make_executor(cfg: TaxbenchConfig, root: Path,
         "setup": list(cluster.setup),
         "additional_parameters": dict(cluster.sbatch_args),
     }
+    if in_batch_step:
+        params["use_srun"] = False
     if shape.gpus_per_node:
         params["gpus_per_node"] = shape.gpus_per_node
     for key in ("partition", "account", "qos", "constraint"):
@@ -233,10 +248,14 @@ def make_job_files_private(job: submitit.Job[Any]) -> None:
 
 
 def submit(cfg: TaxbenchConfig, root: Path, rank_main: RankMain = run_rank) -> submitit.Job[Any]:
-    preflight(cfg)
-    executor = make_executor(cfg, root)
-    make_private_folder(cfg, root)
     task = SlurmExperiment(job_config(cfg), str(root), cfg.cluster.master_addr, cfg.cluster.master_port, rank_main)
+    return _submit(cfg, root, task, in_batch_step=False)
+
+
+def _submit(cfg: TaxbenchConfig, root: Path, task: Callable[[], Any], in_batch_step: bool) -> submitit.Job[Any]:
+    preflight(cfg)
+    executor = make_executor(cfg, root, in_batch_step=in_batch_step)
+    make_private_folder(cfg, root)
     try:
         job = executor.submit(task)
     except FailedJobError as exc:  # sbatch refused the job (controller down, bad partition, ...); it printed why
@@ -276,6 +295,64 @@ def launch_slurm(cfg: TaxbenchConfig, root: Path, block: bool = True,
         return Queued(launched, job, functools.partial(wait, job, root))
     wait(job, root)
     return launched
+
+
+def launch_driver(cfg: TaxbenchConfig, root: Path, driver: Callable[[], Any], poll_s: float = 1.0) -> Any:
+    """Run `driver` (picklable; its config as job_config gives it) as the one process of a job holding the allocation
+    cfg.cluster's ranks would hold, in its batch step on the first node: what it starts (srun, torchrun, deepspeed)
+    runs inside that allocation. Until the job ends, the job's state changes and the driver's own progress lines
+    (those of its stdout that start with "taxbench:") are printed here. The driver's return value; SlurmJobFailed in
+    one line naming the log where the job ended without one (cancelled, past its time limit, the driver crashed).
+    An interrupt here (Ctrl-C) cancels the job: its runs stop with it, as a local run's do."""
+    job = _submit(cfg, root, driver, in_batch_step=True)
+    driver_task = job.task(0)  # the job's other tasks are never started: the driver starts what runs on them
+    print(f"taxbench: submitted Slurm job {job.job_id} ({root}); logs in {job.paths.folder}", flush=True)
+    relay = _ProgressRelay(driver_task.paths.stdout)
+    state = "UNKNOWN"  # what the watcher says before the controller has answered
+    try:
+        while not driver_task.done():
+            info = driver_task.watcher.get_info(job.job_id)
+            if info.get("State", state) != state:
+                state = info["State"]
+                where = f" on {info['NodeList']}" if info.get("NodeList") and state == "RUNNING" else ""
+                print(f"taxbench: Slurm job {job.job_id}: {state}{where}", flush=True)
+            relay.print_new()
+            time.sleep(poll_s)
+        relay.print_new()
+        result, why = driver_task.result(), ""
+    except (FailedJobError, UncompletedJobError) as exc:
+        relay.print_new()
+        result, why = None, "the driver raised" if isinstance(exc, FailedJobError) else "it left no result"
+    except KeyboardInterrupt:
+        job.cancel(check=False)
+        raise
+    # A cancel or the time limit signals every process of the job at once: the driver may still hand back the
+    # failure of the run it saw killed, but the job's own end is the cause.
+    final = driver_task.watcher.get_state(job.job_id, mode="force")
+    if why or final.split()[0] in JOB_ENDED_BADLY:
+        raise SlurmJobFailed(f"Slurm job {job.job_id} ended before {root.name} finished (state {final}"
+                             f"{', ' + why if why else ''}); its log: {driver_task.paths.stderr}")
+    return result
+
+
+class _ProgressRelay:
+    """Prints the complete lines a job's stdout log gained since the last call that are taxbench's own progress."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset = path, 0
+
+    def print_new(self) -> None:
+        try:
+            with self.path.open("rb") as handle:
+                handle.seek(self.offset)
+                chunk = handle.read()
+        except FileNotFoundError:  # the job has not started yet
+            return
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        for line in complete.decode("utf-8", errors="replace").splitlines():
+            if line.startswith("taxbench:"):
+                print(line, flush=True)
 
 
 def write_private(path: Path, text: str) -> None:

@@ -2,7 +2,8 @@
 
 The sbatch-script and submission tests need no Slurm: they run under submitit's mocked Slurm (no srun or sbatch is
 called). The others submit real 2-task gloo jobs through the code users run, preempt
-(requeue) one and cancel one, and check results, records and verdicts. Without a reachable Slurm they are skipped.
+(requeue) one and cancel one, and check results, records and verdicts; and `taxbench run cluster=slurm` runs a user's
+torchrun script as every run of its pairs inside one job. Without a reachable Slurm they are skipped.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from submitit.slurm.test_slurm import mocked_slurm
 
 from taxbench.analysis.summary import analyse
 from taxbench.checkpoint.store import RunCheckpoints
-from taxbench.config.schema import ConfigError
+from taxbench.commands.run import compose_config as compose_command_config
+from taxbench.config.schema import ConfigError, validate
 from taxbench.design import ALL_RUNS
 from taxbench.launchers import slurm
 from taxbench.launchers.multirun import MultirunReport
@@ -300,6 +302,55 @@ def test_dry_run_outside_slurm_is_refused_in_one_line(tmp_path: Path) -> None:
     assert not (tmp_path / "l").exists()
 
 
+# --- taxbench run -- COMMAND under cluster=slurm (no Slurm needed) ------------------------------------------------
+
+USER_DDP = Path(__file__).parent / "user_programs" / "ddp_train.py"
+
+
+def run_command_under_slurm(tmp_path: Path, *overrides: str, command: list[str], timeout: float = 480,
+                            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return run_taxbench("run", "cluster=slurm_cpu", f"experiment.out_dir={tmp_path}", "experiment.name=job",
+                        "report.wandb=false", "report.html=false", "run.timeout_s=180", *overrides, "--", *command,
+                        cwd=tmp_path, timeout=timeout, env={"WANDB_MODE": "offline", "PYTHONPATH": "", **(env or {})})
+
+
+def test_taxbench_run_without_slurm_is_refused_in_one_line_before_any_folder(tmp_path: Path) -> None:
+    done = run_command_under_slurm(tmp_path, command=[sys.executable, str(USER_DDP)], timeout=120, env=NO_SLURM_PATH)
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stderr.strip().splitlines() == [
+        "taxbench: error: cluster=slurm needs a reachable Slurm (sbatch not found on PATH); run from a Slurm login "
+        "node, or use cluster=local / cluster=inprocess on this machine"
+    ]
+    assert not (tmp_path / "job").exists()
+
+
+def test_taxbench_run_refuses_launchers_that_start_ranks_not_a_command(tmp_path: Path) -> None:
+    done = run_taxbench("run", "cluster=torchrun", f"experiment.out_dir={tmp_path / 'runs'}", "--", "true",
+                        cwd=tmp_path, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "cluster=torchrun starts ranks, not a command" in done.stderr and not (tmp_path / "runs").exists()
+
+
+def test_taxbench_run_composes_for_any_allocation_size() -> None:
+    # The recipe only names the command: no batch rule of it refuses an allocation of 16 GPUs.
+    cfg = compose_command_config(["cluster=slurm", "cluster.gpus=16"], ["torchrun", "train.py"])
+    validate(cfg)
+    assert cfg.recipe.name == "train" and cfg.recipe.global_batch_size == 16
+
+
+def test_the_schedules_job_runs_one_driver_in_the_batch_step_of_the_whole_allocation(tmp_path: Path) -> None:
+    cfg = compose_config("cluster=slurm", "cluster.gpus=16", "recipe.global_batch_size=64", "cluster.partition=gpu",
+                         "cluster.time_min=90", "experiment.name=x")
+    with mocked_slurm():
+        executor = slurm.make_executor(cfg, tmp_path, in_batch_step=True)
+    script = executor._make_submission_file_text("python -m submitit.core._submit x", "uid")
+    for line in ("--nodes=2", "--ntasks-per-node=8", "--gpus-per-node=8", "--partition=gpu", "--time=90"):
+        assert line in script, line
+    # The driver is the batch script's command itself, as in a user's own sbatch script: no srun in front of it
+    # (that would start it once per task and hold the tasks its own srun needs).
+    assert "srun" not in script and "\npython -m submitit.core._submit x\n" in script
+
+
 # --- real Slurm ---------------------------------------------------------------------------------------------------
 
 
@@ -398,3 +449,51 @@ def test_a_slurm_multirun_queues_every_point_then_publishes_each_and_the_sweep(t
         assert json.loads((sweep / point / "summary.json").read_text())["deterministic_ok"]
         assert (sweep / point / "report" / "report.html").is_file()
     assert (sweep / "sweep.csv").is_file()
+
+
+@pytest.mark.slow
+@needs_slurm
+def test_taxbench_run_runs_a_torchrun_script_as_every_run_of_its_pairs_in_one_job(tmp_path: Path) -> None:
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(USER_DDP), "--steps", "10"]
+    done = run_command_under_slurm(tmp_path, "run.restart.save_args=[--save,{checkpoint},--save-step,5]",
+                                   "run.restart.resume_args=[--resume,{checkpoint}]", command=torchrun)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    root = tmp_path / "job"
+    job_id = json.loads((root / slurm.JOB_FILE).read_text())["job_id"]
+    lines = done.stdout.splitlines()
+    # The submitting process shows the job and relays the driver's progress from inside it.
+    assert any(line.startswith(f"taxbench: submitted Slurm job {job_id} ") for line in lines)
+    assert any(line.startswith(f"taxbench: Slurm job {job_id}: RUNNING on ") for line in lines)
+    assert any(line.startswith("taxbench: run 6/6: deterministic-resumed (resume): ") for line in lines)
+    summary = json.loads((root / "summary.json").read_text())
+    outcomes = {v["gate"]: v["outcome"] for v in summary["verdicts"]}
+    assert outcomes == {"repeatability": "identical", "restart_replay": "identical", "baseline_sanity": "identical"}
+    assert summary["tax"]["pairs"] == 2 and summary["world_size"] == 2
+    for run in ("baseline-0", "deterministic-0", "deterministic-1", "baseline-1", "deterministic-resumed"):
+        manifest = json.loads((root / run / "manifest.json").read_text())
+        [attempt] = manifest["attempts"]  # every run in the one job, as a recipe run's attempts record it
+        assert attempt["slurm_job_id"] == job_id and attempt["hostnames"] == manifest["stack"]["hostnames"]
+        assert manifest["command"]["argv"][:4] == torchrun[:4]
+
+
+@pytest.mark.slow
+@needs_slurm
+def test_taxbench_run_whose_job_is_cancelled_says_so_in_one_line_with_its_log(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "taxbench", "run", "cluster=slurm_cpu", f"experiment.out_dir={tmp_path}",
+         "experiment.name=job", "report.wandb=false", "--", "sleep", "300"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "job" / "baseline-0" / "command.log"
+    try:
+        wait_until(log.exists, 120, "the first run's command to start inside the job")
+        job_id = json.loads((tmp_path / "job" / slurm.JOB_FILE).read_text())["job_id"]
+        subprocess.run(["scancel", job_id], check=True)
+        out, err = process.communicate(timeout=180)
+    finally:
+        process.kill()
+    assert process.returncode == 1, out[-3000:] + err[-3000:]
+    [line] = err.strip().splitlines()
+    assert line.startswith(f"taxbench: error: Slurm job {job_id} ended before job finished (state CANCELLED")
+    assert f"its log: {tmp_path / 'job' / '.submitit' / job_id / f'{job_id}_0_log.err'}" in line
+    assert "continue with: " in line and "experiment.continue_existing=true -- sleep 300" in line

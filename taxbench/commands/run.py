@@ -11,13 +11,14 @@ from __future__ import annotations
 import os
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from taxbench import exit_codes
 from taxbench.commands.input_errors import one_line_input_errors
 from taxbench.commands.overrides import compose
 from taxbench.config.command import CommandError, validate_command
-from taxbench.config.schema import ConfigError, Launcher, TaxbenchConfig, load_config, validate
+from taxbench.config.schema import ConfigError, TaxbenchConfig, load_config, validate, world_size
 from taxbench.rundir.experiment_folder import claimed, experiment_root
 from taxbench.rundir.provenance import capture_launch
 from taxbench.rundir.read import RecordError
@@ -93,6 +94,9 @@ def quoted_argument_lists(overrides: list[str]) -> list[str]:
 def compose_config(overrides: list[str], command: list[str]) -> TaxbenchConfig:
     named = [f"recipe.name={command_label(command)}"]
     cfg = load_config(compose(named + quoted_argument_lists(overrides)))
+    # The recipe only names the command: its batch is one sample per rank of the cluster, so that the recipe's layout
+    # rules never refuse an allocation (cluster.gpus=16 under cluster=slurm) for a model that does not run.
+    cfg.recipe = replace(cfg.recipe, micro_batch_size=1, global_batch_size=max(world_size(cfg.cluster), 1))
     cfg.run.command = list(command)
     cfg.run.cwd = cfg.run.cwd or os.getcwd()
     return cfg
@@ -102,27 +106,24 @@ def main(argv: list[str]) -> int:
     if any(arg in ("-h", "--help") for arg in argv[: argv.index("--") if "--" in argv else len(argv)]):
         print(USAGE)
         return exit_codes.OK
-    from taxbench.launchers.command import CommandFailed, CommandRunner, NoEvidence
-    from taxbench.launchers.outcome import Launched, publish_launch
+    from taxbench.commands.launch import check_command_launcher, launch_command
+    from taxbench.launchers.command import CommandFailed, NoEvidence
+    from taxbench.launchers.outcome import LaunchFailed, publish_launch
 
     try:
         with one_line_input_errors(CommandError):
             overrides, command = split_command(argv)
             cfg = compose_config(overrides, command)
+            check_command_launcher(cfg)
             validate(cfg)
             validate_command(cfg.run)
-            if cfg.cluster.launcher is not Launcher.local:
-                raise ConfigError(f"taxbench run starts the command on this machine; cluster={cfg.cluster.name} is "
-                                  "not supported yet: run taxbench inside your allocation (salloc, then "
-                                  "cluster=local), with the command's own launcher (srun, torchrun) after `--`")
         with claimed(cfg, experiment_root(cfg)) as root:
             capture_launch()
             print(f"taxbench: experiment {root}", flush=True)
-            CommandRunner(cfg, root, overrides).run_all()
-            return publish_launch(Launched(root, cfg.report))
+            return publish_launch(launch_command(cfg, root, overrides))
     except (CommandError, ConfigError) as exc:
         return _fail(str(exc), exit_codes.CONFIG_ERROR)
-    except CommandFailed as exc:
+    except (CommandFailed, LaunchFailed) as exc:  # LaunchFailed: the Slurm job ended before the schedule did
         return _fail(str(exc), exit_codes.FAILED)
     except NoEvidence as exc:
         return _fail(str(exc), exit_codes.INCOMPLETE)
