@@ -105,8 +105,9 @@ def arm_environment(cfg: TaxbenchConfig, arm: str, base: dict[str, str]) -> dict
 class CommandRunner:
     """Runs the planned runs of one experiment folder, one at a time, and keeps what each left."""
 
-    def __init__(self, cfg: TaxbenchConfig, root: Path, overrides: Sequence[str]) -> None:
-        self.cfg, self.root, self.overrides = cfg, root, list(overrides)
+    def __init__(self, cfg: TaxbenchConfig, root: Path, overrides: Sequence[str], again: str | None = None) -> None:
+        """`again`: the command line a failed run names to go on (None: this `taxbench run`, continued)."""
+        self.cfg, self.root, self.overrides, self.again = cfg, root, list(overrides), again
         self.attempt = uuid.uuid4().hex[:12]
         self.cwd = Path(cfg.run.cwd) if cfg.run.cwd else Path.cwd()
 
@@ -210,8 +211,8 @@ class CommandRunner:
         log = run_dir / LOG_FILE
         tail = _tail(log, 12)
         how = f"ran past run.timeout_s={self.cfg.run.timeout_s}" if code == -9 else f"exited with code {code}"
-        again = shlex.join([*continue_command([sys.argv[0], "run", *self.overrides], self.cfg.experiment.name),
-                            "--", *self.cfg.run.command])
+        again = self.again or shlex.join([*continue_command([sys.argv[0], "run", *self.overrides],
+                                                            self.cfg.experiment.name), "--", *self.cfg.run.command])
         return (f"{run.label}: the command {how} (its output: {log})\n{tail}\ncontinue with: {again}")
 
     def _no_records(self, run_dir: Path) -> str:
