@@ -274,8 +274,7 @@ def replay_run(original: Path, into: Path, trace: ProbeTrace) -> Path:
     cfg = load_config(manifest["config"])
     ref = RunRef(manifest["arm"], str(manifest["replica"]))
     recorded = manifest.get("command") or {}
-    runner = CommandRunner(cfg, into, [], again="")
-    runner.cwd = Path(recorded.get("cwd") or runner.cwd)
+    runner = CommandRunner(cfg, into, [], again="")  # cfg.run.cwd: the folder the command ran in
     if ref.replica != RESUMED_REPLICA:
         runner.run_one(PlannedRun(ref, int(ref.replica), gated=True), 0, 0, trace)
         return into / ref.name

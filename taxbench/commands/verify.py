@@ -4,15 +4,19 @@ The gates compare runs inside one launch. verify answers the question across lau
 after an upgrade, does the deterministic recipe still give the bits of the run we trust? The reference is an experiment
 folder (its deterministic-0) or a certificate made from one (taxbench.rundir.certificate). The rerun is one run of the
 deterministic arm (taxbench.schedule.rerun) with the reference's recorded config; only where and how it runs may be
-overridden (RERUN_MAY_CHANGE). Its fingerprints are compared with the reference's by the gates' comparer
-(analysis.verdicts.compare_runs) over the steps both have. On a difference, what differs between the two runs'
-manifests is listed as suspects (taxbench.rundir.certificate.essentials), with the `localize` command that replays both.
+overridden (RERUN_MAY_CHANGE). For an experiment of `taxbench run -- COMMAND` the rerun is one run of the user's
+command as its deterministic arm ran it (the recorded command, edits and working folder, under the same probe: see
+verify_cli), on this machine, as long as the command takes. Its fingerprints are compared with the reference's by
+the gates' comparer (analysis.verdicts.compare_runs) over the steps both have. On a difference, what differs between
+the two runs' manifests is listed as suspects (taxbench.rundir.certificate.essentials), with the `localize` command
+that replays both.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,13 +26,15 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from taxbench import exit_codes
+from taxbench.analysis.command_experiment import UNOBSERVED, flag_problems
 from taxbench.analysis.divergence import nonfinite_runs
 from taxbench.analysis.experiment import expected_steps, interleaved_runs
 from taxbench.analysis.verdicts import DIFFERS, IDENTICAL, Verdict, compare_runs
+from taxbench.config.command import CommandError, validate_command
 from taxbench.config.pairing import differences
-from taxbench.config.schema import ConfigError, Launcher, TaxbenchConfig, launch_stamp, load_config
+from taxbench.config.schema import ConfigError, Launcher, TaxbenchConfig, launch_stamp, load_config, validate
 from taxbench.design import run_steps
-from taxbench.preflight import check_before_launch
+from taxbench.preflight import check_before_launch, check_out_dir
 from taxbench.redaction import REDACTED, redact
 from taxbench.rundir.certificate import (
     Certificate,
@@ -50,7 +56,7 @@ from taxbench.rundir.read import (
     load_run,
     manifest_value,
 )
-from taxbench.rundir.records import MANIFEST, write_text_atomically
+from taxbench.rundir.records import MANIFEST, STOP_FILE, read_stop, write_text_atomically
 from taxbench.schedule.rerun import RERUN
 
 SUMMARY_FILE = "verify.json"  # in the rerun's experiment folder
@@ -86,11 +92,20 @@ class Reference:
     problems: tuple[str, ...] = ()  # why a run folder's evidence is not its own or its length unknown
     certificate: bool = False
 
+    @property
+    def runs_a_command(self) -> bool:
+        """Whether the reference is a run of `taxbench run -- COMMAND` (the user's command, not a recipe)."""
+        return runs_a_command(self.config)
+
     def grid_problems(self, steps: int) -> list[str]:
         """What keeps the reference from holding steps 1..`steps` of every rank once (a certificate always does)."""
         if self.certificate or self.run_dir is None:
             return []
         return check_run(self.run_dir.name, self.run_dir, _up_to(self.frame, steps), steps, self.world_size)
+
+
+def runs_a_command(config: dict[str, Any]) -> bool:
+    return bool((config.get("run") or {}).get("command"))
 
 
 def _run_dir_of(path: Path) -> Path:
@@ -118,11 +133,9 @@ def load_reference(path: Path) -> Reference:
                           "experiment's deterministic-0")
     if not isinstance(config, dict):
         raise UnreadableRecords(f"{run_dir / MANIFEST}: holds no config; the manifest is damaged")
-    if (config.get("run") or {}).get("command"):
-        raise RecordError(f"{run_dir.parent}: an experiment of `taxbench run -- COMMAND`; verify reruns recipes only "
-                          "(not yet your own command); `python -m taxbench run` with the same command is the rerun "
-                          "for now")
     problems = config_problems(run_dir, manifest, config)
+    if runs_a_command(config):
+        return _command_reference(path, run_dir, manifest, config, problems)
     try:
         experiment = config["experiment"]
         rounds_steps, _, stop_problems = expected_steps(run_dir.parent, experiment)
@@ -137,6 +150,24 @@ def load_reference(path: Path) -> Reference:
     world = int(manifest_value(manifest, run_dir, "layout.world_size"))
     return Reference(str(path), run_dir, str(run_dir), str(manifest.get("experiment")), config, steps, world,
                      essentials(manifest), frame, tuple(problems))
+
+
+def _command_reference(path: Path, run_dir: Path, manifest: dict[str, Any], config: dict[str, Any],
+                       problems: list[str]) -> Reference:
+    """The deterministic-0 of a `taxbench run -- COMMAND` experiment: as long as the command took (stop.json, which
+    every run of the experiment is checked against), its records with the live flags (a command that turned the
+    policy off is no evidence: analysis.command_experiment.flag_problems)."""
+    frame = load_run(run_dir, empty_ok=True)
+    stop = read_stop(run_dir.parent)
+    if stop is None:
+        problems = [*problems, f"{run_dir.parent / STOP_FILE}: missing or damaged: the experiment's runs never all "
+                               "ended, so the command's length is unknown; continue the experiment "
+                               "(experiment.continue_existing=true)"]
+    steps = stop.steps if stop is not None else int(frame["step"].max()) if not frame.empty else 0
+    problems += identity_problems(run_dir, manifest, frame) + flag_problems(RERUN.name, manifest, frame)
+    world = int(manifest_value(manifest, run_dir, "layout.world_size"))
+    return Reference(str(path), run_dir, str(run_dir), str(manifest.get("experiment")), config, steps, world,
+                     essentials(manifest), _observed(frame), tuple(problems))
 
 
 class ReferenceRunning(RecordError):
@@ -219,7 +250,7 @@ def rerun_config(reference: Reference, composed: DictConfig, overrides: list[str
         _assign(rerun, path, _lookup(given, path))
     if "experiment.name" not in paths:
         rerun["experiment"]["name"] = f"verify-{reference.experiment}-{launch_stamp()}{suffix}"
-    if "experiment.steps" not in paths:
+    if "experiment.steps" not in paths and not reference.runs_a_command:  # a command takes the steps it takes
         rerun["experiment"]["steps"] = reference.steps
     if settings.avoid_reference_nodes:
         _exclude_reference_nodes(rerun, reference)
@@ -268,7 +299,10 @@ def _reference_hosts(reference: Reference) -> list[str]:
 def plan_rerun(reference: Reference, composed: DictConfig, overrides: list[str], settings: VerifySettings,
                suffix: str = "") -> TaxbenchConfig:
     """The rerun's typed config, checked as an experiment's would be before anything launches."""
-    cfg = load_config(rerun_config(reference, composed, overrides, settings, suffix))
+    rerun = rerun_config(reference, composed, overrides, settings, suffix)
+    if reference.runs_a_command:
+        return _plan_command_rerun(rerun, overrides)
+    cfg = load_config(rerun)
     if cfg.cluster.dry_run:  # no rerun, no records: a verdict of exit 0 would have no evidence behind it
         raise VerifyError("verify compares a rerun's records, and cluster.dry_run=true runs nothing; drop it (a job "
                           "script alone: python -m taxbench ... cluster=slurm cluster.dry_run=true)")
@@ -279,6 +313,54 @@ def plan_rerun(reference: Reference, composed: DictConfig, overrides: list[str],
         raise VerifyError(f"experiment.steps={cfg.experiment.steps}: verify reruns at least 2 steps")
     check_before_launch(cfg)
     return cfg
+
+
+def _plan_command_rerun(rerun: dict[str, Any], overrides: list[str]) -> TaxbenchConfig:
+    """The typed config of the rerun of a user's command, checked as `taxbench run` checks its own before anything
+    runs: on this machine, in the recorded working folder, with every edit still applicable (a config file the
+    edits name must still be there)."""
+    if "experiment.steps" in (_override_path(override) for override in overrides):
+        raise VerifyError("experiment.steps: the rerun of a command takes the steps the command takes, as its "
+                          "reference did; drop it")
+    cluster = rerun["cluster"]
+    if cluster["launcher"] != Launcher.local.value:
+        raise VerifyError(f"verify reruns a command on this machine, as `taxbench run` runs it; cluster="
+                          f"{cluster['name']} is not supported for a command yet: run verify inside your allocation "
+                          "(salloc, then the default cluster=local)")
+    _fill_secrets_from_environment(rerun)
+    cfg = load_config(rerun)
+    cwd = Path(cfg.run.cwd or ".")
+    if not cwd.is_dir():
+        raise VerifyError(f"run.cwd={cfg.run.cwd!r}: the reference's command ran in this folder, which is not here; "
+                          "verify reruns the command where it ran (check out the project at that path)")
+    try:
+        validate(cfg)
+        validate_command(cfg.run)
+    except CommandError as exc:
+        raise VerifyError(f"the reference's command cannot run here: {exc}") from None
+    check_out_dir(Path(cfg.experiment.out_dir))
+    return cfg
+
+
+def _fill_secrets_from_environment(rerun: dict[str, Any]) -> None:
+    """A secret in what the deterministic arm runs was recorded as REDACTED, never its value: an environment edit
+    takes the value this process has under the same name; a secret anywhere else cannot be rerun (VerifyError)."""
+    run = rerun["run"]
+    edits = run["deterministic"]
+    for name, value in edits["env"].items():
+        if value == REDACTED:
+            if not os.environ.get(name):
+                raise VerifyError(f"run.deterministic.env.{name} of the reference held a secret, recorded as "
+                                  f"{REDACTED}; export {name} in the environment verify runs in, and its rerun "
+                                  "takes it from there")
+            edits["env"][name] = os.environ[name]
+    unrunnable = [key for key, value in _leaves({k: run[k] for k in ("command", "cwd")}, "run")
+                  + _leaves({k: v for k, v in edits.items() if k != "env"}, "run.deterministic")
+                  if REDACTED in str(value)]
+    if unrunnable:
+        raise VerifyError(f"{', '.join(unrunnable)} of the reference held a secret, recorded as {REDACTED}, so its "
+                          "command cannot be rerun as it ran; give the command its secret through an environment "
+                          "variable (run.deterministic.env) instead of its arguments, and make the reference again")
 
 
 # ------------------------------------------------------------------------------------------------- the verdict
@@ -322,8 +404,14 @@ def conclude(reference: Reference, root: Path) -> VerifyResult:
     run_dir = root / RERUN.name
     manifest = load_manifest(run_dir)
     config = manifest["config"]
-    steps = int(config["experiment"]["steps"])
-    frame, problems = load_checked_run(run_dir, manifest, steps, config)
+    if runs_a_command(config):
+        steps, problems = _command_rerun_steps(reference, run_dir)
+        frame, found = load_checked_run(run_dir, manifest, steps, config)
+        problems += found + flag_problems(RERUN.name, manifest, frame)
+        frame = _observed(frame)
+    else:
+        steps = int(config["experiment"]["steps"])
+        frame, problems = load_checked_run(run_dir, manifest, steps, config)
     common = min(steps, reference.steps)
     ref_problems = [*reference.problems, *reference.grid_problems(common)]  # gaps within the common steps only
     # Bits that agree with a run that trained on NaN or Inf are NaN or Inf too: no verdict either way (exit 4).
@@ -336,6 +424,24 @@ def conclude(reference: Reference, root: Path) -> VerifyResult:
                           differences(reference.essentials, rerun_essentials), hostnames(rerun_essentials))
     write_text_atomically(root / SUMMARY_FILE, json.dumps(result.to_dict(), indent=2, default=str))
     return result
+
+
+def _command_rerun_steps(reference: Reference, run_dir: Path) -> tuple[int, list[str]]:
+    """The steps the rerun of a command took (its records say: the command decides), and a problem where that is
+    not the reference's length: the same command, edits and folder ran another length, so the comparison over the
+    steps both have is no verdict on its own (a fingerprint that differs there still is)."""
+    recorded = load_run(run_dir, empty_ok=True, fields={"step", "rank"})
+    steps = int(recorded["step"].max()) if not recorded.empty else 0
+    if steps == reference.steps:
+        return steps, []
+    return steps, [f"{run_dir}: the command took {steps} steps in the rerun and {reference.steps} in the reference; "
+                   "the same command, edits and folder ran another length"]
+
+
+def _observed(frame: pd.DataFrame) -> pd.DataFrame:
+    """A command run's records less what the probe never observes (the command's own gradient norm: no non-finite
+    finding for a value never recorded) and the live flags (checked already by flag_problems)."""
+    return frame.drop(columns=["flags", *UNOBSERVED], errors="ignore")
 
 
 def _up_to(frame: pd.DataFrame, step: int) -> pd.DataFrame:

@@ -1,5 +1,9 @@
 """`taxbench verify EXPERIMENT|CERTIFICATE [...] [overrides]`: the command line of the bitwise rerun
-(taxbench.commands.verify and the launchers, imported once the arguments are read: --help loads no torch)."""
+(taxbench.commands.verify and the launchers, imported once the arguments are read: --help loads no torch).
+
+A recipe's rerun starts its ranks on the launcher its config names; the rerun of a `taxbench run -- COMMAND`
+experiment is one run of the user's command as its deterministic arm ran (taxbench.launchers.command.CommandRunner:
+the recorded command, edits and working folder, the same probe fingerprinting every step)."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from pathlib import Path
 from taxbench import exit_codes
 from taxbench.commands.input_errors import fail, one_line_input_errors
 from taxbench.commands.overrides import compose
-from taxbench.config.schema import Launcher
+from taxbench.config.schema import Launcher, TaxbenchConfig
 from taxbench.rundir.experiment_folder import claimed, experiment_root
 from taxbench.rundir.provenance import capture_launch
 from taxbench.rundir.read import RecordError
@@ -24,7 +28,9 @@ usage: taxbench verify EXPERIMENT|CERTIFICATE [...] [overrides]
 
 Reruns the reference's deterministic recipe once (its deterministic-0, from the
 config in its manifest or certificate) and compares every step's fingerprints
-bit for bit with the reference's, over the steps both have. Only where and how
+bit for bit with the reference's, over the steps both have. A reference made by
+`taxbench run -- COMMAND` reruns that command once, on this machine, with its
+recorded edits, in its recorded folder. Only where and how
 the rerun runs may be overridden (cluster launcher/profile, partition, account,
 qos, time limit, threads_per_rank, nodes, setup, sbatch_args,
 experiment.out_dir/name/steps); any other difference is refused naming the
@@ -40,8 +46,8 @@ Slurm as one job array (one submission; their jobs must have one shape).
 
 exit codes: 0 identical, 2 bad input (a damaged or edited certificate), 3 a
 fingerprint differs (first step, rank and metric; the manifests' differences as
-suspects; the localize command), 4 evidence missing; for several references
-the worst of theirs (3 before 4)
+suspects; the localize command), 4 evidence missing, 1 the rerun failed (how to
+continue); for several references the worst of theirs (3 before 4)
 """
 
 
@@ -64,6 +70,7 @@ def main(argv: list[str]) -> int:
         render,
         settings_of,
     )
+    from taxbench.launchers.command import CommandFailed, NoEvidence
     from taxbench.launchers.local import RankFailed, continue_command
     from taxbench.launchers.outcome import LaunchFailed
     from taxbench.launchers.worker import run_rerun_rank
@@ -91,20 +98,33 @@ def main(argv: list[str]) -> int:
             roots = [held.enter_context(claimed(cfg, experiment_root(cfg))) for cfg in cfgs]
             capture_launch()
             runs = list(zip(cfgs, roots, strict=True))
+            failed_codes: dict[int, int] = {}  # a failure other than the rerun's (exit 1): no evidence, exit 4
             if several and all(cfg.cluster.launcher is Launcher.slurm for cfg in cfgs):
                 failures = launch_slurm_batch(runs, run_rerun_rank)
             else:
                 failures = {}
                 for index, (cfg, root) in enumerate(runs):
+                    alone = [sys.argv[0], "verify", sources[index], *rest]
                     try:
-                        launch(cfg, root, run_rerun_rank)
+                        if references[index].runs_a_command:
+                            _rerun_command(cfg, root, alone)
+                        else:
+                            launch(cfg, root, run_rerun_rank)
+                    except NoEvidence as exc:
+                        if not several:
+                            fail(str(exc), exit_codes.INCOMPLETE)
+                        failures[index], failed_codes[index] = str(exc), exit_codes.INCOMPLETE
+                    except CommandFailed as exc:  # its message says how to verify again
+                        if not several:
+                            fail(str(exc), exit_codes.FAILED)
+                        failures[index] = str(exc)
                     except (RankFailed, LaunchFailed) as exc:
                         if not several:
                             fail(str(exc), exit_codes.FAILED)
                         # The other references still get their verdicts; this one continues on its own.
                         what = exc.what if isinstance(exc, RankFailed) else str(exc)
-                        alone = continue_command([sys.argv[0], "verify", sources[index], *rest], cfg.experiment.name)
-                        failures[index] = f"{what}; continue this rerun with: {shlex.join(alone)}"
+                        again = continue_command(alone, cfg.experiment.name)
+                        failures[index] = f"{what}; continue this rerun with: {shlex.join(again)}"
             results = [conclude(reference, root) for index, (reference, root) in enumerate(zip(references, roots,
                                                                                                    strict=True))
                        if index not in failures]
@@ -113,7 +133,23 @@ def main(argv: list[str]) -> int:
             text += "\n\n" + overview(results, [sources[index] for index in failures])
         for message in failures.values():
             print(f"taxbench: error: {message}", file=sys.stderr)
-        codes = [result.exit_code for result in results] + [exit_codes.FAILED] * len(failures)
+        codes = [result.exit_code for result in results] + [failed_codes.get(index, exit_codes.FAILED)
+                                                             for index in failures]
         print(text)
         return exit_codes.combined(codes)
     return exit_codes.CONFIG_ERROR
+
+
+def _rerun_command(cfg: TaxbenchConfig, root: Path, verify_argv: list[str]) -> None:
+    """One run of the user's command as the reference's deterministic-0 ran: its recorded command, edits and folder,
+    under the probe with taxbench's policy (or the stack's switch alone, as recorded), every step fingerprinted.
+    CommandFailed (exit 1) names its output and the verify that runs it again: a failed run of a command keeps
+    nothing to continue from, so verify starts a fresh rerun (the continue keys are dropped); NoEvidence (exit 4)
+    when it recorded nothing."""
+    from taxbench.design import TIMED
+    from taxbench.launchers.command import CommandRunner, PlannedRun
+    from taxbench.launchers.local import continue_command
+
+    fresh = continue_command(verify_argv, cfg.experiment.name)[:-2]  # without experiment.name and continue_existing
+    runner = CommandRunner(cfg, root, [], again=shlex.join(fresh))
+    runner.run_one(PlannedRun(TIMED["deterministic"], 0, gated=True), 1, 1)

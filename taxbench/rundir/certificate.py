@@ -1,9 +1,11 @@
 """A determinism certificate: the portable reference that `taxbench verify` checks a later rerun against.
 
 It holds what a rerun needs and what it is compared with, and nothing else: the reference run's config (to rerun its
-recipe), the essentials of its manifest (the software/hardware stack, applied policy, thread counts, provenance: what a
-difference is traced back to) and every step's per-rank fingerprints of the deterministic run, as one JSON file small
-enough to commit (~5 MiB per 1,000 steps x 64 ranks: five fingerprints of 8-16 hex digits per step and rank).
+recipe, or the user's command with its edits and working folder for a `taxbench run` experiment), the essentials of
+its manifest (the software/hardware stack, applied policy, thread counts, provenance, a command's edited command line:
+what a difference is traced back to) and every step's per-rank fingerprints of the deterministic run, as one JSON
+file small enough to commit (~5 MiB per 1,000 steps x 64 ranks: five fingerprints of 8-16 hex digits per step and
+rank).
 
 Tamper-evident the way a manifest's config is: `content_sha256` is the sha256 of the rest of the file in canonical
 JSON, and its config must hash to its `config_sha256`. A certificate edited by hand (a fingerprint, the config) or
@@ -68,7 +70,35 @@ def essentials(manifest: dict[str, Any]) -> dict[str, Any]:
     config = manifest.get("config") or {}
     out["cluster"] = config.get("cluster")
     out["model_kind"] = ((config.get("recipe") or {}).get("model") or {}).get("kind")
+    command = manifest.get("command")
+    if isinstance(command, dict):  # a run of `taxbench run -- COMMAND` (recipe runs have no such section)
+        out["command"] = command_essentials(command)
     return out
+
+
+RUN_FOLDER = "<run folder>"
+
+
+def command_essentials(command: dict[str, Any]) -> dict[str, Any]:
+    """What describes a run of the user's command, as its manifest recorded it (redacted when it was written): the
+    edited command line, where it ran, the edits (arguments, environment, config keys) and the optimizers the probe
+    saw. The run's own folder (where an edited config copy lives) reads as RUN_FOLDER, so a rerun elsewhere differs
+    from its reference only where the command does."""
+    config_copy = command.get("config_copy")
+    folder = str(Path(config_copy).parent) if isinstance(config_copy, str) and config_copy else None
+
+    def portable(value: Any) -> Any:
+        return value.replace(folder, RUN_FOLDER) if folder and isinstance(value, str) else value
+
+    argv = command.get("argv")
+    return {
+        "argv": [portable(word) for word in argv] if isinstance(argv, list) else argv,
+        "cwd": command.get("cwd"),
+        "config_copy": portable(config_copy),
+        "edits": command.get("edits"),
+        "env": command.get("env"),
+        "optimizers": (command.get("probe") or {}).get("optimizers"),
+    }
 
 
 def hostnames(essential: dict[str, Any]) -> list[str]:
