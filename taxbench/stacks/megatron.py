@@ -71,8 +71,9 @@ INSTALL_HINT = "pip install 'taxbench[megatron]'"
 SWITCH_ENV = {"NCCL_ALGO": "Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 # Megatron's --deterministic-mode as policy fields (a stack-native arm): torch.use_deterministic_algorithms(True), with
 # torch's default fill of uninitialized memory that comes with it, and the environment Megatron requires beside it
-# (SWITCH_ENV); TF32 and cuDNN's autotuner are left as they are.
-SWITCH_FIELDS = {"deterministic": True, "cudnn_benchmark": True, "allow_tf32": True,
+# (SWITCH_ENV). TF32 and cuDNN's autotuner are left as the process has them: TF32 as torch's defaults (allow_tf32=None),
+# the autotuner off, torch's default (Megatron-Core does not turn it on).
+SWITCH_FIELDS = {"deterministic": True, "cudnn_benchmark": False, "allow_tf32": None,
                  "cublas_workspace_config": SWITCH_ENV["CUBLAS_WORKSPACE_CONFIG"], "nccl_algo": SWITCH_ENV["NCCL_ALGO"],
                  "nvte_allow_nondeterministic_algo": False, "fill_uninitialized_memory": True,
                  "deterministic_kernels": False}
