@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from taxbench.probe.adapters import Adapters
 
@@ -35,7 +36,7 @@ def install(adapters: Adapters) -> None:
     @functools.wraps(original)
     def take_model_step(self: Any, *args: Any, **kwargs: Any) -> Any:
         optimizer = self.optimizer
-        if id(optimizer) not in padded and hasattr(optimizer, "groups_padding"):
+        if id(optimizer) not in padded and isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
             padded.add(id(optimizer))
             _register_real_parts(adapters, optimizer)
         skipped = self.skipped_steps
