@@ -10,7 +10,9 @@ What differs from a recipe experiment:
   recorded in deterministic-resumed's manifest); without run.restart.* the gate is "not run", never a pass;
 - a deterministic arm under taxbench's policy whose command turned a flag off (recorded with each step) is no
   evidence: a named problem, so the outcome is incomplete (exit 4);
-- the command's own gradient norm and tokens are not observed (the records hold none).
+- the command's own gradient norm and tokens are not observed (the records hold none);
+- a step the stack skipped (a loss scaler's overflow) is recorded as skipped, and the gates compare that mark
+  (taxbench.analysis.verdicts).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from taxbench.analysis.verdicts import Verdict, compare_runs
 from taxbench.design import EQUIVALENCE_RUNS, GATES, RESUMED
 from taxbench.rundir.probe_files import FLAG_NAMES, LiveFlags, expected_flags
 from taxbench.rundir.read import RecordError, load_checked_run, load_manifest, manifest_value
-from taxbench.rundir.records import MANIFEST, STOP_FILE, read_stop
+from taxbench.rundir.records import MANIFEST, SKIPPED, STOP_FILE, read_stop
 from taxbench.schedule.cost import read_cost
 from taxbench.stats.tax import estimate_pairs_tax, no_estimate, pair_ratios, steps_for_half_width
 
@@ -103,7 +105,7 @@ def _load(root: Path, name: str, steps: int, config: dict[str, Any], fields: tup
     if not manifest_path.exists():
         return None, pd.DataFrame(columns=["step", "rank"]), [f"{name}: the run never ended well (no {manifest_path})"]
     manifest = load_manifest(root / name)
-    frame, problems = load_checked_run(root / name, manifest, steps, config, (*fields, "flags"))
+    frame, problems = load_checked_run(root / name, manifest, steps, config, (*fields, "flags", SKIPPED))
     if int(((manifest.get("command") or {}).get("probe") or {}).get("fingerprint_every", 1)) != 1:
         # a timing-only pair (past the two gated ones) digests sampled steps, or none, by design: no gate reads it
         problems = [line for line in problems if "without a fingerprint" not in line]
@@ -158,7 +160,7 @@ def compute_command_experiment(root: Path, first: str) -> CommandAnalysis:
         reference, candidate = gate.reference.name, gate.candidate.name
         verdicts.append(compare_runs(gate.name, reference, runs[reference], candidate, runs[candidate], 0,
                                      tuple(problems[reference] + problems[candidate])))
-    observed = {name: frame.drop(columns=[c for c in UNOBSERVED if c in frame], errors="ignore")
+    observed = {name: _taken(frame).drop(columns=[c for c in UNOBSERVED if c in frame], errors="ignore")
                 for name, frame in runs.items()}
     equivalence_problems = stop_problems + [line for name in EQUIVALENCE_RUNS for line in problems.get(name, [])]
     world = int(manifest_value(manifest, root / first, "layout.world_size"))
@@ -192,6 +194,14 @@ def compute_command_experiment(root: Path, first: str) -> CommandAnalysis:
     )
     summary.cost_split = cost_split(read_cost(root), runs, set(timed_names), time.perf_counter() - began)
     return CommandAnalysis(summary, runs, timed, manifests)
+
+
+def _taken(frame: pd.DataFrame) -> pd.DataFrame:
+    """The steps the stack took: a skipped step's loss is the overflow its scaler caught (an inf or NaN that never
+    reached the parameters), so it is neither divergence nor a point of the loss curve."""
+    if SKIPPED not in frame:
+        return frame
+    return frame[~frame[SKIPPED].fillna(False).astype(bool)]
 
 
 def _median(runs: dict[str, pd.DataFrame], column: str) -> float:

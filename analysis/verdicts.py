@@ -4,6 +4,10 @@ A gate has three outcomes. "identical" needs positive evidence: both runs comple
 taxbench.rundir.read.check_run) and every record equal. "differs" needs a record both runs hold, once each,
 with a different fingerprint. Anything else, a gate over runs with missing, duplicated or stray records where what
 they share agrees, is "incomplete": never identical.
+
+Where the records say whether the stack skipped a step (`skipped`, taxbench run's probe), that is compared too, in
+the order it is decided (after the gradients, before the parameters): both runs skipping the same step agree there,
+and one skipping a step the other took differs. A record without it is a step that was taken.
 """
 
 from __future__ import annotations
@@ -14,14 +18,14 @@ import numpy as np
 import pandas as pd
 
 from taxbench.rundir.hex_columns import alike, hex_text, unpacked
-from taxbench.rundir.records import METRICS
+from taxbench.rundir.records import METRICS, SKIPPED
 
 
 @dataclass(frozen=True)
 class Mismatch:
     step: int
     rank: int
-    metric: str  # one of METRICS, or "missing_record" when one run has a step the other lacks
+    metric: str  # one of METRICS, SKIPPED, or "missing_record" when one run has a step the other lacks
     expected: str | None
     actual: str | None
 
@@ -61,13 +65,16 @@ def compare_runs(
     is incomplete) the gate cannot agree: only records both runs hold exactly once are compared, and a fingerprint
     that differs there is still a real mismatch; otherwise the outcome is "incomplete".
     """
-    columns = ["step", "rank", *METRICS]
+    metrics = _compared(reference, candidate)
+    if SKIPPED in metrics:
+        reference, candidate = (_with_skipped(frame) for frame in (reference, candidate))
+    columns = ["step", "rank", *metrics]
     ref, cand = _comparable(_after(reference, from_step, columns, through), _after(candidate, from_step, columns,
                                                                                    through))
     if problems:
-        return _compare_shared(gate, reference_name, ref, candidate_name, cand, from_step, problems)
+        return _compare_shared(gate, reference_name, ref, candidate_name, cand, from_step, problems, metrics)
     if _same_keys(ref, cand):
-        return _compare_aligned(gate, reference_name, ref, candidate_name, cand, from_step)
+        return _compare_aligned(gate, reference_name, ref, candidate_name, cand, from_step, metrics)
     # As text: an outer merge turns a packed column with a missing row into floats, which lose a digest's low bits.
     ref, cand = (frame.assign(**{m: unpacked(frame[m]) for m in METRICS}) for frame in (ref, cand))
     merged = ref.merge(cand, on=["step", "rank"], how="outer", suffixes=("_ref", "_cand"), indicator=True)
@@ -81,16 +88,36 @@ def compare_runs(
                                    "present" if present == "reference" else None,
                                    "present" if present == "candidate" else None))
     both = merged[merged["_merge"] == "both"]
-    differs = pd.DataFrame({m: both[f"{m}_ref"] != both[f"{m}_cand"] for m in METRICS})
+    differs = pd.DataFrame({m: both[f"{m}_ref"] != both[f"{m}_cand"] for m in metrics})
     bad_rows = differs.any(axis=1)
     if bad_rows.any():
         index = bad_rows[bad_rows].index[0]
         row = both.loc[index]
-        metric = next(m for m in METRICS if differs.loc[index, m])
+        metric = next(m for m in metrics if differs.loc[index, m])
         candidates.append(Mismatch(int(row["step"]), int(row["rank"]), metric,
-                                   str(row[f"{metric}_ref"]), str(row[f"{metric}_cand"])))
+                                   _text(metric, row[f"{metric}_ref"]), _text(metric, row[f"{metric}_cand"])))
     first = min(candidates, key=lambda m: (m.step, m.rank)) if candidates else None
     return Verdict(gate, reference_name, candidate_name, first is None, int(both["step"].nunique()), first, from_step)
+
+
+def _compared(reference: pd.DataFrame, candidate: pd.DataFrame) -> tuple[str, ...]:
+    """The fields a gate compares, in the order a step produces them: SKIPPED too where either run records it."""
+    if SKIPPED not in reference and SKIPPED not in candidate:
+        return METRICS
+    at = METRICS.index("params")
+    return (*METRICS[:at], SKIPPED, *METRICS[at:])
+
+
+def _with_skipped(frame: pd.DataFrame) -> pd.DataFrame:
+    """SKIPPED as booleans, a record without it being a step that was taken."""
+    skipped = frame[SKIPPED].fillna(False).astype(bool) if SKIPPED in frame else False
+    return frame.assign(**{SKIPPED: skipped})
+
+
+def _text(metric: str, value: object) -> str:
+    if metric == SKIPPED:
+        return "skipped" if value else "stepped"
+    return str(value)
 
 
 def _after(frame: pd.DataFrame, from_step: int, columns: list[str], through: int | None = None) -> pd.DataFrame:
@@ -118,38 +145,42 @@ def _same_keys(ref: pd.DataFrame, cand: pd.DataFrame) -> bool:
 
 
 def _compare_aligned(
-    gate: str, reference_name: str, ref: pd.DataFrame, candidate_name: str, cand: pd.DataFrame, from_step: int
+    gate: str, reference_name: str, ref: pd.DataFrame, candidate_name: str, cand: pd.DataFrame, from_step: int,
+    metrics: tuple[str, ...] = METRICS,
 ) -> Verdict:
     """Fast path for the usual case (same steps and ranks in the same order): column-wise comparison, no merge."""
     if ref.empty:  # agreement needs evidence: nothing compared is no pass
         return Verdict(gate, reference_name, candidate_name, False, 0, None, from_step,
                        (f"{reference_name} and {candidate_name} hold no records to compare after step {from_step}",))
     # Comparing the columns' own arrays keeps arrow-backed strings in pyarrow (40x faster than object arrays).
-    differs = np.column_stack([np.asarray(ref[m].array != cand[m].array, dtype=bool) for m in METRICS])
+    differs = np.column_stack([np.asarray(ref[m].array != cand[m].array, dtype=bool) for m in metrics])
     compared = int(ref["step"].nunique())
     bad = np.flatnonzero(differs.any(axis=1))
     if bad.size == 0:
         return Verdict(gate, reference_name, candidate_name, True, compared, None, from_step)
     steps, ranks = ref["step"].to_numpy()[bad], ref["rank"].to_numpy()[bad]
     row = int(bad[np.lexsort((ranks, steps))[0]])  # the first mismatch: the earliest step, then the lowest rank
-    metric = METRICS[int(np.argmax(differs[row]))]
-    mismatch = Mismatch(int(ref["step"].iat[row]), int(ref["rank"].iat[row]), metric,
-                        hex_text(ref[metric].iat[row], ref[metric].dtype),
-                        hex_text(cand[metric].iat[row], cand[metric].dtype))
+    metric = metrics[int(np.argmax(differs[row]))]
+    if metric == SKIPPED:
+        expected, actual = _text(metric, ref[metric].iat[row]), _text(metric, cand[metric].iat[row])
+    else:
+        expected = hex_text(ref[metric].iat[row], ref[metric].dtype)
+        actual = hex_text(cand[metric].iat[row], cand[metric].dtype)
+    mismatch = Mismatch(int(ref["step"].iat[row]), int(ref["rank"].iat[row]), metric, expected, actual)
     return Verdict(gate, reference_name, candidate_name, False, compared, mismatch, from_step)
 
 
 def _compare_shared(
     gate: str, reference_name: str, ref: pd.DataFrame, candidate_name: str, cand: pd.DataFrame, from_step: int,
-    problems: tuple[str, ...],
+    problems: tuple[str, ...], metrics: tuple[str, ...] = METRICS,
 ) -> Verdict:
     """Incomplete runs: compare the (step, rank) records both hold exactly once; never agree."""
     keys = ["step", "rank"]
     # a record without step, rank or fingerprints, or held twice, is no evidence either way
-    ref = ref.dropna(subset=[*keys, *METRICS]).drop_duplicates(keys, keep=False)
-    cand = cand.dropna(subset=[*keys, *METRICS]).drop_duplicates(keys, keep=False)
+    ref = ref.dropna(subset=[*keys, *metrics]).drop_duplicates(keys, keep=False)
+    cand = cand.dropna(subset=[*keys, *metrics]).drop_duplicates(keys, keep=False)
     shared = ref.merge(cand[keys], on=keys).sort_values(keys, kind="stable")
     ref = shared.reset_index(drop=True)
     cand = cand.merge(shared[keys], on=keys).sort_values(keys, kind="stable").reset_index(drop=True)
-    verdict = _compare_aligned(gate, reference_name, ref, candidate_name, cand, from_step)
+    verdict = _compare_aligned(gate, reference_name, ref, candidate_name, cand, from_step, metrics)
     return replace(verdict, agree=False, problems=problems)

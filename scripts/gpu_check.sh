@@ -9,7 +9,10 @@
 #   2. each installed stack's pair under taxbench's policy (*_policy) and under its own switch (*_native), with tax
 #      and gates: Megatron's MoE (and its distributed optimizer), torchtitan, DeepSpeed (its MoE at ep=2 on 2+ GPUs);
 #   3. moe_tiny's tax on the GPU;  4. fp8;  5. the NCCL policies, Ring vs Tree (2+ GPUs);
-#   6. `taxbench run` over torchtitan's own trainer (skipped until `python -m taxbench run --help` documents it);
+#   6. `taxbench run` over torchtitan's own trainer (skipped until `python -m taxbench run --help` documents it), and
+#      over Megatron-LM's own pretrain_gpt.py (a tiny GPT on mock data, `--deterministic-mode` as the deterministic
+#      arm's edit), only where MEGATRON_LM names a Megatron-LM checkout (the megatron-core wheel has no
+#      pretrain_gpt.py and the GPU box reaches no network): neither has run on a GPU yet;
 #   7. what has run on a GPU before (megatron_gpt, the CUDA tests, interleave=policy, the planted tax, the op scan).
 # The plan is printed first, `planned device time: N s` (the steps' limits and the device check); the default set is
 # what fits GPU_CHECK_BUDGET (default 600 s, one device command) in this order, every other step is listed as over
@@ -135,12 +138,25 @@ run_available() {  # whether `python -m taxbench run --help` documents the subco
 }
 # Before the wheels step a real run may not import taxbench yet: then the step is planned and checked after it.
 if run_available || { [ -z "$DRY" ] && ! "$PY" -c "import taxbench.cli" 2>/dev/null; }; then
-    plan titan_run 90 taxbench-run "${TB[@]}" run cluster.device=cuda cluster.gpus=1 experiment.out_dir="$OUT/runs" \
+    plan titan_run 90 run:titan "${TB[@]}" run cluster.device=cuda cluster.gpus=1 experiment.out_dir="$OUT/runs" \
         report.wandb=false experiment.name=titan_run -- "$PY" -m torch.distributed.run --nproc-per-node 1 \
         -m torchtitan.train --module llama3 --config llama3_debugmodel --training.steps 24 \
         --training.disable_cuda_graphs
 else
     not_here titan_run "taxbench run not available"
+fi
+# Megatron-LM's own entry point, as its determinism check runs it: a 2-layer GPT, mock data, 24 iterations, no eval.
+MEGATRON_LM=${MEGATRON_LM:-}
+if [ -n "$MEGATRON_LM" ] && { [ -n "$DRY" ] || [ -f "$MEGATRON_LM/pretrain_gpt.py" ]; }; then
+    plan megatron_run 120 run:megatron env PYTHONPATH="$MEGATRON_LM" "${TB[@]}" run cluster.device=cuda \
+        cluster.gpus=1 experiment.out_dir="$OUT/runs" report.wandb=false experiment.name=megatron_run \
+        'run.deterministic.args=[--deterministic-mode]' -- "$PY" -m torch.distributed.run --nproc-per-node 1 \
+        "$MEGATRON_LM/pretrain_gpt.py" --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 \
+        --max-position-embeddings 128 --micro-batch-size 2 --global-batch-size 2 --train-iters 24 --lr 1e-4 \
+        --lr-decay-style constant --mock-data --tokenizer-type NullTokenizer --vocab-size 1024 --bf16 \
+        --eval-iters 0 --eval-interval 1000 --log-interval 1 --no-gradient-accumulation-fusion --seed 1234
+else
+    not_here megatron_run "no Megatron-LM checkout (MEGATRON_LM=<a folder with pretrain_gpt.py>, carried to the box)"
 fi
 # 7. what an H200 ran on 2026-12-04 (docs/stacks.md "On a GPU"): again where the budget allows
 plan megatron_gpt_policy 60 megatron "${TB[@]}" "${EXP[@]}" "${SHORT[@]}" +recipe=megatron_gpt_debug \
@@ -178,9 +194,9 @@ taxbench_ok=1
 for i in "${!names[@]}"; do
     name=${names[$i]} limit=${limits[$i]} need=${needs[$i]}
     if [ "$taxbench_ok" = 0 ]; then record "skip $name: taxbench does not import (see wheels.log)"; continue; fi
-    if [ "$need" = taxbench-run ]; then
+    if [[ $need == run:* ]]; then  # `taxbench run` over a stack's own command
         run_available || { record "skip $name: taxbench run not available"; continue; }
-        need=titan
+        need=${need#run:}
     fi
     if [ "$need" != - ] && [ -f "$OUT/imports.txt" ] && ! grep -q "^$need ok" "$OUT/imports.txt"; then
         record "skip $name: stack $(grep "^$need " "$OUT/imports.txt" || echo "$need not checked")"

@@ -190,3 +190,13 @@ def test_the_gpu_scripts_parse_and_pass_shellcheck(script: str) -> None:
         pytest.skip("shellcheck not installed")
     done = subprocess.run(["shellcheck", str(path)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout
+
+
+def test_taxbench_run_over_megatron_lm_needs_its_checkout(tmp_path: Path) -> None:
+    steps = dry_steps(tmp_path, gpus=1, only="megatron_run")
+    assert "megatron_run" not in steps and "skip megatron_run: no Megatron-LM checkout" in steps["-"]
+    env = {**os.environ, "GPU_CHECK_DRY": "1", "GPU_CHECK_GPUS": "1", "OUT": str(tmp_path / "out"),
+           "GPU_STEPS": "megatron_run", "MEGATRON_LM": "/opt/Megatron-LM"}
+    done = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env, timeout=60)
+    line = next(line for line in done.stdout.splitlines() if line.startswith("step megatron_run"))
+    assert "/opt/Megatron-LM/pretrain_gpt.py" in line and "--deterministic-mode" in line and "--mock-data" in line

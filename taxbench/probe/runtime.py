@@ -4,7 +4,8 @@ Activated the moment the command's `import torch` finishes (taxbench/probe/boot/
 runs a torch op:
 - applies the arm's torch flags (taxbench's policy; none for the baseline and a stack-native arm);
 - marks steps with torch's global optimizer hooks, folding nested calls (torchtitan's OptimizersContainer) and
-  per-group calls (DeepSpeed ZeRO) into one step (taxbench.probe.steps);
+  per-group calls (DeepSpeed ZeRO) into one step (taxbench.probe.steps), and records a step that a stack skipped
+  (a loss scaler's overflow) as skipped, where the stack's adapter sees it (taxbench.probe.adapters);
 - reads each loss where a backward call shows it (`torch.autograd.backward`, which `Tensor.backward` calls);
 - digests what this rank's optimizer holds with taxbench's digest (on the device where the tensors are): gradients
   before the step, parameters and optimizer state after it;
@@ -30,9 +31,10 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from taxbench import fingerprint
 from taxbench.config.schema import Device, PolicyConfig
+from taxbench.probe.adapters import Adapters
 from taxbench.probe.steps import ClosedStep, StepFolder
 from taxbench.rundir.probe_files import LiveFlags, ProbeSettings, RankFacts, mark_loaded, read_probe_settings
-from taxbench.rundir.records import steps_file
+from taxbench.rundir.records import SKIPPED, steps_file
 from taxbench.rundir.step_stream import StepWriter
 from taxbench.runtime.determinism import applied_state, apply_flags
 
@@ -62,14 +64,8 @@ def live_flags() -> LiveFlags:
     )
 
 
-def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(parameters, optimizer state tensors) this optimizer holds, in its own order."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    state = []
-    for p in params:
-        held = optimizer.state.get(p, {})
-        state += [held[key] for key in sorted(held) if isinstance(held[key], torch.Tensor)]
-    return params, state
+def _parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def own_step_count(optimizer: torch.optim.Optimizer) -> int | None:
@@ -93,6 +89,8 @@ class Probe:
         self.offset = 0  # a resumed process: its steps continue the optimizer's own count
         self.cuda = torch.cuda.is_available()
         self.pending: list[tuple[dict[str, Any], ClosedStep]] = []
+        self.optimizer_calls = 0  # optimizer step calls so far, at any depth (an adapter's sign of a skipped step)
+        self.adapters = Adapters(self)
         self.capture: ProbeCapture | None = None
 
     # ------------------------------------------------------------------------------------------------ installing
@@ -116,14 +114,32 @@ class Probe:
             return original(tensors, *args, **kwargs)
 
         torch.autograd.backward = backward  # Tensor.backward calls torch.autograd.backward
+        self.adapters.install_new()
         atexit.register(self.close)
+
+    def _held(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]
+              ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """(gradients, parameters, optimizer state) of `params` as `optimizer` holds them, in its own order, each
+        cut to the parts that are the model's (taxbench.probe.adapters: no padding)."""
+        grads, values, state = [], [], []
+        for p in params:
+            if p.grad is not None:
+                grads += self.adapters.real(p, p.grad)
+            values += self.adapters.real(p, p)
+            held = optimizer.state.get(p, {})
+            for key in sorted(held):
+                if isinstance(held[key], torch.Tensor):
+                    state += self.adapters.real(p, held[key])
+        return grads, values, state
 
     # ------------------------------------------------------------------------------------------------ hooks
     def _quiet(self) -> AbstractContextManager[Any]:
+        """The probe's own work, kept out of a replay's op capture."""
         return self.capture.quiet() if self.capture is not None else nullcontext()
 
     def _backward(self, tensors: Any) -> None:
         began = time.perf_counter()
+        self.adapters.install_new()  # before the step this backward leads to: a stack imported since is known
         if self.capture is not None:
             self.capture.at(self._absolute(self.folder.under_way))
         with self._quiet():
@@ -139,14 +155,14 @@ class Probe:
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         began = time.perf_counter()
-        params, _ = _optimizer_tensors(optimizer)
+        params = _parameters(optimizer)
         key = tuple((id(p), p.data_ptr()) for p in params)
         outermost, closed = self.folder.on_pre_step(optimizer, key, began)
         with self._quiet():
             if closed is not None:
                 self._record(closed)
             if outermost and self._digesting(self.folder.next_step):
-                grads = [p.grad for p in params if p.grad is not None]
+                grads, _, _ = self._held(optimizer, params)
                 self.folder.add_grads(fingerprint.collection_digest(grads) if grads else 0)
         if outermost and self.capture is not None:
             self.capture.optimizer_called(optimizer, args, kwargs)
@@ -154,21 +170,41 @@ class Probe:
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         ended = time.perf_counter()
-        event = None
-        if self.cuda and any(p.is_cuda for g in optimizer.param_groups for p in g["params"]):
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
+        self.optimizer_calls += 1
+        params = _parameters(optimizer)
+        event = self._event(params)
         if not self.folder.on_post_step(optimizer, ended, event):
             return
+        if self.capture is not None:
+            self.capture.optimizer_returned(optimizer, args, kwargs, self._absolute(self.folder.under_way))
+        self._step_ended(optimizer, params, ended, grads=False)
+
+    def skipped(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor] | None = None) -> None:
+        """A stack's adapter saw this step skipped (no optimizer call): recorded as a step, marked skipped, with the
+        gradients, parameters and state as the skip left them."""
+        ended = time.perf_counter()
+        params = _parameters(optimizer) if params is None else params
+        if self.folder.on_skipped(ended, self._event(params)):
+            self._step_ended(optimizer, params, ended, grads=True)
+
+    def _event(self, params: list[torch.Tensor]) -> Any:
+        if not (self.cuda and any(p.is_cuda for p in params)):
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _step_ended(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], ended: float,
+                    grads: bool) -> None:
         name = type(optimizer).__qualname__
         if name not in self.optimizer_classes:
             self.optimizer_classes.append(name)
-        if self.capture is not None:
-            self.capture.optimizer_returned(optimizer, args, kwargs, self._absolute(self.folder.under_way))
         with self._quiet():
             if self._digesting(self.folder.next_step):
-                params, state = _optimizer_tensors(optimizer)  # now: ZeRO-3 swaps its sub-group out after the call
-                self.folder.add_state(fingerprint.collection_digest(params) or 0,
+                held_grads, values, state = self._held(optimizer, params)  # now: ZeRO-3 swaps its sub-group out
+                if grads:
+                    self.folder.add_grads(fingerprint.collection_digest(held_grads) if held_grads else 0)
+                self.folder.add_state(fingerprint.collection_digest(values) or 0,
                                       fingerprint.collection_digest(state) or 0)
             self.folder.add_own_count(own_step_count(optimizer))
         self.folder.add_overhead(time.perf_counter() - ended)
@@ -225,6 +261,7 @@ class Probe:
             "flags": live_flags().text(),
             "optimizer_step": closed.own_count,
             "calls": closed.calls,
+            SKIPPED: closed.skipped,
         }
         self.pending.append((record, closed))
         if not self.cuda or len(self.pending) >= 16:

@@ -7,6 +7,9 @@
   between starts a new step.
 - The losses of every backward since the previous step belong to the next one (gradient accumulation: one step
   with all its micro-batch losses).
+- A step that a stack skipped (no optimizer call: a loss scaler's overflow; its adapter reports it) is a step too,
+  marked skipped, with the losses of its backward passes. Reports of the same skip before the next backward, and a
+  skip inside an optimizer call (whose step is recorded anyway), fold into it.
 A step closes when the next backward or step begins, or when the process ends. Its time runs from the previous step's
 end (its last outermost call returning) to its own, less the probe's own work in between.
 """
@@ -31,6 +34,7 @@ class _Open:
     params: list[Digest] = field(default_factory=list)
     optim: list[Digest] = field(default_factory=list)
     calls: int = 0
+    skipped: bool = False
     own_count: int | None = None
     end: float = 0.0
     end_overhead: float = 0.0
@@ -41,6 +45,7 @@ class _Open:
 class ClosedStep:
     number: int  # 1, 2, ... in this process
     calls: int  # outermost optimizer calls folded into it
+    skipped: bool  # the stack skipped the optimizer step (its adapter said so)
     own_count: int | None  # the optimizer's own step count after it
     time_s: float  # host clock, the probe's own work taken out
     overhead_s: float  # the probe's own work in this step's interval
@@ -142,6 +147,19 @@ class StepFolder:
         self._open.end, self._open.end_overhead, self._open.end_event = now, self._overhead, event
         return True
 
+    def on_skipped(self, now: float, event: Any) -> bool:
+        """A stack skipped this step: whether it is a new skipped step (then its digests follow, as after a call)."""
+        if self._depth > 0 or (self._open is not None and (self._open.skipped or self._open.calls > 0)):
+            if self._open is not None and self._depth == 0:
+                self._open.skipped = True  # some calls ran, then the stack skipped the rest: the step is skipped
+            return False
+        if self._open is None:
+            self._open = _Open(losses=self._losses)
+            self._losses = []
+        self._open.skipped = True
+        self._open.end, self._open.end_overhead, self._open.end_event = now, self._overhead, event
+        return True
+
     def add_grads(self, digest: Digest) -> None:
         if self._open is not None:
             self._open.grads.append(digest)
@@ -158,10 +176,11 @@ class StepFolder:
     def close(self, now: float) -> ClosedStep | None:
         """The open step, closed (None when no optimizer call is open)."""
         step = self._open
-        if step is None or step.calls == 0:
+        if step is None or (step.calls == 0 and not step.skipped):
             return None
         overhead = step.end_overhead - self._prev_overhead
-        closed = ClosedStep(self.next_step, step.calls, step.own_count, step.end - self._prev_end - overhead,
+        closed = ClosedStep(self.next_step, step.calls, step.skipped, step.own_count,
+                            step.end - self._prev_end - overhead,
                             overhead, step.losses, step.grads, step.params, step.optim, self._prev_event,
                             step.end_event)
         self._prev_end, self._prev_overhead, self._prev_event = step.end, step.end_overhead, step.end_event

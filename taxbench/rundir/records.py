@@ -32,6 +32,11 @@ SCHEMA_VERSION = 3
 # Fingerprinted metrics in the order they are produced within a step; the first mismatch is reported in this order.
 METRICS = ("loss_bits", "grads", "grad_norm_bits", "params", "optim")
 
+# A step whose optimizer update the stack skipped (a loss scaler's overflow), as `taxbench run`'s probe records it:
+# true or false in its records. An optional field: a record without it (the trainer's, an older probe's) is a step
+# that was taken, so the schema version stays. The gates compare it beside the fingerprints (analysis.verdicts).
+SKIPPED = "skipped"
+
 MANIFEST = "manifest.json"
 
 
