@@ -42,13 +42,14 @@ from taxbench.design import EQUIVALENCE_RUNS, GATES, RESUMED
 from taxbench.rundir.probe_files import FLAG_NAMES, LiveFlags, expected_flags
 from taxbench.rundir.read import RecordError, load_checked_run, load_manifest, manifest_value
 from taxbench.rundir.records import MANIFEST, STOP_FILE, read_stop
+from taxbench.rundir.step_record import FINGERPRINT_S, FLAGS, GRAD_NORM, RANK, STEP
 from taxbench.schedule.cost import read_cost
 from taxbench.stats.tax import estimate_pairs_tax, no_estimate, pair_ratios, steps_for_half_width
 
 NOT_RUN = ("not run: the command's own save and resume were not given (run.restart.save_args and "
            "run.restart.resume_args, with {checkpoint}); without them nothing shows that a resumed run replays "
            "the uninterrupted one")
-UNOBSERVED = ("grad_norm",)  # a command's own clipping norm: never recorded by the probe
+UNOBSERVED = (GRAD_NORM,)  # a command's own clipping norm: never recorded by the probe
 
 
 def command_run_of(root: Path) -> str | None:
@@ -80,11 +81,11 @@ def flag_problems(run: str, manifest: dict[str, Any], frame: pd.DataFrame) -> li
     """A run under taxbench's policy whose command turned a flag off (or on) is no evidence: the first step and rank
     where a live flag differs from the policy's."""
     policy = manifest.get("policy") or {}
-    if manifest.get("arm") != "deterministic" or policy.get("stack_native") or "flags" not in frame or frame.empty:
+    if manifest.get("arm") != "deterministic" or policy.get("stack_native") or FLAGS not in frame or frame.empty:
         return []
     wanted = expected_flags(policy)
-    ordered = frame.sort_values(["step", "rank"], kind="stable")
-    for step, rank, text in zip(ordered["step"], ordered["rank"], ordered["flags"], strict=True):
+    ordered = frame.sort_values([STEP, RANK], kind="stable")
+    for step, rank, text in zip(ordered[STEP], ordered[RANK], ordered[FLAGS], strict=True):
         if not isinstance(text, str):
             return [f"{run}: step {int(step)}, rank {int(rank)} records no live flags; was it written by the probe?"]
         live = LiveFlags.parse(text)
@@ -101,14 +102,14 @@ def _load(root: Path, name: str, steps: int, config: dict[str, Any], fields: tup
           ) -> tuple[dict[str, Any] | None, pd.DataFrame, list[str]]:
     manifest_path = root / name / MANIFEST
     if not manifest_path.exists():
-        return None, pd.DataFrame(columns=["step", "rank"]), [f"{name}: the run never ended well (no {manifest_path})"]
+        return None, pd.DataFrame(columns=[STEP, RANK]), [f"{name}: the run never ended well (no {manifest_path})"]
     manifest = load_manifest(root / name)
-    frame, problems = load_checked_run(root / name, manifest, steps, config, (*fields, "flags"))
+    frame, problems = load_checked_run(root / name, manifest, steps, config, (*fields, FLAGS))
     if int(((manifest.get("command") or {}).get("probe") or {}).get("fingerprint_every", 1)) != 1:
         # a timing-only pair (past the two gated ones) digests sampled steps, or none, by design: no gate reads it
         problems = [line for line in problems if "without a fingerprint" not in line]
     problems += flag_problems(name, manifest, frame)
-    return manifest, frame.drop(columns=["flags"], errors="ignore"), problems
+    return manifest, frame.drop(columns=[FLAGS], errors="ignore"), problems
 
 
 def _restart_verdict(runs: dict[str, pd.DataFrame], problems: dict[str, list[str]],
@@ -185,7 +186,7 @@ def compute_command_experiment(root: Path, first: str) -> CommandAnalysis:
         equivalence=baseline_equivalence(observed, int(experiment["warmup_steps"]), equivalence_problems),
         problems=(stop_problems + [line for name in names for line in problems[name]]
                   + ([] if restarted else [f"restart_replay: {NOT_RUN}"])),
-        fingerprint_s=_median(runs, "fingerprint_s"),
+        fingerprint_s=_median(runs, FINGERPRINT_S),
         interleave=WHOLE_RUNS,
         nonfinite=nonfinite_runs(observed),
         gate_steps=steps,

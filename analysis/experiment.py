@@ -61,6 +61,18 @@ from taxbench.rundir.read import (
     step_times,
 )
 from taxbench.rundir.records import MANIFEST, METRICS, STEPS, STOP_FILE, read_stop
+from taxbench.rundir.step_record import (
+    BLOCK,
+    DATA_S,
+    FINGERPRINT_S,
+    GRAD_NORM,
+    LOSS,
+    MEM_PEAK_BYTES,
+    RANK,
+    STEP,
+    TIME_S,
+    TOKENS,
+)
 from taxbench.rundir.write_scope import running as still_running
 from taxbench.schedule.cost import read_cost
 from taxbench.stats.tax import (
@@ -249,13 +261,13 @@ def run_step_series(frame: pd.DataFrame, times: pd.DataFrame, dp: int) -> pd.Dat
     """Per step of one run: the job's step time (slowest rank; `times` is step_times(frame)), the loss (mean over
     ranks), the global grad norm (as rank 0 recorded it) and the job's tokens/s (rank 0's tokens per step x dp / step
     time)."""
-    time_s = times.set_index("step")["time_s"]
-    first_rank = frame[frame["rank"] == frame["rank"].min()].drop_duplicates("step").set_index("step")
+    time_s = times.set_index(STEP)[TIME_S]
+    first_rank = frame[frame[RANK] == frame[RANK].min()].drop_duplicates(STEP).set_index(STEP)
     return pd.DataFrame({
         "step_time": time_s,
         "loss": step_losses(frame),
-        "grad_norm": first_rank["grad_norm"],
-        "tokens_per_s": first_rank["tokens"] * dp / time_s,
+        "grad_norm": first_rank[GRAD_NORM],
+        "tokens_per_s": first_rank[TOKENS] * dp / time_s,
     }).sort_index()
 
 
@@ -310,9 +322,9 @@ def code_of(manifest: dict[str, Any]) -> str:
 
 # The record fields the analysis keeps of a checked run (load_checked_run reads identity and schema version first).
 # Of every run: the gates, non-finite values, training curves and what the fingerprints cost.
-GATE_FIELDS = ("step", "rank", "loss", "grad_norm", "fingerprint_s", *METRICS)
+GATE_FIELDS = (STEP, RANK, LOSS, GRAD_NORM, FINGERPRINT_S, *METRICS)
 # Of the timed runs and each arm's first run too: the tax, throughput, and the step times and series of the report.
-TIMED_FIELDS = (*GATE_FIELDS, "block", "time_s", "data_s", "tokens", "mem_peak_bytes")
+TIMED_FIELDS = (*GATE_FIELDS, BLOCK, TIME_S, DATA_S, TOKENS, MEM_PEAK_BYTES)
 
 
 def analysed_fields(name: str, timed_names: Collection[str]) -> tuple[str, ...]:
@@ -336,16 +348,16 @@ def timed_runs(runs: dict[str, pd.DataFrame], experiment: dict[str, Any]) -> dic
 def after_warmup(frame: pd.DataFrame, warmup: int, columns: list[str]) -> pd.DataFrame:
     """`columns` (those the frame has) of the records after the warmup: selected first, since filtering the whole
     frame of 1,000 ranks x 1,000 steps copies every column."""
-    return frame[[c for c in columns if c in frame]].loc[frame["step"].to_numpy() > warmup]
+    return frame[[c for c in columns if c in frame]].loc[frame[STEP].to_numpy() > warmup]
 
 
 def rank_medians(timed: dict[str, list[pd.DataFrame]], warmup: int) -> list[float]:
     """Each rank's median step time over every timed run after the warmup (rank order)."""
-    frames = [after_warmup(frame, warmup, ["rank", "time_s"]) for runs in timed.values() for frame in runs]
+    frames = [after_warmup(frame, warmup, [RANK, TIME_S]) for runs in timed.values() for frame in runs]
     frames = [frame for frame in frames if not frame.empty]
     if not frames:
         return []
-    return pd.concat(frames).groupby("rank")["time_s"].median().sort_index().tolist()
+    return pd.concat(frames).groupby(RANK)[TIME_S].median().sort_index().tolist()
 
 
 def _fault_target(fault: FaultConfig) -> str | None:
@@ -411,7 +423,7 @@ def step_deltas_us(tax: TaxEstimate, knobs: list[KnobResult]) -> dict[str, float
 
 
 def _median_fingerprint_s(frames: Iterable[pd.DataFrame]) -> float:
-    times = [frame["fingerprint_s"].dropna() for frame in frames if "fingerprint_s" in frame]
+    times = [frame[FINGERPRINT_S].dropna() for frame in frames if FINGERPRINT_S in frame]
     times = [t for t in times if not t.empty]
     return float(pd.concat(times).median()) if times else math.nan
 

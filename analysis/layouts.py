@@ -42,12 +42,13 @@ from taxbench.rundir.read import (
     read_json_object,
 )
 from taxbench.rundir.records import WEIGHTS_FORMAT, weights_file
+from taxbench.rundir.step_record import GRAD_NORM, GRAD_NORM_BITS, LOSS, LOSS_BITS, RANK, STEP, TIME_S
 
 PLAN_FILE = "layouts.json"  # <root>/layouts.json: what was asked for and how each layout's launch went
 SUMMARY_FILE = "summary.json"
 REPLICAS = ("0", "1")
 INITIAL = "0"  # the weights' step before any training
-LOSS, GRAD_NORM, WEIGHTS = "loss", "grad_norm", "weights"
+WEIGHTS = "weights"  # beside the step record's LOSS and GRAD_NORM: the metrics a layouts pair compares
 
 
 # ------------------------------------------------------------------------------------------------ the plan record
@@ -144,14 +145,14 @@ def _whole_job_series(frame: pd.DataFrame, run: str) -> tuple[pd.DataFrame, list
     """Per step: the job's loss (mean of the ranks' float32 losses in float64, rounded to float32) and grad norm, as
     float32 bit patterns; notes where the ranks' grad norms disagree (they are the whole model's on every rank)."""
     notes = []
-    grouped = frame.groupby("step", sort=True)
-    loss = grouped["loss"].mean().astype(np.float64).to_numpy().astype(np.float32)
-    grad_norm = grouped["grad_norm"].mean().astype(np.float64).to_numpy().astype(np.float32)
+    grouped = frame.groupby(STEP, sort=True)
+    loss = grouped[LOSS].mean().astype(np.float64).to_numpy().astype(np.float32)
+    grad_norm = grouped[GRAD_NORM].mean().astype(np.float64).to_numpy().astype(np.float32)
     disagree = grouped["grad_norm_bits"].nunique()
     if (disagree > 1).any():
         notes.append(f"{run}: the ranks' grad norms differ at {int((disagree > 1).sum())} step(s) (first: step "
                      f"{int(disagree[disagree > 1].index[0])}); compared as their mean")
-    series = pd.DataFrame({"step": grouped["loss"].mean().index.to_numpy(dtype=np.int64),
+    series = pd.DataFrame({STEP: grouped[LOSS].mean().index.to_numpy(dtype=np.int64),
                            "loss_bits": loss.view(np.uint32).astype(np.int64),
                            "grad_norm_bits": grad_norm.view(np.uint32).astype(np.int64)})
     return series, notes
@@ -230,7 +231,7 @@ def analyse_layout(root: Path, name: str, arm: str, steps: int, launch: LaunchRe
             config = config if config is not None else manifest_value(manifest, folder / run, "config")
             frame, found = load_checked_run(folder / run, manifest, steps, config)
         except RecordError as exc:
-            frame, found, manifest = pd.DataFrame(columns=["step", "rank", "loss", "grad_norm"]), [str(exc)], {}
+            frame, found, manifest = pd.DataFrame(columns=[STEP, RANK, LOSS, GRAD_NORM]), [str(exc)], {}
         frames[run] = frame
         problems += found
         layout = layout or dict(manifest.get("layout") or {})
@@ -243,8 +244,8 @@ def analyse_layout(root: Path, name: str, arm: str, steps: int, launch: LaunchRe
                   Verdict("repeatability", runs[0], runs[1], False, 0, None, 0, tuple(problems)))
     reference = frames[runs[0]]
     series, notes = (_whole_job_series(reference, f"{name}/{runs[0]}") if not reference.empty else
-                     (pd.DataFrame(columns=["step", "loss_bits", "grad_norm_bits"]), []))
-    median = float(reference.groupby("step")["time_s"].max().median()) if "time_s" in reference and \
+                     (pd.DataFrame(columns=[STEP, LOSS_BITS, GRAD_NORM_BITS]), []))
+    median = float(reference.groupby(STEP)[TIME_S].max().median()) if TIME_S in reference and \
         not reference.empty else math.nan
     return LayoutResult(name, layout, repeatable, series, digests, elements, problems, notes,
                         launch.seconds if launch else None, median)
@@ -289,7 +290,7 @@ def compare_layouts(a: LayoutResult, b: LayoutResult, steps: int) -> PairResult:
     """Replica 0 of two layouts: weights at step 0 and at the last step, loss and grad norm per step."""
     initial = _same(a.digests.get("0", {}).get(INITIAL), b.digests.get("0", {}).get(INITIAL))
     final = _same(a.digests.get("0", {}).get(str(steps)), b.digests.get("0", {}).get(str(steps)))
-    left, right = a.series.set_index("step"), b.series.set_index("step")
+    left, right = a.series.set_index(STEP), b.series.set_index(STEP)
     wanted = list(range(1, steps + 1))
     loss_ulp: list[int | None] = []
     norm_ulp: list[int | None] = []
@@ -383,7 +384,7 @@ class LayoutsAnalysis:
         columns loss/<layout> and grad_norm/<layout>."""
         columns = {}
         for layout in self.summary.layouts:
-            series = layout.series.set_index("step")
+            series = layout.series.set_index(STEP)
             for metric in (LOSS, GRAD_NORM):
                 bits = series[f"{metric}_bits"].to_numpy(dtype=np.int64).astype(np.uint32)
                 columns[f"{metric}/{layout.name}"] = pd.Series(bits.view(np.float32).astype(np.float64),

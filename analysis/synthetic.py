@@ -20,6 +20,21 @@ import pandas as pd
 from taxbench.design import ALL_RUNS
 from taxbench.rundir.provenance import config_hash
 from taxbench.rundir.records import MANIFEST, METRICS, SCHEMA_VERSION, STEPS, Stop, steps_file, write_manifest
+from taxbench.rundir.step_record import (
+    ARM,
+    BLOCK,
+    DATA_S,
+    DEVICE_S,
+    GRAD_NORM,
+    LOSS,
+    RANK,
+    REPLICA,
+    SCHEMA_VERSION_FIELD,
+    STEP,
+    TIME_S,
+    TOKENS,
+    WINDOW_S,
+)
 from taxbench.rundir.step_stream import refresh_mirror
 
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -84,10 +99,10 @@ def _run_frame(spec: SyntheticExperiment, arm: str, replica: str, rng: np.random
     time_s = spec.step_time_s * warmup * slowdown * rank_offset * noise
     salt = 1 if arm == "deterministic" or spec.baseline_deterministic or replica == "0" else 2
     frame = pd.DataFrame({
-        "schema_version": SCHEMA_VERSION, "arm": arm, "replica": replica, "rank": ranks, "step": steps,
-        "block": (steps - 1) // spec.block_steps, "data_s": 1e-4, "tokens": 4096, "time_s": time_s,
-        "window_s": time_s * 1.02, "device_s": time_s * 0.98, "loss": _loss(spec, arm, replica, steps),
-        "grad_norm": 1.0,
+        SCHEMA_VERSION_FIELD: SCHEMA_VERSION, ARM: arm, REPLICA: replica, RANK: ranks, STEP: steps,
+        BLOCK: (steps - 1) // spec.block_steps, DATA_S: 1e-4, TOKENS: 4096, TIME_S: time_s,
+        WINDOW_S: time_s * 1.02, DEVICE_S: time_s * 0.98, LOSS: _loss(spec, arm, replica, steps),
+        GRAD_NORM: 1.0,
         **_fingerprints(steps, ranks, salt),
     })
     if injection is not None and injection.run == f"{arm}-{replica}":
@@ -128,7 +143,7 @@ def write_experiment(root: Path, spec: SyntheticExperiment, injection: Injection
         run_dir = root / ref.name
         write_manifest(run_dir, _manifest(spec, root.name, ref.arm, ref.replica))
         frame = _run_frame(spec, ref.arm, ref.replica, rng, injection)
-        for rank, part in frame.groupby("rank", sort=True):
+        for rank, part in frame.groupby(RANK, sort=True):
             stream = steps_file(run_dir, int(rank))
             part.to_json(stream, orient="records", lines=True)
             refresh_mirror(stream)  # what a rank's StepWriter leaves behind when it closes

@@ -39,6 +39,7 @@ from taxbench.rundir.probe_files import (
 )
 from taxbench.rundir.read import load_run
 from taxbench.rundir.records import MANIFEST, STEPS, TARGET, Stop
+from taxbench.rundir.step_record import BLOCK, RANK, STEP, TIME_S
 from taxbench.stats.tax import estimate_pairs_tax
 
 PROBE_BOOT = Path(taxbench.__file__).parent / "probe" / "boot"
@@ -138,8 +139,8 @@ class CommandRunner:
         Stop(self.steps_of(RunRef("baseline", "0")), stopped_by, half_width, pairs=pairs).write(self.root)
 
     def half_width(self, pairs: int) -> float:
-        frames = [(load_run(self.root / f"baseline-{p}", fields={"step", "rank", "time_s", "block"}),
-                   load_run(self.root / f"deterministic-{p}", fields={"step", "rank", "time_s", "block"}))
+        frames = [(load_run(self.root / f"baseline-{p}", fields={STEP, RANK, TIME_S, BLOCK}),
+                   load_run(self.root / f"deterministic-{p}", fields={STEP, RANK, TIME_S, BLOCK}))
                   for p in range(pairs)]
         estimate = estimate_pairs_tax(frames, self.cfg.experiment.warmup_steps, self.cfg.experiment.confidence)
         print(f"taxbench: {pairs} pairs: tax {estimate.tax:+.2%}, interval half-width {estimate.half_width:.2%}",
@@ -147,8 +148,8 @@ class CommandRunner:
         return estimate.half_width
 
     def steps_of(self, ref: RunRef) -> int:
-        frame = load_run(self.root / ref.name, fields={"step", "rank"})
-        return int(frame["step"].max()) if not frame.empty else 0
+        frame = load_run(self.root / ref.name, fields={STEP, RANK})
+        return int(frame[STEP].max()) if not frame.empty else 0
 
     # -------------------------------------------------------------------------------------------------- one run
     def run_one(self, run: PlannedRun, index: int, total: int) -> None:
