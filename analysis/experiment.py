@@ -55,12 +55,11 @@ from taxbench.rundir.read import (
     empty_run,
     load_checked_run,
     load_fault_events,
-    load_manifest,
-    manifest_value,
     step_losses,
     step_times,
 )
 from taxbench.rundir.records import MANIFEST, METRICS, STEPS, STOP_FILE, read_stop
+from taxbench.rundir.run_manifest import Manifest, load_manifest
 from taxbench.rundir.step_record import (
     BLOCK,
     DATA_S,
@@ -233,7 +232,7 @@ class ExperimentAnalysis:
     summary: ExperimentSummary
     runs: dict[str, pd.DataFrame]  # run name -> step records of all ranks (the fields of analysed_fields)
     timed: dict[str, list[pd.DataFrame]]  # arm -> its interleaved (timed) runs' records
-    manifests: dict[str, dict[str, Any]]  # run name -> manifest.json
+    manifests: dict[str, Manifest]  # run name -> its manifest.json
 
     @cached_property
     def step_times(self) -> dict[str, pd.DataFrame]:
@@ -244,14 +243,14 @@ class ExperimentAnalysis:
     def step_series(self) -> dict[str, pd.DataFrame]:
         """Arm -> its first timed run per step: the job's step time, loss, grad norm and tokens/s (run_step_series)."""
         return {arm: run_step_series(self.runs[f"{arm}-0"], self.step_times[arm],
-                                     int(self.manifests[f"{arm}-0"].get("layout", {}).get("dp", 1)))
+                                     self.manifests[f"{arm}-0"].data_parallel)
                 for arm in ARMS}
 
     @cached_property
     def block_ratios(self) -> pd.DataFrame:
         """The per-block deterministic/baseline ratios the tax is estimated from (same warmup, same steps left out
         after checkpoint commits), for the plots: computed once, on first use, whichever presenter asks."""
-        experiment = self.manifests[TIMED["deterministic"].name]["config"]["experiment"]
+        experiment = self.manifests[TIMED["deterministic"].name].experiment_config
         stop = read_stop(Path(self.summary.root))
         return block_ratios(self.timed["baseline"], self.timed["deterministic"], self.summary.tax.warmup_steps,
                             Checkpoints.of(experiment, None if stop is None else stop.commits))
@@ -310,9 +309,9 @@ def recipe_label(recipe: dict[str, Any]) -> str:
     return f"{recipe.get('name')} ({target})" if target else str(recipe.get("name"))
 
 
-def code_of(manifest: dict[str, Any]) -> str:
+def code_of(manifest: Manifest) -> str:
     """'taxbench 0.1.0 @ 1a2b3c4d5e6f+dirty' from the manifest's provenance ('unknown' for older runs)."""
-    provenance = manifest.get("provenance") or {}
+    provenance = manifest.provenance or {}
     if not provenance:
         return "unknown"
     commit = provenance.get("commit")
@@ -452,8 +451,8 @@ def compute_experiment(root: Path) -> ExperimentAnalysis:
         raise StillRunning(f"{root} is running ({running}) and has not started its runs yet; nothing to analyse: "
                            "analyse it again when the launch has finished")
     manifest = load_manifest(root / first)
-    config = manifest_value(manifest, root / first, "config")
-    experiment = manifest_value(manifest, root / first, "config.experiment")
+    config = manifest.run_config
+    experiment = manifest.experiment_config
     settings = experiment_settings(config, root / first)
     # The gated runs, then timed runs of their own (experiment.interleave=policy: the shared model's <arm>-timed).
     names = GATED_RUNS + tuple(ref.name for ref in interleaved_runs(experiment) if ref.name not in GATED_RUNS)
@@ -488,9 +487,9 @@ def compute_experiment(root: Path) -> ExperimentAnalysis:
         verdicts.append(compare_runs(gate.name, reference, runs[reference], candidate, runs[candidate], from_step,
                                      tuple(problems[reference] + problems[candidate]), through))
     faults, fired = fault_outcome(root, settings.fault, verdicts)
-    device = manifest_value(manifest, root / first, "policy_applied.device")
+    device = manifest.device
     knobs = analyse_ablation(root, config, timed["baseline"], steps, checkpoints)
-    world = int(manifest_value(manifest, root / first, "layout.world_size"))
+    world = manifest.world_size
     attribution, attribution_problems = ({}, []) if not settings.ablation else attribute_arms(
         root, step_deltas_us(tax, knobs), world)
     equivalence = baseline_equivalence(runs, int(experiment["warmup_steps"]),
@@ -503,12 +502,12 @@ def compute_experiment(root: Path) -> ExperimentAnalysis:
     gate_cost = sum(medians[arm] * run_steps_of[name] for name in names for arm in medians
                     if name.startswith(arm) and name not in timed_names)
     throughput = {arm: arm_throughput([after_warmup(f, tax.warmup_steps, THROUGHPUT_FIELDS) for f in frames],
-                                      medians[arm], world, manifest.get("throughput"))
+                                      medians[arm], world, manifest.throughput)
                   for arm, frames in timed.items()}
     summary = ExperimentSummary(
         experiment=root.name,
         root=str(root),
-        recipe=recipe_label(manifest_value(manifest, root / first, "config.recipe")),
+        recipe=recipe_label(manifest.recipe),
         world_size=world,
         device=device,
         tax=tax,

@@ -37,11 +37,10 @@ from taxbench.rundir.read import (
     RecordError,
     UnreadableRecords,
     load_checked_run,
-    load_manifest,
-    manifest_value,
     read_json_object,
 )
 from taxbench.rundir.records import WEIGHTS_FORMAT, weights_file
+from taxbench.rundir.run_manifest import Manifest, load_manifest
 from taxbench.rundir.step_record import GRAD_NORM, GRAD_NORM_BITS, LOSS, LOSS_BITS, RANK, STEP, TIME_S
 
 PLAN_FILE = "layouts.json"  # <root>/layouts.json: what was asked for and how each layout's launch went
@@ -189,21 +188,21 @@ def _digests(run_dir: Path, steps: int) -> tuple[dict[str, str | None], int, lis
     return digests, elements, problems
 
 
-def layout_identity_problems(run_dir: Path, name: str, manifest: dict[str, Any]) -> list[str]:
+def layout_identity_problems(run_dir: Path, name: str, manifest: Manifest | None) -> list[str]:
     """Whether the run's manifest describes the layout its folder is named for (a run copied from another layout's
     folder would compare a layout with itself)."""
-    if not manifest:
+    if manifest is None:
         return []
     try:
         expected = parse_layout_name(name)
     except ConfigError as exc:
         return [f"{run_dir.parent}: not a layout folder name ({exc})"]
-    recorded = manifest.get("layout") or {}
+    recorded = manifest.layout_or_empty
     wanted = {"pp": expected.pp, "tp": expected.tp, "ep": expected.ep}
     if expected.dp is not None:
         wanted["dp"] = expected.dp
     differing = [f"{key}={recorded.get(key)}" for key, value in wanted.items() if recorded.get(key) != value]
-    parallel = ((manifest.get("config") or {}).get("recipe") or {}).get("parallel") or {}
+    parallel = manifest.recipe_parallel
     configured = {"virtual_stages": expected.virtual_stages}
     if expected.data_parallel is not None:
         configured["data_parallel"] = expected.data_parallel.value
@@ -228,13 +227,13 @@ def analyse_layout(root: Path, name: str, arm: str, steps: int, launch: LaunchRe
     for replica, run in zip(REPLICAS, runs, strict=True):
         try:
             manifest = load_manifest(folder / run)
-            config = config if config is not None else manifest_value(manifest, folder / run, "config")
+            config = config if config is not None else manifest.run_config
             frame, found = load_checked_run(folder / run, manifest, steps, config)
         except RecordError as exc:
-            frame, found, manifest = pd.DataFrame(columns=[STEP, RANK, LOSS, GRAD_NORM]), [str(exc)], {}
+            frame, found, manifest = pd.DataFrame(columns=[STEP, RANK, LOSS, GRAD_NORM]), [str(exc)], None
         frames[run] = frame
         problems += found
-        layout = layout or dict(manifest.get("layout") or {})
+        layout = layout or dict(manifest.layout_or_empty if manifest is not None else {})
         problems += layout_identity_problems(folder / run, name, manifest)
         digests[replica], count, missing = _digests(folder / run, steps)
         elements = elements or count

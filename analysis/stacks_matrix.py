@@ -189,8 +189,8 @@ def analyse_cell(root: Path, cell: Cell, on_experiment: Callable[[ExperimentAnal
         return CellResult(cell, None, [*problems, f"{cell.name}: not analysed ({exc})"])
     if on_experiment is not None:
         on_experiment(analysis)
-    manifest = analysis.manifests.get(TIMED["deterministic"].name, {})
-    audit = manifest.get("stack_native_audit") if (manifest.get("policy") or {}).get("stack_native") else None
+    manifest = analysis.manifests.get(TIMED["deterministic"].name)
+    audit = manifest.stack_native_audit if manifest is not None and manifest.stack_native else None
     return CellResult(cell, analysis.summary, problems, [str(line) for line in audit] if audit is not None else None)
 
 

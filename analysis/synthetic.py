@@ -8,7 +8,7 @@ columnar mirror, exactly as the trainer's StepWriter lays them out.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +19,8 @@ import pandas as pd
 
 from taxbench.design import ALL_RUNS
 from taxbench.rundir.provenance import config_hash
-from taxbench.rundir.records import MANIFEST, METRICS, SCHEMA_VERSION, STEPS, Stop, steps_file, write_manifest
+from taxbench.rundir.records import MANIFEST, METRICS, SCHEMA_VERSION, STEPS, Stop, steps_file
+from taxbench.rundir.run_manifest import Manifest, load_manifest
 from taxbench.rundir.step_record import (
     ARM,
     BLOCK,
@@ -111,7 +112,7 @@ def _run_frame(spec: SyntheticExperiment, arm: str, replica: str, rng: np.random
     return frame
 
 
-def _manifest(spec: SyntheticExperiment, name: str, arm: str, replica: str) -> dict:
+def _manifest(spec: SyntheticExperiment, name: str, arm: str, replica: str) -> Manifest:
     deterministic = arm == "deterministic"
     policy = {"name": arm, "deterministic": deterministic, "cudnn_benchmark": not deterministic,
               "allow_tf32": not deterministic, "cublas_workspace_config": ":4096:8" if deterministic else None,
@@ -124,16 +125,16 @@ def _manifest(spec: SyntheticExperiment, name: str, arm: str, replica: str) -> d
                        "checkpoint_every_steps": 0},
         "arm_overrides": {},
     }
-    return {
-        "experiment": name, "run": f"{arm}-{replica}", "arm": arm, "replica": replica,
-        "config": config,
-        "provenance": {"config_sha256": config_hash(config)},
-        "policy": policy,
-        "policy_applied": {"device": "cuda", "use_deterministic_algorithms": deterministic,
-                           "env": {"NCCL_ALGO": "Ring"} if deterministic else {}},
-        "layout": {"world_size": spec.ranks, "backend": "nccl", "data_parallel": "fsdp"},
-        "stack": {"hostname": "synthetic", "torch": "synthetic", "gpu": "synthetic GPU", "nccl": "2.0"},
-    }
+    return Manifest(
+        experiment=name, run=f"{arm}-{replica}", arm=arm, replica=replica,
+        config=config,
+        provenance={"config_sha256": config_hash(config)},
+        policy=policy,
+        policy_applied={"device": "cuda", "use_deterministic_algorithms": deterministic,
+                        "env": {"NCCL_ALGO": "Ring"} if deterministic else {}},
+        layout={"world_size": spec.ranks, "backend": "nccl", "data_parallel": "fsdp"},
+        stack={"hostname": "synthetic", "torch": "synthetic", "gpu": "synthetic GPU", "nccl": "2.0"},
+    )
 
 
 def write_experiment(root: Path, spec: SyntheticExperiment, injection: Injection | None = None) -> Path:
@@ -141,7 +142,7 @@ def write_experiment(root: Path, spec: SyntheticExperiment, injection: Injection
     rng = np.random.default_rng(spec.seed)
     for ref in ALL_RUNS:
         run_dir = root / ref.name
-        write_manifest(run_dir, _manifest(spec, root.name, ref.arm, ref.replica))
+        _manifest(spec, root.name, ref.arm, ref.replica).write(run_dir)
         frame = _run_frame(spec, ref.arm, ref.replica, rng, injection)
         for rank, part in frame.groupby(RANK, sort=True):
             stream = steps_file(run_dir, int(rank))
@@ -155,7 +156,7 @@ def change_config(root: Path, change: Callable[[dict[str, Any]], None]) -> None:
     """Apply `change` to the config in every run's manifest and hash it again: the experiment as if it had run with
     that config (a fault, a calibration pair), for tests and demos."""
     for path in root.glob(f"*/{MANIFEST}"):
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-        change(manifest["config"])
-        manifest.setdefault("provenance", {})["config_sha256"] = config_hash(manifest["config"])
-        path.write_text(json.dumps(manifest, indent=2), encoding="utf-8")
+        manifest = load_manifest(path.parent)
+        change(manifest.run_config)
+        provenance = {**(manifest.provenance or {}), "config_sha256": config_hash(manifest.run_config)}
+        dataclasses.replace(manifest, provenance=provenance).write(path.parent)

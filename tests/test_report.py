@@ -27,7 +27,8 @@ from taxbench.config.schema import ReportConfig
 from taxbench.redaction import REDACTED, redact, redact_text
 from taxbench.rundir.experiment_folder import mark_sweep
 from taxbench.rundir.read import RecordError, load_run
-from taxbench.rundir.records import SCHEMA_VERSION, write_manifest
+from taxbench.rundir.records import SCHEMA_VERSION
+from taxbench.rundir.run_manifest import Manifest
 from taxbench.rundir.step_stream import RUN_MIRROR
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -283,7 +284,7 @@ def _sweep(tmp_path: Path) -> Path:
     for world, where in ((32, "2/exp"), (8, "0/exp"), (16, "point1")):  # depths 2 and 1, listed out of order
         write_experiment(sweep / where, SyntheticExperiment(ranks=world, tax=0.01 * world / 8, seed=world))
     broken = sweep / "3" / "crashed"
-    write_manifest(broken / "deterministic-0", {"experiment": "crashed"})  # a job that died before its records
+    Manifest.of({"experiment": "crashed"}).write(broken / "deterministic-0")  # a job that died before its records
     return sweep
 
 
@@ -417,8 +418,8 @@ def test_redaction_removes_secrets_and_keeps_the_rest() -> None:
 
 
 def test_manifests_never_hold_secrets(tmp_path: Path) -> None:
-    write_manifest(tmp_path, {"config": {"cluster": {"setup": ["export WANDB_API_KEY=0123456789abcdef"]}},
-                              "policy_applied": {"env": {"NCCL_ALGO": "Ring", "SECRET_TOKEN": "s3cr3t"}}})
+    Manifest.of({"config": {"cluster": {"setup": ["export WANDB_API_KEY=0123456789abcdef"]}},
+                 "policy_applied": {"env": {"NCCL_ALGO": "Ring", "SECRET_TOKEN": "s3cr3t"}}}).write(tmp_path)
     text = (tmp_path / "manifest.json").read_text()
     assert "0123456789abcdef" not in text and "s3cr3t" not in text and '"NCCL_ALGO": "Ring"' in text
 

@@ -46,11 +46,10 @@ from taxbench.rundir.read import (
     config_problems,
     identity_problems,
     load_checked_run,
-    load_manifest,
     load_run,
-    manifest_value,
 )
 from taxbench.rundir.records import MANIFEST, write_text_atomically
+from taxbench.rundir.run_manifest import load_manifest
 from taxbench.schedule.rerun import RERUN
 
 SUMMARY_FILE = "verify.json"  # in the rerun's experiment folder
@@ -112,13 +111,13 @@ def load_reference(path: Path) -> Reference:
     run_dir = _run_dir_of(path)
     _refuse_a_running_experiment(run_dir)
     manifest = load_manifest(run_dir)
-    config = manifest.get("config")
-    if f"{manifest.get('arm')}-{manifest.get('replica')}" != RERUN.name:
+    config = manifest.config
+    if f"{manifest.arm}-{manifest.replica}" != RERUN.name:
         raise RecordError(f"{run_dir / MANIFEST}: not the manifest of a {RERUN.name} run; verify checks against an "
                           "experiment's deterministic-0")
     if not isinstance(config, dict):
         raise UnreadableRecords(f"{run_dir / MANIFEST}: holds no config; the manifest is damaged")
-    if (config.get("run") or {}).get("command"):
+    if manifest.is_command_run:
         raise RecordError(f"{run_dir.parent}: an experiment of `taxbench run -- COMMAND`; verify reruns recipes only "
                           "(not yet your own command); `python -m taxbench run` with the same command is the rerun "
                           "for now")
@@ -134,8 +133,8 @@ def load_reference(path: Path) -> Reference:
                                 "(verify needs the manifest an experiment wrote)") from None
     frame = load_run(run_dir, empty_ok=True)
     problems += stop_problems + identity_problems(run_dir, manifest, frame)
-    world = int(manifest_value(manifest, run_dir, "layout.world_size"))
-    return Reference(str(path), run_dir, str(run_dir), str(manifest.get("experiment")), config, steps, world,
+    world = manifest.world_size
+    return Reference(str(path), run_dir, str(run_dir), str(manifest.experiment), config, steps, world,
                      essentials(manifest), frame, tuple(problems))
 
 
@@ -321,7 +320,7 @@ def conclude(reference: Reference, root: Path) -> VerifyResult:
     """Compare the rerun in experiment folder `root` with the reference over the steps both have; write verify.json."""
     run_dir = root / RERUN.name
     manifest = load_manifest(run_dir)
-    config = manifest["config"]
+    config = manifest.run_config
     steps = int(config["experiment"]["steps"])
     frame, problems = load_checked_run(run_dir, manifest, steps, config)
     common = min(steps, reference.steps)

@@ -33,15 +33,22 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from taxbench import exit_codes
 from taxbench.config.pairing import differences, experiment_differences
 from taxbench.config.schema import load_config
 from taxbench.design import knob_of, knob_policies, plan_ablation
 from taxbench.redaction import redact
 from taxbench.rundir.evidence import experiment_of, read_regular
 from taxbench.rundir.hex_columns import pack_column
+from taxbench.rundir.json_object import (  # noqa: F401 (ResultWriteError, read_json_object: their old address)
+    JSON_OBJECT_LIMIT,
+    RecordError,
+    ResultWriteError,
+    UnreadableRecords,
+    read_json_object,
+)
 from taxbench.rundir.provenance import config_hash
 from taxbench.rundir.records import MANIFEST, METRICS, SCHEMA_VERSION
+from taxbench.rundir.run_manifest import Manifest
 from taxbench.rundir.step_stream import (
     STEP_SCHEMA,
     Covered,
@@ -58,26 +65,7 @@ from taxbench.rundir.write_scope import may_write
 
 _STREAM_NAME = re.compile(r"steps\.rank(\d+)\.jsonl")
 _FAULTS_NAME = re.compile(r"faults\.rank(\d+)\.jsonl")
-JSON_OBJECT_LIMIT = 64 << 20  # manifests, op tables, layouts and weight records are KiB to a few MiB
 _READERS = 2  # streams read, hashed and parsed side by side (file reads, xxh3 and pyarrow release the GIL)
-
-
-class RecordError(ValueError):
-    """A run directory or record file that cannot be analysed; the message names the file. Exit 2 (bad input: not
-    a taxbench folder, records of another schema version) unless a subclass says otherwise."""
-
-    exit_code = exit_codes.CONFIG_ERROR
-
-
-class UnreadableRecords(RecordError):
-    """Evidence that is there but cannot be read: a line that is not a JSON record, a damaged manifest, a file that
-    cannot be opened or is no regular file inside the experiment. Incomplete evidence, exit 4 (README "exit codes")."""
-
-    exit_code = exit_codes.INCOMPLETE
-
-
-class ResultWriteError(RecordError):
-    """A result of the analysis (summary.json, sweep.csv, the report) that cannot be written; names the path."""
 
 
 # ------------------------------------------------------------------------------------------------ reading streams
@@ -281,41 +269,6 @@ def _sorted_by_rank_and_step(table: pa.Table) -> pa.Table:
 
 
 # ------------------------------------------------------------------------------------------------------ manifest
-def read_json_object(path: Path, what: str, inside: Path | None = None) -> dict:
-    """A JSON object from `path`, a regular file inside `inside` (default: its own folder); UnreadableRecords naming
-    the path (and `what` it should be) otherwise."""
-    try:
-        stored = json.loads(read_regular(path, inside or path.parent, JSON_OBJECT_LIMIT).decode("utf-8"))
-    except OSError as exc:
-        raise UnreadableRecords(f"{path}: cannot be read ({exc.strerror or exc})") from exc
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UnreadableRecords(f"{path}: not valid JSON ({exc}); the {what} is damaged") from exc
-    if not isinstance(stored, dict):
-        raise UnreadableRecords(f"{path}: not a JSON object; the {what} is damaged")
-    return stored
-
-
-def load_manifest(run_dir: Path) -> dict:
-    path = run_dir / MANIFEST
-    if not path.exists() and not path.is_symlink():
-        raise RecordError(f"{path}: missing manifest; the run never started (or this is not a taxbench run folder)")
-    manifest = read_json_object(path, "manifest", experiment_of(run_dir))
-    if manifest.get("schema_version") != SCHEMA_VERSION:
-        raise RecordError(f"{path}: schema_version={manifest.get('schema_version')!r}, expected {SCHEMA_VERSION}")
-    return manifest
-
-
-def manifest_value(manifest: dict, run_dir: Path, dotted: str) -> Any:
-    """manifest[a][b]... for "a.b...", or a RecordError naming the manifest and the key it lacks."""
-    node: Any = manifest
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            raise UnreadableRecords(f"{run_dir / MANIFEST}: lacks {dotted}; the manifest is damaged or from another "
-                                    "tool")
-        node = node[part]
-    return node
-
-
 def step_times(frame: pd.DataFrame) -> pd.DataFrame:
     """Per-step time of the whole job (the slowest rank) with its block, sorted by step."""
     grouped = frame.groupby("step", sort=True).agg(time_s=("time_s", "max"), block=("block", "first"))
@@ -417,13 +370,13 @@ def stream_ranks(run_dir: Path) -> tuple[list[int], list[str]]:
 CHECKED_FIELDS = ("arm", "replica", "step", "rank", *METRICS)
 
 
-def load_checked_run(run_dir: Path, manifest: dict, steps: int, config: dict[str, Any],
+def load_checked_run(run_dir: Path, manifest: Manifest, steps: int, config: dict[str, Any],
                      fields: Collection[str] | None = None) -> tuple[pd.DataFrame, list[str]]:
     """One run's records and what keeps them from covering `steps` x its manifest's ranks, or from being this run's
     own: a manifest or records of another run copied into its folder, a config edited or not the experiment's
     (`config`). `fields`: the frame holds only those, as load_run(fields=...) gives them (the checks read theirs
     first)."""
-    world = int(manifest_value(manifest, run_dir, "layout.world_size"))
+    world = manifest.world_size
     frame = load_run(run_dir, empty_ok=True, fields=None if fields is None else {*fields, *CHECKED_FIELDS})
     problems = (identity_problems(run_dir, manifest, frame) + config_problems(run_dir, manifest, config)
                 + check_run(run_dir.name, run_dir, frame, steps, world))
@@ -432,12 +385,12 @@ def load_checked_run(run_dir: Path, manifest: dict, steps: int, config: dict[str
     return frame, problems
 
 
-def config_problems(run_dir: Path, manifest: dict, config: dict[str, Any]) -> list[str]:
+def config_problems(run_dir: Path, manifest: Manifest, config: dict[str, Any]) -> list[str]:
     """What says the manifest's config is not this experiment's: a config that is not the one its config_sha256 was
     taken of (edited after the run), one that differs from the experiment's `config` in anything a continue may not
     change, a policy that is not the config's for the run's arm."""
     where = run_dir / MANIFEST
-    own, stored = manifest.get("config"), (manifest.get("provenance") or {}).get("config_sha256")
+    own, stored = manifest.config, manifest.config_sha256
     if not isinstance(own, dict) or not isinstance(stored, str):
         return [f"{where}: lacks its config or provenance.config_sha256; the manifest is damaged or edited"]
     problems = []
@@ -447,15 +400,15 @@ def config_problems(run_dir: Path, manifest: dict, config: dict[str, Any]) -> li
     changed = experiment_differences(own, config)
     if changed:
         problems.append(f"{where}: config differs from the experiment's: {_changed_text(changed)}")
-    arm = manifest.get("arm")
+    arm = manifest.arm
     try:
         policy = arm_policy(config, arm)
     except (KeyError, TypeError, ValueError) as exc:
         return [*problems, f"{where}: the experiment's config gives arm {arm} no policy to check it against "
                            f"({type(exc).__name__}: {exc})"]
-    if policy is not None and differences(manifest.get("policy"), policy):
+    if policy is not None and differences(manifest.policy, policy):
         problems.append(f"{where}: policy is not the one the config gives arm {arm}: "
-                        f"{_changed_text(differences(manifest.get('policy'), policy))}")
+                        f"{_changed_text(differences(manifest.policy, policy))}")
     return problems
 
 
@@ -479,10 +432,10 @@ def _changed_text(changed: list[tuple[str, Any, Any]], limit: int = 3) -> str:
     return shown + (f"; ... ({len(changed)} settings)" if len(changed) > limit else "")
 
 
-def identity_problems(run_dir: Path, manifest: dict, frame: pd.DataFrame) -> list[str]:
+def identity_problems(run_dir: Path, manifest: Manifest, frame: pd.DataFrame) -> list[str]:
     """Whether the manifest and every record name the run whose folder they sit in, one line per finding."""
     run = run_dir.name
-    named = {key: str(manifest.get(key)) for key in ("run", "arm", "replica")}
+    named = {"run": str(manifest.run), "arm": str(manifest.arm), "replica": str(manifest.replica)}
     if named["run"] != run or f"{named['arm']}-{named['replica']}" != run:
         return [f"{run_dir / 'manifest.json'}: describes run {named['run']} (arm {named['arm']}, replica "
                 f"{named['replica']}), not {run}; was it copied from another run?"]

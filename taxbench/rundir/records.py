@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import IO, Any
 
 from taxbench.oserrors import describe_os_error
-from taxbench.redaction import redact
 from taxbench.rundir.evidence import read_regular
 
 # 2: fingerprint format 2 (shape in the digest header); 3: layout-invariant initial weights (taxbench.workloads.init):
@@ -275,10 +274,10 @@ def _jsonl_records(path: Path) -> list[tuple[str, dict[str, Any]]]:
     return records
 
 
-def write_manifest(run_dir: Path, manifest: dict[str, Any]) -> None:
+def write_manifest_text(run_dir: Path, text: str) -> None:
+    """<run_dir>/manifest.json, atomically (taxbench.rundir.run_manifest.Manifest.write makes the text)."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise _as_write_error(run_dir, exc) from exc
-    text = json.dumps({"schema_version": SCHEMA_VERSION, **redact(manifest)}, indent=2, default=str)
     write_text_atomically(run_dir / MANIFEST, text)
