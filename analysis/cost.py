@@ -13,8 +13,8 @@ from typing import Any
 
 import pandas as pd
 
+from taxbench.rundir.cost_file import ScheduleCost
 from taxbench.rundir.step_record import FINGERPRINT_S, RANK
-from taxbench.schedule.cost import ScheduleCost
 
 PARTS = ("startup", "timed_steps", "gate_only_runs", "checkpoints", "fingerprints", "analysis", "other")
 # The startup's own parts: the command until rank 0's process started (imports, config, preflight, starting the

@@ -48,6 +48,7 @@ from taxbench.design import (
     knob_arm,
     run_steps,
 )
+from taxbench.rundir.cost_file import read_cost
 from taxbench.rundir.read import (
     FaultEvent,
     RecordError,
@@ -73,7 +74,6 @@ from taxbench.rundir.step_record import (
     TOKENS,
 )
 from taxbench.rundir.write_scope import running as still_running
-from taxbench.schedule.cost import read_cost
 from taxbench.stats.tax import (
     Checkpoints,
     TaxEstimate,

@@ -38,6 +38,8 @@ STOP_FILE = "stop.json"  # <experiment>/stop.json: how many steps every run took
 COMMITS_FILE = "commits.json"  # <experiment>/commits.json: the timed rounds' checkpoint commits while they run
 
 
+# stop.json's format_version; a file without one is of version 1, as every stop.json before the field was.
+STOP_FORMAT = 1
 # What stopped the timed rounds (Stop.stopped_by).
 STEPS, TARGET, CAP = "steps", "target_half_width", "max_steps"
 
@@ -57,22 +59,25 @@ class Stop:
     pairs: int | None = None
 
     def write(self, root: Path) -> None:
-        stored = {key: value for key, value in asdict(self).items() if key != "pairs" or value is not None}
+        stored = {"format_version": STOP_FORMAT,
+                  **{key: value for key, value in asdict(self).items() if key != "pairs" or value is not None}}
         write_text_atomically(root / STOP_FILE, json.dumps(stored, indent=2))
 
 
 def read_stop(root: Path) -> Stop | None:
     """The stored stop of an experiment whose interleaved rounds finished (None before that, or when the record is
-    damaged: the rounds then run again from their newest checkpoint)."""
+    damaged or of another format version: the rounds then run again from their newest checkpoint)."""
     try:
         stored = json.loads(read_regular(root / STOP_FILE, root).decode("utf-8"))
+        if stored.get("format_version", 1) != STOP_FORMAT:
+            return None
         commits = stored.get("commits")
         pairs = stored.get("pairs")
         return Stop(int(stored["steps"]), str(stored["stopped_by"]), stored.get("half_width"),
                     None if commits is None else tuple(int(step) for step in commits),
                     None if pairs is None else int(pairs))
     # missing, unreadable (a FIFO or device is refused unopened), not JSON, or not a stop record
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # AttributeError: JSON that is no object
         return None
 
 
