@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +33,10 @@ from taxbench.analysis.verdicts import DIFFERS, Verdict, compare_runs
 from taxbench.config.layout_names import parse_layout_name
 from taxbench.config.schema import ConfigError
 from taxbench.design import run_name
+from taxbench.rundir.plans import LaunchRecord, LayoutsPlan
+from taxbench.rundir.plans import read_layouts_plan as read_plan
 from taxbench.rundir.read import (
     RecordError,
-    UnreadableRecords,
     load_checked_run,
     read_json_object,
 )
@@ -43,49 +44,10 @@ from taxbench.rundir.records import WEIGHTS_FORMAT, weights_file
 from taxbench.rundir.run_manifest import Manifest, load_manifest
 from taxbench.rundir.step_record import GRAD_NORM, GRAD_NORM_BITS, LOSS, LOSS_BITS, RANK, STEP, TIME_S
 
-PLAN_FILE = "layouts.json"  # <root>/layouts.json: what was asked for and how each layout's launch went
 SUMMARY_FILE = "summary.json"
 REPLICAS = ("0", "1")
 INITIAL = "0"  # the weights' step before any training
 WEIGHTS = "weights"  # beside the step record's LOSS and GRAD_NORM: the metrics a layouts pair compares
-
-
-# ------------------------------------------------------------------------------------------------ the plan record
-@dataclass
-class LaunchRecord:
-    seconds: float | None = None  # wall-clock time of the layout's two runs (process start to exit)
-    failure: str | None = None  # a rank that died or raised, one line
-
-
-@dataclass
-class LayoutsPlan:
-    recipe: str
-    arm: str
-    steps: int
-    world_size: int
-    layouts: list[str]
-    launches: dict[str, LaunchRecord] = field(default_factory=dict)
-
-    def write(self, root: Path) -> None:
-        write_result(root / PLAN_FILE, json.dumps(asdict(self), indent=2))
-
-
-def read_plan(root: Path) -> LayoutsPlan:
-    stored = read_json_object(root / PLAN_FILE, "layouts record")
-    try:
-        launches = {name: LaunchRecord(**value) for name, value in stored.get("launches", {}).items()}
-        plan = LayoutsPlan(str(stored["recipe"]), str(stored["arm"]), int(stored["steps"]),
-                           int(stored["world_size"]), [str(n) for n in stored["layouts"]], launches)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise UnreadableRecords(f"{root / PLAN_FILE}: not a layouts record ({exc}); the file is damaged") from exc
-    if len(set(plan.layouts)) < 2 or len(set(plan.layouts)) != len(plan.layouts):
-        raise UnreadableRecords(f"{root / PLAN_FILE}: layouts {plan.layouts} are not two or more distinct layouts; the "
-                          "file is damaged or edited")
-    return plan
-
-
-def is_layouts_folder(root: Path) -> bool:
-    return (root / PLAN_FILE).is_file()
 
 
 # ------------------------------------------------------------------------------------------------------------ ulps

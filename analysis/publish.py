@@ -27,7 +27,7 @@ from rich.markup import escape
 from taxbench.analysis.console import render, render_layouts, render_stacks, render_sweep
 from taxbench.analysis.document import HTML_FILE, MARKDOWN_FILE, REPORT_DIR
 from taxbench.analysis.experiment import ExperimentAnalysis
-from taxbench.analysis.layouts import analyse_layouts, is_layouts_folder
+from taxbench.analysis.layouts import analyse_layouts
 from taxbench.analysis.report import (
     write_experiment_report,
     write_layouts_report,
@@ -35,7 +35,7 @@ from taxbench.analysis.report import (
     write_sweep_report,
 )
 from taxbench.analysis.results import may_write_result, write_result
-from taxbench.analysis.stacks_matrix import analyse_stacks, is_stacks_folder
+from taxbench.analysis.stacks_matrix import analyse_stacks
 from taxbench.analysis.summary import SUMMARY_FILE, analyse_experiment
 from taxbench.analysis.sweep import MAX_DEPTH, PointName, analyse_sweep, find_experiments, is_experiment
 from taxbench.analysis.wandb_log import (
@@ -50,6 +50,7 @@ from taxbench.config.schema import ReportConfig
 from taxbench.design import ALL_RUNS, TIMED
 from taxbench.diagnostics import logger
 from taxbench.rundir.experiment_folder import LOCK_FILE, SWEEP_MARKER, Holder, held_by, is_marked_sweep
+from taxbench.rundir.plans import is_layouts_folder, is_stacks_folder
 from taxbench.rundir.read import RecordError, ResultWriteError
 from taxbench.rundir.records import MANIFEST
 from taxbench.rundir.write_scope import reading
