@@ -442,8 +442,8 @@ def _kept_fields(frame: pd.DataFrame, fields: Collection[str]) -> pd.DataFrame:
 
 def compute_experiment(root: Path) -> ExperimentAnalysis:
     """The experiment's results from its runs' records and manifests (taxbench.analysis.summary records them in
-    summary.json). It writes no result, but reading the records leaves their Arrow mirrors where one is missing or
-    behind (taxbench.rundir.read; none in a folder a live launch holds)."""
+    summary.json). It writes nothing: the records' Arrow mirrors are written only by a caller that asks for them
+    (taxbench.rundir.read.leave_mirrors, which taxbench.analysis.publish runs before it analyses)."""
     began = time.perf_counter()
     running = still_running(root)
     first = TIMED["deterministic"].name  # every run's manifest holds the experiment's config; read it from one

@@ -47,3 +47,21 @@ def test_a_folder_of_the_old_code_analyses_to_its_stored_summary(tmp_path: Path)
     computed = json.loads((root / "summary.json").read_text())
     assert computed["root"] == str(root)
     assert _without_live(computed) == _without_live(stored)
+
+
+def test_computing_a_result_writes_no_mirror_and_publishing_asks_for_them(tmp_path: Path) -> None:
+    from taxbench.analysis.experiment import compute_experiment
+    from taxbench.rundir.read import leave_mirrors
+
+    root = tmp_path / FIXTURE.name
+    shutil.copytree(FIXTURE, root)
+    for mirror in root.glob("*/*.arrow"):
+        mirror.unlink()
+    before = sorted(path.name for path in root.rglob("*"))
+
+    computed = compute_experiment(root).summary
+    assert sorted(path.name for path in root.rglob("*")) == before  # reading and computing wrote nothing
+
+    leave_mirrors(root)  # the step of its own that `taxbench analyse` and a launch's report take
+    assert {path.name for path in (root / "baseline-0").glob("*.arrow")} == {"steps.arrow", "steps.rank0.arrow"}
+    assert compute_experiment(root).summary.verdicts == computed.verdicts

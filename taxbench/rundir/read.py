@@ -4,10 +4,11 @@ A run is read through its run mirror (taxbench.rundir.step_stream: every stream'
 provably covers the run's streams, byte for byte. Otherwise each rank's stream is read through its own columnar
 mirror (used only as far as it provably matches the JSONL's bytes), and whatever the mirror does not cover is parsed
 by pyarrow's JSON reader (a thousand times fewer Python calls than `json.loads` per line); a parse problem falls back
-to a line-by-line reader only to name the offending line. A stream whose mirror is missing or behind gets a new one,
-and the run a new run mirror, so the next analysis reads columnar data: an edited, added or removed stream, a stale or
-foreign mirror, or a flipped byte anywhere in a mirror means the per-stream path or parsing the JSONL, never a
-different frame. mtimes play no part: a copy (cp, rsync without -t) keeps its mirrors.
+to a line-by-line reader only to name the offending line. Reading writes nothing: writing mirrors is a step the
+caller asks for (`leave_mirrors`, or load_run(leave_mirrors=True)), which gives a stream whose mirror is missing or
+behind a new one, and the run a new run mirror, so the next analysis reads columnar data. An edited, added or removed
+stream, a stale or foreign mirror, or a flipped byte anywhere in a mirror means the per-stream path or parsing the
+JSONL, never a different frame. mtimes play no part: a copy (cp, rsync without -t) keeps its mirrors.
 
 `check_run` checks a loaded run against its manifest: every rank of the world, every step 1..steps, nothing twice,
 nothing outside that grid. `identity_problems` and `config_problems` check that the evidence is its run's: the
@@ -49,6 +50,7 @@ from taxbench.rundir.json_object import (  # noqa: F401 (ResultWriteError, read_
 from taxbench.rundir.provenance import config_hash
 from taxbench.rundir.records import MANIFEST, METRICS, SCHEMA_VERSION
 from taxbench.rundir.run_manifest import Manifest
+from taxbench.rundir.step_record import STEP
 from taxbench.rundir.step_stream import (
     STEP_SCHEMA,
     Covered,
@@ -107,10 +109,10 @@ def _version_ok(table: pa.Table) -> bool:
     return versions.null_count == 0 and bool((versions.to_numpy() == SCHEMA_VERSION).all())
 
 
-def _stream_records(path: Path, use_mirror: bool) -> tuple[pa.Table, Covered]:
+def _stream_records(path: Path, use_mirror: bool, leave_mirror: bool) -> tuple[pa.Table, Covered]:
     """One stream's records and the bytes they are the rows of: its verified mirror, then its JSONL lines after what
-    the mirror covers, parsed; with `use_mirror` a mirror that does not cover every complete line is (re)written for
-    the next reader."""
+    the mirror covers, parsed; with `leave_mirror` a mirror that does not cover every complete line is (re)written
+    for the next reader."""
     try:
         read = read_stream(path, use_mirror)
     except OSError as exc:  # also taxbench.rundir.evidence.NotEvidence: a FIFO, a device, a symlink leaving it
@@ -119,7 +121,7 @@ def _stream_records(path: Path, use_mirror: bool) -> tuple[pa.Table, Covered]:
         table = records_of(read)
     except (pa.ArrowInvalid, pa.ArrowTypeError):
         raise _diagnose(path) from None
-    if use_mirror and not read.mirror_current:
+    if leave_mirror and not read.mirror_current:
         _leave(mirror_file(path), lambda: write_mirror(path, table, read.complete, read.digest))
     return table, Covered(path.name, read.complete, read.digest)
 
@@ -152,15 +154,16 @@ def stream_files(run_dir: Path) -> list[Path]:
 
 
 def load_run(run_dir: Path, use_mirrors: bool = True, empty_ok: bool = False,
-             fields: Collection[str] | None = None) -> pd.DataFrame:
+             fields: Collection[str] | None = None, leave_mirrors: bool = False) -> pd.DataFrame:
     """All ranks' step records of one run, sorted by (rank, step).
 
     Rank-major because that is how the records lie (a stream per rank, in step order): the frame of 1,000 ranks x
     1,000 steps needs no gather. The run is read through its run mirror when that provably covers every stream, else
     each stream through its own mirror as far as that provably matches it (taxbench.rundir.step_stream);
-    `use_mirrors=False` parses every JSONL line instead (and writes no mirror).
-    Either way the frame is the same. A run without records is an error unless `empty_ok` (the completeness check
-    then reports every step missing).
+    `use_mirrors=False` parses every JSONL line instead. Either way the frame is the same. Reading writes nothing
+    unless the caller asks for it: `leave_mirrors` (re)writes every mirror that is missing or behind, and the run
+    mirror, for the next reader (not in a folder a live launch holds: taxbench.rundir.write_scope). A run without
+    records is an error unless `empty_ok` (the completeness check then reports every step missing).
 
     `fields`: only those record fields (as far as the run has them), the fingerprints among them packed
     (taxbench.rundir.hex_columns): what an analysis keeps of a big run. The run mirror is then cut to them batch by
@@ -174,7 +177,7 @@ def load_run(run_dir: Path, use_mirrors: bool = True, empty_ok: bool = False,
     keep = None if fields is None else partial(_kept_batch, fields={*fields, "schema_version", "step", "rank"})
     table = _run_mirrored(run_dir, files, keep) if use_mirrors else None
     if table is None:
-        table = _streams_read(run_dir, files, use_mirrors)
+        table = _streams_read(run_dir, files, use_mirrors, use_mirrors and leave_mirrors)
         if keep is not None:
             table = keep(table)
     if not table.num_rows:
@@ -236,13 +239,14 @@ def _run_mirrored(run_dir: Path, files: list[Path],
     return table if proven else None
 
 
-def _streams_read(run_dir: Path, files: list[Path], use_mirrors: bool) -> pa.Table:
+def _streams_read(run_dir: Path, files: list[Path], use_mirrors: bool, leave_mirrors: bool) -> pa.Table:
     """The run's rows stream by stream (each through its own mirror as far as it goes), in memory of their own; with
-    `use_mirrors` a run mirror of them is left for the next reader."""
+    `leave_mirrors` the streams' mirrors and a run mirror of them are left for the next reader."""
     with ThreadPoolExecutor(_READERS) as pool:
-        reads = [r for part in pool.map(lambda part: _records_of(part, use_mirrors), _halves(files)) for r in part]
+        reads = [r for part in pool.map(lambda part: _records_of(part, use_mirrors, leave_mirrors), _halves(files))
+                 for r in part]
     table = _copied(_concat(run_dir, [t for t, _ in reads]))
-    if use_mirrors and table.num_rows and _version_ok(table):
+    if leave_mirrors and table.num_rows and _version_ok(table):
         _leave(run_mirror_file(run_dir), lambda: write_run_mirror(run_dir, table, [c for _, c in reads]))
     return table
 
@@ -254,8 +258,20 @@ def _copied(table: pa.Table) -> pa.Table:
     return pa.Table.from_arrays(columns, schema=table.schema)
 
 
-def _records_of(files: list[Path], use_mirrors: bool) -> list[tuple[pa.Table, Covered]]:
-    return [_stream_records(path, use_mirrors) for path in files]
+def _records_of(files: list[Path], use_mirrors: bool, leave_mirrors: bool) -> list[tuple[pa.Table, Covered]]:
+    return [_stream_records(path, use_mirrors, leave_mirrors) for path in files]
+
+
+def leave_mirrors(root: Path) -> None:
+    """The step of its own that writes Arrow mirrors: for every run folder at or below `root` (an experiment, a sweep,
+    a layouts or stacks folder), the mirrors of its streams and the run mirror, where missing or behind, so that the
+    analysis that follows, and every later one, reads columnar data. Nothing in a folder a live launch holds
+    (taxbench.rundir.write_scope); a run that cannot be read is left to the analysis to report."""
+    for run_dir in sorted({stream.parent for stream in root.rglob("steps.rank*.jsonl")}):
+        try:
+            load_run(run_dir, empty_ok=True, fields=(STEP,), leave_mirrors=True)
+        except RecordError:
+            continue
 
 
 def _sorted_by_rank_and_step(table: pa.Table) -> pa.Table:
