@@ -145,7 +145,7 @@ def compute_command_experiment(root: Path, first: str) -> CommandAnalysis:
     problems = {name: found for name, (_, _, found) in loaded.items()}
     resumed_from = 0
     if restarted and RESUMED.name in manifests:
-        resumed_from = int((manifests[RESUMED.name].get("command") or {}).get("probe", {}).get("resumed_from") or 0)
+        resumed_from = manifests[RESUMED.name].resumed_from
     timed = {arm: [runs[f"{arm}-{pair}"] for pair in range(pairs)] for arm in ARMS}
     try:
         tax = estimate_pairs_tax(list(zip(timed["baseline"], timed["deterministic"], strict=True)),

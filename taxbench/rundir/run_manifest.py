@@ -166,6 +166,12 @@ class Manifest:
         return int(((self.command or {}).get("probe") or {}).get("fingerprint_every", 1))
 
     @property
+    def resumed_from(self) -> int:
+        """A `taxbench run -- COMMAND` run restarted by its own resume: the step its probe saw it resume from (0:
+        none recorded)."""
+        return int(((self.command or {}).get("probe") or {}).get("resumed_from") or 0)
+
+    @property
     def attempt_list(self) -> list[dict[str, Any]]:
         return self.attempts if isinstance(self.attempts, list) else []
 
