@@ -109,13 +109,13 @@ def _whole_job_series(frame: pd.DataFrame, run: str) -> tuple[pd.DataFrame, list
     grouped = frame.groupby(STEP, sort=True)
     loss = grouped[LOSS].mean().astype(np.float64).to_numpy().astype(np.float32)
     grad_norm = grouped[GRAD_NORM].mean().astype(np.float64).to_numpy().astype(np.float32)
-    disagree = grouped["grad_norm_bits"].nunique()
+    disagree = grouped[GRAD_NORM_BITS].nunique()
     if (disagree > 1).any():
         notes.append(f"{run}: the ranks' grad norms differ at {int((disagree > 1).sum())} step(s) (first: step "
                      f"{int(disagree[disagree > 1].index[0])}); compared as their mean")
     series = pd.DataFrame({STEP: grouped[LOSS].mean().index.to_numpy(dtype=np.int64),
-                           "loss_bits": loss.view(np.uint32).astype(np.int64),
-                           "grad_norm_bits": grad_norm.view(np.uint32).astype(np.int64)})
+                           LOSS_BITS: loss.view(np.uint32).astype(np.int64),
+                           GRAD_NORM_BITS: grad_norm.view(np.uint32).astype(np.int64)})
     return series, notes
 
 
@@ -201,7 +201,7 @@ def analyse_layout(root: Path, name: str, arm: str, steps: int, launch: LaunchRe
         elements = elements or count
         problems += missing
     repeatable = (compare_runs("repeatability", runs[0], frames[runs[0]], runs[1], frames[runs[1]], 0,
-                               tuple(problems)) if all("loss_bits" in f for f in frames.values()) else
+                               tuple(problems)) if all(LOSS_BITS in f for f in frames.values()) else
                   Verdict("repeatability", runs[0], runs[1], False, 0, None, 0, tuple(problems)))
     reference = frames[runs[0]]
     series, notes = (_whole_job_series(reference, f"{name}/{runs[0]}") if not reference.empty else
