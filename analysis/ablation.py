@@ -18,7 +18,8 @@ import pandas as pd
 from taxbench.analysis.verdicts import DIFFERS, IDENTICAL, Verdict, compare_runs
 from taxbench.config.schema import load_config
 from taxbench.design import KNOB_NEEDED, knob_plans, run_steps
-from taxbench.rundir.read import RecordError, load_checked_run, load_manifest
+from taxbench.rundir.read import RecordError, load_checked_run
+from taxbench.rundir.run_manifest import load_manifest
 from taxbench.stats.tax import Checkpoints, TaxEstimate, estimate_tax, no_estimate
 
 

@@ -41,16 +41,18 @@ from taxbench.analysis.experiment import (
 )
 from taxbench.analysis.verdicts import Verdict, compare_runs
 from taxbench.design import EQUIVALENCE_RUNS, GATES, RESUMED
+from taxbench.rundir.cost_file import read_cost
 from taxbench.rundir.probe_files import FLAG_NAMES, LiveFlags, expected_flags
-from taxbench.rundir.read import RecordError, load_checked_run, load_manifest, manifest_value
-from taxbench.rundir.records import MANIFEST, SKIPPED, STOP_FILE, read_stop
-from taxbench.schedule.cost import read_cost
+from taxbench.rundir.read import RecordError, load_checked_run
+from taxbench.rundir.records import MANIFEST, STOP_FILE, read_stop
+from taxbench.rundir.run_manifest import Manifest, load_manifest
+from taxbench.rundir.step_record import FINGERPRINT_S, FLAGS, GRAD_NORM, RANK, SKIPPED, STEP
 from taxbench.stats.tax import estimate_pairs_tax, no_estimate, pair_ratios, steps_for_half_width
 
 NOT_RUN = ("not run: the command's own save and resume were not given (run.restart.save_args and "
            "run.restart.resume_args, with {checkpoint}); without them nothing shows that a resumed run replays "
            "the uninterrupted one")
-UNOBSERVED = ("grad_norm",)  # a command's own clipping norm: never recorded by the probe
+UNOBSERVED = (GRAD_NORM,)  # a command's own clipping norm: never recorded by the probe
 
 
 def command_run_of(root: Path) -> str | None:
@@ -59,10 +61,10 @@ def command_run_of(root: Path) -> str | None:
     for name in _run_names(2):
         if (root / name / MANIFEST).is_file():
             try:
-                config = load_manifest(root / name).get("config") or {}
+                manifest = load_manifest(root / name)
             except RecordError:
                 return None
-            return name if isinstance(config, dict) and bool((config.get("run") or {}).get("command")) else None
+            return name if manifest.is_command_run else None
     return None
 
 
@@ -78,15 +80,15 @@ def _run_names(pairs: int) -> list[str]:
     return [f"{arm}-{pair}" for pair in range(pairs) for arm in ARMS]
 
 
-def flag_problems(run: str, manifest: dict[str, Any], frame: pd.DataFrame) -> list[str]:
+def flag_problems(run: str, manifest: Manifest, frame: pd.DataFrame) -> list[str]:
     """A run under taxbench's policy whose command turned a flag off (or on) is no evidence: the first step and rank
     where a live flag differs from the policy's."""
-    policy = manifest.get("policy") or {}
-    if manifest.get("arm") != "deterministic" or policy.get("stack_native") or "flags" not in frame or frame.empty:
+    policy = manifest.policy or {}
+    if manifest.arm != "deterministic" or manifest.stack_native or FLAGS not in frame or frame.empty:
         return []
     wanted = expected_flags(policy)
-    ordered = frame.sort_values(["step", "rank"], kind="stable")
-    for step, rank, text in zip(ordered["step"], ordered["rank"], ordered["flags"], strict=True):
+    ordered = frame.sort_values([STEP, RANK], kind="stable")
+    for step, rank, text in zip(ordered[STEP], ordered[RANK], ordered[FLAGS], strict=True):
         if not isinstance(text, str):
             return [f"{run}: step {int(step)}, rank {int(rank)} records no live flags; was it written by the probe?"]
         live = LiveFlags.parse(text)
@@ -100,17 +102,17 @@ def flag_problems(run: str, manifest: dict[str, Any], frame: pd.DataFrame) -> li
 
 
 def _load(root: Path, name: str, steps: int, config: dict[str, Any], fields: tuple[str, ...]
-          ) -> tuple[dict[str, Any] | None, pd.DataFrame, list[str]]:
+          ) -> tuple[Manifest | None, pd.DataFrame, list[str]]:
     manifest_path = root / name / MANIFEST
     if not manifest_path.exists():
-        return None, pd.DataFrame(columns=["step", "rank"]), [f"{name}: the run never ended well (no {manifest_path})"]
+        return None, pd.DataFrame(columns=[STEP, RANK]), [f"{name}: the run never ended well (no {manifest_path})"]
     manifest = load_manifest(root / name)
-    frame, problems = load_checked_run(root / name, manifest, steps, config, (*fields, "flags", SKIPPED))
-    if int(((manifest.get("command") or {}).get("probe") or {}).get("fingerprint_every", 1)) != 1:
+    frame, problems = load_checked_run(root / name, manifest, steps, config, (*fields, FLAGS, SKIPPED))
+    if manifest.fingerprint_every != 1:
         # a timing-only pair (past the two gated ones) digests sampled steps, or none, by design: no gate reads it
         problems = [line for line in problems if "without a fingerprint" not in line]
     problems += flag_problems(name, manifest, frame)
-    return manifest, frame.drop(columns=["flags"], errors="ignore"), problems
+    return manifest, frame.drop(columns=[FLAGS], errors="ignore"), problems
 
 
 def _restart_verdict(runs: dict[str, pd.DataFrame], problems: dict[str, list[str]],
@@ -126,8 +128,8 @@ def _restart_verdict(runs: dict[str, pd.DataFrame], problems: dict[str, list[str
 def compute_command_experiment(root: Path, first: str) -> CommandAnalysis:
     began = time.perf_counter()
     manifest = load_manifest(root / first)
-    config = manifest_value(manifest, root / first, "config")
-    experiment = manifest_value(manifest, root / first, "config.experiment")
+    config = manifest.run_config
+    experiment = manifest.experiment_config
     settings = experiment_settings(config, root / first)
     stop = read_stop(root)
     stop_problems = [] if stop is not None else [
@@ -145,7 +147,7 @@ def compute_command_experiment(root: Path, first: str) -> CommandAnalysis:
     problems = {name: found for name, (_, _, found) in loaded.items()}
     resumed_from = 0
     if restarted and RESUMED.name in manifests:
-        resumed_from = int((manifests[RESUMED.name].get("command") or {}).get("probe", {}).get("resumed_from") or 0)
+        resumed_from = manifests[RESUMED.name].resumed_from
     timed = {arm: [runs[f"{arm}-{pair}"] for pair in range(pairs)] for arm in ARMS}
     try:
         tax = estimate_pairs_tax(list(zip(timed["baseline"], timed["deterministic"], strict=True)),
@@ -163,13 +165,13 @@ def compute_command_experiment(root: Path, first: str) -> CommandAnalysis:
     observed = {name: _taken(frame).drop(columns=[c for c in UNOBSERVED if c in frame], errors="ignore")
                 for name, frame in runs.items()}
     equivalence_problems = stop_problems + [line for name in EQUIVALENCE_RUNS for line in problems.get(name, [])]
-    world = int(manifest_value(manifest, root / first, "layout.world_size"))
+    world = manifest.world_size
     summary = ExperimentSummary(
         experiment=root.name,
         root=str(root),
-        recipe=f"command: {' '.join(config['run']['command'])}",
+        recipe=f"command: {' '.join(manifest.command_argv)}",
         world_size=world,
-        device=str(manifest_value(manifest, root / first, "policy_applied.device")),
+        device=str(manifest.device),
         tax=tax,
         verdicts=verdicts,
         steps_needed=steps_for_half_width(tax),
@@ -187,7 +189,7 @@ def compute_command_experiment(root: Path, first: str) -> CommandAnalysis:
         equivalence=baseline_equivalence(observed, int(experiment["warmup_steps"]), equivalence_problems),
         problems=(stop_problems + [line for name in names for line in problems[name]]
                   + ([] if restarted else [f"restart_replay: {NOT_RUN}"])),
-        fingerprint_s=_median(runs, "fingerprint_s"),
+        fingerprint_s=_median(runs, FINGERPRINT_S),
         interleave=WHOLE_RUNS,
         nonfinite=nonfinite_runs(observed),
         gate_steps=steps,

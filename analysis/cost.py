@@ -13,7 +13,8 @@ from typing import Any
 
 import pandas as pd
 
-from taxbench.schedule.cost import ScheduleCost
+from taxbench.rundir.cost_file import ScheduleCost
+from taxbench.rundir.step_record import FINGERPRINT_S, RANK
 
 PARTS = ("startup", "timed_steps", "gate_only_runs", "checkpoints", "fingerprints", "analysis", "other")
 # The startup's own parts: the command until rank 0's process started (imports, config, preflight, starting the
@@ -57,9 +58,9 @@ def startup_parts(cost: ScheduleCost) -> dict[str, float] | None:
 
 def _fingerprint_s(frame: pd.DataFrame) -> float:
     """Rank 0's fingerprint time over the run (the ranks fingerprint in step)."""
-    if "fingerprint_s" not in frame or frame.empty:
+    if FINGERPRINT_S not in frame or frame.empty:
         return 0.0
-    return float(frame.loc[frame["rank"].to_numpy() == 0, "fingerprint_s"].fillna(0.0).sum())
+    return float(frame.loc[frame[RANK].to_numpy() == 0, FINGERPRINT_S].fillna(0.0).sum())
 
 
 def cost_split(cost: ScheduleCost | None, runs: Mapping[str, pd.DataFrame], timed: Collection[str],

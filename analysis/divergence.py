@@ -16,7 +16,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import pandas as pd
 
-WATCHED = ("loss", "grad_norm")  # the recorded scalars (float values of the bits the fingerprints hold)
+from taxbench.rundir.step_record import GRAD_NORM, LOSS, RANK, STEP
+
+WATCHED = (LOSS, GRAD_NORM)  # the recorded scalars (float values of the bits the fingerprints hold)
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,7 @@ def first_nonfinite(run: str, frame: pd.DataFrame) -> list[NonFinite]:
         bad = ~np.isfinite(values)
         if not bad.any():
             continue
-        steps, ranks = frame["step"].to_numpy()[bad], frame["rank"].to_numpy()[bad]
+        steps, ranks = frame[STEP].to_numpy()[bad], frame[RANK].to_numpy()[bad]
         first = int(np.lexsort((ranks, steps))[0])
         found.append(NonFinite(run, metric, _value_text(float(values[bad][first])), int(steps[first]),
                                int(ranks[first]), int(bad.sum())))

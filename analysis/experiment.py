@@ -48,6 +48,7 @@ from taxbench.design import (
     knob_arm,
     run_steps,
 )
+from taxbench.rundir.cost_file import read_cost
 from taxbench.rundir.read import (
     FaultEvent,
     RecordError,
@@ -55,14 +56,24 @@ from taxbench.rundir.read import (
     empty_run,
     load_checked_run,
     load_fault_events,
-    load_manifest,
-    manifest_value,
     step_losses,
     step_times,
 )
 from taxbench.rundir.records import MANIFEST, METRICS, STEPS, STOP_FILE, read_stop
+from taxbench.rundir.run_manifest import Manifest, load_manifest
+from taxbench.rundir.step_record import (
+    BLOCK,
+    DATA_S,
+    FINGERPRINT_S,
+    GRAD_NORM,
+    LOSS,
+    MEM_PEAK_BYTES,
+    RANK,
+    STEP,
+    TIME_S,
+    TOKENS,
+)
 from taxbench.rundir.write_scope import running as still_running
-from taxbench.schedule.cost import read_cost
 from taxbench.stats.tax import (
     Checkpoints,
     TaxEstimate,
@@ -221,7 +232,7 @@ class ExperimentAnalysis:
     summary: ExperimentSummary
     runs: dict[str, pd.DataFrame]  # run name -> step records of all ranks (the fields of analysed_fields)
     timed: dict[str, list[pd.DataFrame]]  # arm -> its interleaved (timed) runs' records
-    manifests: dict[str, dict[str, Any]]  # run name -> manifest.json
+    manifests: dict[str, Manifest]  # run name -> its manifest.json
 
     @cached_property
     def step_times(self) -> dict[str, pd.DataFrame]:
@@ -232,14 +243,14 @@ class ExperimentAnalysis:
     def step_series(self) -> dict[str, pd.DataFrame]:
         """Arm -> its first timed run per step: the job's step time, loss, grad norm and tokens/s (run_step_series)."""
         return {arm: run_step_series(self.runs[f"{arm}-0"], self.step_times[arm],
-                                     int(self.manifests[f"{arm}-0"].get("layout", {}).get("dp", 1)))
+                                     self.manifests[f"{arm}-0"].data_parallel)
                 for arm in ARMS}
 
     @cached_property
     def block_ratios(self) -> pd.DataFrame:
         """The per-block deterministic/baseline ratios the tax is estimated from (same warmup, same steps left out
         after checkpoint commits), for the plots: computed once, on first use, whichever presenter asks."""
-        experiment = self.manifests[TIMED["deterministic"].name]["config"]["experiment"]
+        experiment = self.manifests[TIMED["deterministic"].name].experiment_config
         stop = read_stop(Path(self.summary.root))
         return block_ratios(self.timed["baseline"], self.timed["deterministic"], self.summary.tax.warmup_steps,
                             Checkpoints.of(experiment, None if stop is None else stop.commits))
@@ -249,13 +260,13 @@ def run_step_series(frame: pd.DataFrame, times: pd.DataFrame, dp: int) -> pd.Dat
     """Per step of one run: the job's step time (slowest rank; `times` is step_times(frame)), the loss (mean over
     ranks), the global grad norm (as rank 0 recorded it) and the job's tokens/s (rank 0's tokens per step x dp / step
     time)."""
-    time_s = times.set_index("step")["time_s"]
-    first_rank = frame[frame["rank"] == frame["rank"].min()].drop_duplicates("step").set_index("step")
+    time_s = times.set_index(STEP)[TIME_S]
+    first_rank = frame[frame[RANK] == frame[RANK].min()].drop_duplicates(STEP).set_index(STEP)
     return pd.DataFrame({
         "step_time": time_s,
         "loss": step_losses(frame),
-        "grad_norm": first_rank["grad_norm"],
-        "tokens_per_s": first_rank["tokens"] * dp / time_s,
+        "grad_norm": first_rank[GRAD_NORM],
+        "tokens_per_s": first_rank[TOKENS] * dp / time_s,
     }).sort_index()
 
 
@@ -298,9 +309,9 @@ def recipe_label(recipe: dict[str, Any]) -> str:
     return f"{recipe.get('name')} ({target})" if target else str(recipe.get("name"))
 
 
-def code_of(manifest: dict[str, Any]) -> str:
+def code_of(manifest: Manifest) -> str:
     """'taxbench 0.1.0 @ 1a2b3c4d5e6f+dirty' from the manifest's provenance ('unknown' for older runs)."""
-    provenance = manifest.get("provenance") or {}
+    provenance = manifest.provenance or {}
     if not provenance:
         return "unknown"
     commit = provenance.get("commit")
@@ -310,9 +321,9 @@ def code_of(manifest: dict[str, Any]) -> str:
 
 # The record fields the analysis keeps of a checked run (load_checked_run reads identity and schema version first).
 # Of every run: the gates, non-finite values, training curves and what the fingerprints cost.
-GATE_FIELDS = ("step", "rank", "loss", "grad_norm", "fingerprint_s", *METRICS)
+GATE_FIELDS = (STEP, RANK, LOSS, GRAD_NORM, FINGERPRINT_S, *METRICS)
 # Of the timed runs and each arm's first run too: the tax, throughput, and the step times and series of the report.
-TIMED_FIELDS = (*GATE_FIELDS, "block", "time_s", "data_s", "tokens", "mem_peak_bytes")
+TIMED_FIELDS = (*GATE_FIELDS, BLOCK, TIME_S, DATA_S, TOKENS, MEM_PEAK_BYTES)
 
 
 def analysed_fields(name: str, timed_names: Collection[str]) -> tuple[str, ...]:
@@ -336,16 +347,16 @@ def timed_runs(runs: dict[str, pd.DataFrame], experiment: dict[str, Any]) -> dic
 def after_warmup(frame: pd.DataFrame, warmup: int, columns: list[str]) -> pd.DataFrame:
     """`columns` (those the frame has) of the records after the warmup: selected first, since filtering the whole
     frame of 1,000 ranks x 1,000 steps copies every column."""
-    return frame[[c for c in columns if c in frame]].loc[frame["step"].to_numpy() > warmup]
+    return frame[[c for c in columns if c in frame]].loc[frame[STEP].to_numpy() > warmup]
 
 
 def rank_medians(timed: dict[str, list[pd.DataFrame]], warmup: int) -> list[float]:
     """Each rank's median step time over every timed run after the warmup (rank order)."""
-    frames = [after_warmup(frame, warmup, ["rank", "time_s"]) for runs in timed.values() for frame in runs]
+    frames = [after_warmup(frame, warmup, [RANK, TIME_S]) for runs in timed.values() for frame in runs]
     frames = [frame for frame in frames if not frame.empty]
     if not frames:
         return []
-    return pd.concat(frames).groupby("rank")["time_s"].median().sort_index().tolist()
+    return pd.concat(frames).groupby(RANK)[TIME_S].median().sort_index().tolist()
 
 
 def _fault_target(fault: FaultConfig) -> str | None:
@@ -411,7 +422,7 @@ def step_deltas_us(tax: TaxEstimate, knobs: list[KnobResult]) -> dict[str, float
 
 
 def _median_fingerprint_s(frames: Iterable[pd.DataFrame]) -> float:
-    times = [frame["fingerprint_s"].dropna() for frame in frames if "fingerprint_s" in frame]
+    times = [frame[FINGERPRINT_S].dropna() for frame in frames if FINGERPRINT_S in frame]
     times = [t for t in times if not t.empty]
     return float(pd.concat(times).median()) if times else math.nan
 
@@ -431,8 +442,8 @@ def _kept_fields(frame: pd.DataFrame, fields: Collection[str]) -> pd.DataFrame:
 
 def compute_experiment(root: Path) -> ExperimentAnalysis:
     """The experiment's results from its runs' records and manifests (taxbench.analysis.summary records them in
-    summary.json). It writes no result, but reading the records leaves their Arrow mirrors where one is missing or
-    behind (taxbench.rundir.read; none in a folder a live launch holds)."""
+    summary.json). It writes nothing: the records' Arrow mirrors are written only by a caller that asks for them
+    (taxbench.rundir.read.leave_mirrors, which taxbench.analysis.publish runs before it analyses)."""
     began = time.perf_counter()
     running = still_running(root)
     first = TIMED["deterministic"].name  # every run's manifest holds the experiment's config; read it from one
@@ -440,8 +451,8 @@ def compute_experiment(root: Path) -> ExperimentAnalysis:
         raise StillRunning(f"{root} is running ({running}) and has not started its runs yet; nothing to analyse: "
                            "analyse it again when the launch has finished")
     manifest = load_manifest(root / first)
-    config = manifest_value(manifest, root / first, "config")
-    experiment = manifest_value(manifest, root / first, "config.experiment")
+    config = manifest.run_config
+    experiment = manifest.experiment_config
     settings = experiment_settings(config, root / first)
     # The gated runs, then timed runs of their own (experiment.interleave=policy: the shared model's <arm>-timed).
     names = GATED_RUNS + tuple(ref.name for ref in interleaved_runs(experiment) if ref.name not in GATED_RUNS)
@@ -476,9 +487,9 @@ def compute_experiment(root: Path) -> ExperimentAnalysis:
         verdicts.append(compare_runs(gate.name, reference, runs[reference], candidate, runs[candidate], from_step,
                                      tuple(problems[reference] + problems[candidate]), through))
     faults, fired = fault_outcome(root, settings.fault, verdicts)
-    device = manifest_value(manifest, root / first, "policy_applied.device")
+    device = manifest.device
     knobs = analyse_ablation(root, config, timed["baseline"], steps, checkpoints)
-    world = int(manifest_value(manifest, root / first, "layout.world_size"))
+    world = manifest.world_size
     attribution, attribution_problems = ({}, []) if not settings.ablation else attribute_arms(
         root, step_deltas_us(tax, knobs), world)
     equivalence = baseline_equivalence(runs, int(experiment["warmup_steps"]),
@@ -491,12 +502,12 @@ def compute_experiment(root: Path) -> ExperimentAnalysis:
     gate_cost = sum(medians[arm] * run_steps_of[name] for name in names for arm in medians
                     if name.startswith(arm) and name not in timed_names)
     throughput = {arm: arm_throughput([after_warmup(f, tax.warmup_steps, THROUGHPUT_FIELDS) for f in frames],
-                                      medians[arm], world, manifest.get("throughput"))
+                                      medians[arm], world, manifest.throughput)
                   for arm, frames in timed.items()}
     summary = ExperimentSummary(
         experiment=root.name,
         root=str(root),
-        recipe=recipe_label(manifest_value(manifest, root / first, "config.recipe")),
+        recipe=recipe_label(manifest.recipe),
         world_size=world,
         device=device,
         tax=tax,

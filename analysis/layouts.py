@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,59 +33,21 @@ from taxbench.analysis.verdicts import DIFFERS, Verdict, compare_runs
 from taxbench.config.layout_names import parse_layout_name
 from taxbench.config.schema import ConfigError
 from taxbench.design import run_name
+from taxbench.rundir.plans import LaunchRecord, LayoutsPlan
+from taxbench.rundir.plans import read_layouts_plan as read_plan
 from taxbench.rundir.read import (
     RecordError,
-    UnreadableRecords,
     load_checked_run,
-    load_manifest,
-    manifest_value,
     read_json_object,
 )
 from taxbench.rundir.records import WEIGHTS_FORMAT, weights_file
+from taxbench.rundir.run_manifest import Manifest, load_manifest
+from taxbench.rundir.step_record import GRAD_NORM, GRAD_NORM_BITS, LOSS, LOSS_BITS, RANK, STEP, TIME_S
 
-PLAN_FILE = "layouts.json"  # <root>/layouts.json: what was asked for and how each layout's launch went
 SUMMARY_FILE = "summary.json"
 REPLICAS = ("0", "1")
 INITIAL = "0"  # the weights' step before any training
-LOSS, GRAD_NORM, WEIGHTS = "loss", "grad_norm", "weights"
-
-
-# ------------------------------------------------------------------------------------------------ the plan record
-@dataclass
-class LaunchRecord:
-    seconds: float | None = None  # wall-clock time of the layout's two runs (process start to exit)
-    failure: str | None = None  # a rank that died or raised, one line
-
-
-@dataclass
-class LayoutsPlan:
-    recipe: str
-    arm: str
-    steps: int
-    world_size: int
-    layouts: list[str]
-    launches: dict[str, LaunchRecord] = field(default_factory=dict)
-
-    def write(self, root: Path) -> None:
-        write_result(root / PLAN_FILE, json.dumps(asdict(self), indent=2))
-
-
-def read_plan(root: Path) -> LayoutsPlan:
-    stored = read_json_object(root / PLAN_FILE, "layouts record")
-    try:
-        launches = {name: LaunchRecord(**value) for name, value in stored.get("launches", {}).items()}
-        plan = LayoutsPlan(str(stored["recipe"]), str(stored["arm"]), int(stored["steps"]),
-                           int(stored["world_size"]), [str(n) for n in stored["layouts"]], launches)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise UnreadableRecords(f"{root / PLAN_FILE}: not a layouts record ({exc}); the file is damaged") from exc
-    if len(set(plan.layouts)) < 2 or len(set(plan.layouts)) != len(plan.layouts):
-        raise UnreadableRecords(f"{root / PLAN_FILE}: layouts {plan.layouts} are not two or more distinct layouts; the "
-                          "file is damaged or edited")
-    return plan
-
-
-def is_layouts_folder(root: Path) -> bool:
-    return (root / PLAN_FILE).is_file()
+WEIGHTS = "weights"  # beside the step record's LOSS and GRAD_NORM: the metrics a layouts pair compares
 
 
 # ------------------------------------------------------------------------------------------------------------ ulps
@@ -144,16 +106,16 @@ def _whole_job_series(frame: pd.DataFrame, run: str) -> tuple[pd.DataFrame, list
     """Per step: the job's loss (mean of the ranks' float32 losses in float64, rounded to float32) and grad norm, as
     float32 bit patterns; notes where the ranks' grad norms disagree (they are the whole model's on every rank)."""
     notes = []
-    grouped = frame.groupby("step", sort=True)
-    loss = grouped["loss"].mean().astype(np.float64).to_numpy().astype(np.float32)
-    grad_norm = grouped["grad_norm"].mean().astype(np.float64).to_numpy().astype(np.float32)
-    disagree = grouped["grad_norm_bits"].nunique()
+    grouped = frame.groupby(STEP, sort=True)
+    loss = grouped[LOSS].mean().astype(np.float64).to_numpy().astype(np.float32)
+    grad_norm = grouped[GRAD_NORM].mean().astype(np.float64).to_numpy().astype(np.float32)
+    disagree = grouped[GRAD_NORM_BITS].nunique()
     if (disagree > 1).any():
         notes.append(f"{run}: the ranks' grad norms differ at {int((disagree > 1).sum())} step(s) (first: step "
                      f"{int(disagree[disagree > 1].index[0])}); compared as their mean")
-    series = pd.DataFrame({"step": grouped["loss"].mean().index.to_numpy(dtype=np.int64),
-                           "loss_bits": loss.view(np.uint32).astype(np.int64),
-                           "grad_norm_bits": grad_norm.view(np.uint32).astype(np.int64)})
+    series = pd.DataFrame({STEP: grouped[LOSS].mean().index.to_numpy(dtype=np.int64),
+                           LOSS_BITS: loss.view(np.uint32).astype(np.int64),
+                           GRAD_NORM_BITS: grad_norm.view(np.uint32).astype(np.int64)})
     return series, notes
 
 
@@ -188,21 +150,21 @@ def _digests(run_dir: Path, steps: int) -> tuple[dict[str, str | None], int, lis
     return digests, elements, problems
 
 
-def layout_identity_problems(run_dir: Path, name: str, manifest: dict[str, Any]) -> list[str]:
+def layout_identity_problems(run_dir: Path, name: str, manifest: Manifest | None) -> list[str]:
     """Whether the run's manifest describes the layout its folder is named for (a run copied from another layout's
     folder would compare a layout with itself)."""
-    if not manifest:
+    if manifest is None:
         return []
     try:
         expected = parse_layout_name(name)
     except ConfigError as exc:
         return [f"{run_dir.parent}: not a layout folder name ({exc})"]
-    recorded = manifest.get("layout") or {}
+    recorded = manifest.layout_or_empty
     wanted = {"pp": expected.pp, "tp": expected.tp, "ep": expected.ep}
     if expected.dp is not None:
         wanted["dp"] = expected.dp
     differing = [f"{key}={recorded.get(key)}" for key, value in wanted.items() if recorded.get(key) != value]
-    parallel = ((manifest.get("config") or {}).get("recipe") or {}).get("parallel") or {}
+    parallel = manifest.recipe_parallel
     configured = {"virtual_stages": expected.virtual_stages}
     if expected.data_parallel is not None:
         configured["data_parallel"] = expected.data_parallel.value
@@ -227,24 +189,24 @@ def analyse_layout(root: Path, name: str, arm: str, steps: int, launch: LaunchRe
     for replica, run in zip(REPLICAS, runs, strict=True):
         try:
             manifest = load_manifest(folder / run)
-            config = config if config is not None else manifest_value(manifest, folder / run, "config")
+            config = config if config is not None else manifest.run_config
             frame, found = load_checked_run(folder / run, manifest, steps, config)
         except RecordError as exc:
-            frame, found, manifest = pd.DataFrame(columns=["step", "rank", "loss", "grad_norm"]), [str(exc)], {}
+            frame, found, manifest = pd.DataFrame(columns=[STEP, RANK, LOSS, GRAD_NORM]), [str(exc)], None
         frames[run] = frame
         problems += found
-        layout = layout or dict(manifest.get("layout") or {})
+        layout = layout or dict(manifest.layout_or_empty if manifest is not None else {})
         problems += layout_identity_problems(folder / run, name, manifest)
         digests[replica], count, missing = _digests(folder / run, steps)
         elements = elements or count
         problems += missing
     repeatable = (compare_runs("repeatability", runs[0], frames[runs[0]], runs[1], frames[runs[1]], 0,
-                               tuple(problems)) if all("loss_bits" in f for f in frames.values()) else
+                               tuple(problems)) if all(LOSS_BITS in f for f in frames.values()) else
                   Verdict("repeatability", runs[0], runs[1], False, 0, None, 0, tuple(problems)))
     reference = frames[runs[0]]
     series, notes = (_whole_job_series(reference, f"{name}/{runs[0]}") if not reference.empty else
-                     (pd.DataFrame(columns=["step", "loss_bits", "grad_norm_bits"]), []))
-    median = float(reference.groupby("step")["time_s"].max().median()) if "time_s" in reference and \
+                     (pd.DataFrame(columns=[STEP, LOSS_BITS, GRAD_NORM_BITS]), []))
+    median = float(reference.groupby(STEP)[TIME_S].max().median()) if TIME_S in reference and \
         not reference.empty else math.nan
     return LayoutResult(name, layout, repeatable, series, digests, elements, problems, notes,
                         launch.seconds if launch else None, median)
@@ -289,7 +251,7 @@ def compare_layouts(a: LayoutResult, b: LayoutResult, steps: int) -> PairResult:
     """Replica 0 of two layouts: weights at step 0 and at the last step, loss and grad norm per step."""
     initial = _same(a.digests.get("0", {}).get(INITIAL), b.digests.get("0", {}).get(INITIAL))
     final = _same(a.digests.get("0", {}).get(str(steps)), b.digests.get("0", {}).get(str(steps)))
-    left, right = a.series.set_index("step"), b.series.set_index("step")
+    left, right = a.series.set_index(STEP), b.series.set_index(STEP)
     wanted = list(range(1, steps + 1))
     loss_ulp: list[int | None] = []
     norm_ulp: list[int | None] = []
@@ -383,7 +345,7 @@ class LayoutsAnalysis:
         columns loss/<layout> and grad_norm/<layout>."""
         columns = {}
         for layout in self.summary.layouts:
-            series = layout.series.set_index("step")
+            series = layout.series.set_index(STEP)
             for metric in (LOSS, GRAD_NORM):
                 bits = series[f"{metric}_bits"].to_numpy(dtype=np.int64).astype(np.uint32)
                 columns[f"{metric}/{layout.name}"] = pd.Series(bits.view(np.float32).astype(np.float64),

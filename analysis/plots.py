@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 
 from taxbench.analysis.equivalence import BAND_FACTOR, RELATIVE_FLOOR, Equivalence
+from taxbench.rundir.step_record import GRAD_NORM, LOSS, RANK, STEP, TIME_S
 from taxbench.stats.tax import TaxEstimate
 
 if TYPE_CHECKING:
@@ -52,10 +53,10 @@ def step_time_plot(series: dict[str, pd.DataFrame], tax: TaxEstimate, ratios: pd
         2, 1, figsize=(9, 6.2), sharex=False, gridspec_kw={"height_ratios": [3, 2]}, layout="constrained"
     )
     for arm, frame in series.items():
-        top.plot(frame["step"], frame["time_s"] * 1e3, lw=1.1, color=ARM_COLORS.get(arm), label=arm, alpha=0.85)
+        top.plot(frame[STEP], frame[TIME_S] * 1e3, lw=1.1, color=ARM_COLORS.get(arm), label=arm, alpha=0.85)
     top.axvspan(0.5, tax.warmup_steps + 0.5, color="0.85", zorder=0, label=f"warmup ({tax.warmup_steps} steps, cut)")
     top.axvline(tax.warmup_steps + 0.5, color="0.35", ls="--", lw=1)
-    steady = [f.loc[f["step"] > tax.warmup_steps, "time_s"] for f in series.values()]
+    steady = [f.loc[f[STEP] > tax.warmup_steps, TIME_S] for f in series.values()]
     steady = [times for times in steady if not times.empty]
     if steady:  # keep a huge first step from flattening the steady state, without clipping either arm
         top.set_ylim(0, max(float(np.percentile(times, 99)) for times in steady) * 1e3 * 1.35)
@@ -90,11 +91,11 @@ def training_curves_plot(runs: dict[str, pd.DataFrame]) -> bytes:
     """Loss and gradient norm per step (rank 0's record) of each run, as torchtitan and Megatron log them."""
     figure, (loss_axis, norm_axis) = _subplots(1, 2, figsize=(10, 3.6), layout="constrained")
     for name, frame in runs.items():
-        first = frame[frame["rank"] == frame["rank"].min()].sort_values("step")
+        first = frame[frame[RANK] == frame[RANK].min()].sort_values(STEP)
         arm = name.split("-")[0]
         style = "-" if name.endswith("-0") else "--"
-        for axis, column in ((loss_axis, "loss"), (norm_axis, "grad_norm")):
-            axis.plot(first["step"], first[column], style, lw=1.1, color=ARM_COLORS.get(arm), label=name, alpha=0.8)
+        for axis, column in ((loss_axis, LOSS), (norm_axis, GRAD_NORM)):
+            axis.plot(first[STEP], first[column], style, lw=1.1, color=ARM_COLORS.get(arm), label=name, alpha=0.8)
     for axis, title in ((loss_axis, "loss"), (norm_axis, "gradient norm (before clipping)")):
         axis.set_xlabel("step")
         axis.set_title(title)

@@ -27,7 +27,7 @@ from rich.markup import escape
 from taxbench.analysis.console import render, render_layouts, render_stacks, render_sweep
 from taxbench.analysis.document import HTML_FILE, MARKDOWN_FILE, REPORT_DIR
 from taxbench.analysis.experiment import ExperimentAnalysis
-from taxbench.analysis.layouts import analyse_layouts, is_layouts_folder
+from taxbench.analysis.layouts import analyse_layouts
 from taxbench.analysis.report import (
     write_experiment_report,
     write_layouts_report,
@@ -35,7 +35,7 @@ from taxbench.analysis.report import (
     write_sweep_report,
 )
 from taxbench.analysis.results import may_write_result, write_result
-from taxbench.analysis.stacks_matrix import analyse_stacks, is_stacks_folder
+from taxbench.analysis.stacks_matrix import analyse_stacks
 from taxbench.analysis.summary import SUMMARY_FILE, analyse_experiment
 from taxbench.analysis.sweep import MAX_DEPTH, PointName, analyse_sweep, find_experiments, is_experiment
 from taxbench.analysis.wandb_log import (
@@ -50,7 +50,8 @@ from taxbench.config.schema import ReportConfig
 from taxbench.design import ALL_RUNS, TIMED
 from taxbench.diagnostics import logger
 from taxbench.rundir.experiment_folder import LOCK_FILE, SWEEP_MARKER, Holder, held_by, is_marked_sweep
-from taxbench.rundir.read import RecordError, ResultWriteError
+from taxbench.rundir.plans import is_layouts_folder, is_stacks_folder
+from taxbench.rundir.read import RecordError, ResultWriteError, leave_mirrors
 from taxbench.rundir.records import MANIFEST
 from taxbench.rundir.write_scope import reading
 
@@ -102,12 +103,17 @@ def publish(root: Path, settings: ReportConfig, group: str | None = None, strict
                 raise
             log.warning("wandb logging skipped: %s", exc)
             settings = replace(settings, wandb=False)
+    # Analysing and reporting is where mirrors are asked for (reading alone writes none): the records are read
+    # columnar from here on, by this analysis and every later one (none in a folder a live launch holds).
     if is_layouts_folder(root):
+        leave_mirrors(root)
         return _publish_layouts(root, settings, group, strict_wandb, console)
     if is_stacks_folder(root):
+        leave_mirrors(root)
         return _publish_stacks(root, settings, group, strict_wandb, console)
     if is_experiment(root) or looks_like_experiment(root):
         try:
+            leave_mirrors(root)
             return _publish_experiment(root, settings, group, strict_wandb, console)
         except ResultWriteError:
             raise  # analysed, but a result could not be written: the summary.json it wrote holds the verdict
@@ -115,6 +121,7 @@ def publish(root: Path, settings: ReportConfig, group: str | None = None, strict
             withdraw_verdict(root, exc)
             raise
     if is_marked_sweep(root):
+        leave_mirrors(root)
         return _publish_sweep(root, settings, group, strict_wandb, console)
     raise RecordError(not_an_experiment(root))
 

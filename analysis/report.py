@@ -62,6 +62,7 @@ from taxbench.analysis.text import (
 from taxbench.analysis.verdicts import INCOMPLETE, Verdict
 from taxbench.design import BASELINE_REPEAT, EQUIVALENCE_RUNS, GATES, REPEAT, TIMED
 from taxbench.redaction import redact
+from taxbench.rundir.run_manifest import Manifest
 
 STEP_TIME_PNG = "step_times.png"
 TRAINING_PNG = "training.png"
@@ -102,20 +103,12 @@ def flatten(value: Any, prefix: str = "") -> dict[str, str]:
     return {prefix: _value(value)}
 
 
-def _section(manifest: dict[str, Any], dotted: str) -> Any:
-    node: Any = manifest
-    for part in dotted.split("."):
-        node = node.get(part) if isinstance(node, dict) else None
-    return node
-
-
-def manifest_comparison(baseline: dict[str, Any], deterministic: dict[str, Any]) -> list[tuple[str, str, str, bool]]:
+def manifest_comparison(baseline: Manifest, deterministic: Manifest) -> list[tuple[str, str, str, bool]]:
     """(key, baseline value, deterministic value, differs) over MANIFEST_SECTIONS of the two timed runs."""
-    baseline, deterministic = redact(baseline), redact(deterministic)
     rows = []
     for section in MANIFEST_SECTIONS:
-        left = flatten(_section(baseline, section), section)
-        right = flatten(_section(deterministic, section), section)
+        left = flatten(redact(baseline.section(section)), section)
+        right = flatten(redact(deterministic.section(section)), section)
         for key in list(dict.fromkeys([*left, *right])):
             a, b = left.get(key, "(absent)"), right.get(key, "(absent)")
             rows.append((key, a, b, a != b))

@@ -32,71 +32,14 @@ from taxbench.analysis.results import write_result
 from taxbench.analysis.summary import SUMMARY_FILE, analyse_experiment
 from taxbench.analysis.verdicts import Verdict
 from taxbench.design import GATES, TIMED
-from taxbench.rundir.read import RecordError, UnreadableRecords, read_json_object
+from taxbench.rundir.plans import Cell, StacksPlan
+from taxbench.rundir.plans import read_stacks_plan as read_plan
+from taxbench.rundir.read import RecordError
 
-PLAN_FILE = "stacks.json"  # <root>/stacks.json: the cells asked for, what each ran, and why a cell did not
-NOT_INSTALLED, NEEDS_CUDA = "not installed", "needs CUDA"
-SKIPPED = (NOT_INSTALLED, NEEDS_CUDA)
-STACK_NAMES = ("taxbench", "titan", "megatron", "deepspeed")  # a cell's stack, as the table and its folder name it
-# The deterministic arm's mode (conf/mode/) per policy column, and how the table names it
-POLICY_LABELS = {"stack_native": "own switch", "deterministic": "taxbench's policy"}
 HEADER = ["stack", "recipe", "parameters", "deterministic arm", "tax (interval)",
           *(gate.name.replace("_", " ") for gate in GATES)]
 
 
-# ------------------------------------------------------------------------------------------------ the plan record
-@dataclass
-class Cell:
-    stack: str  # the stack's short name: native, titan, megatron, deepspeed
-    policy: str  # the deterministic arm's mode: stack_native or deterministic
-    recipe: str
-    parameters: int | None  # the recipe's model on the meta device (None: the stack is not installed)
-    skipped: str | None = None  # one of SKIPPED; None: the cell runs
-    reason: str = ""  # why it did not run, one line (the install line, the refusal)
-    seconds: float | None = None  # wall-clock time of its experiment (launch to exit)
-    failure: str | None = None  # a rank that died or raised, one line
-
-    @property
-    def name(self) -> str:
-        """Its experiment's folder under the matrix root."""
-        return f"{self.stack}-{self.policy}"
-
-
-@dataclass
-class StacksPlan:
-    family: str  # dense or moe: which recipe each stack runs
-    steps: int
-    world_size: int
-    device: str
-    cells: list[Cell] = field(default_factory=list)
-    shape: str = ""  # the model and batch fields given to every stack that builds its model from them
-
-    def write(self, root: Path) -> None:
-        write_result(root / PLAN_FILE, json.dumps(asdict(self), indent=2))
-
-
-def read_plan(root: Path) -> StacksPlan:
-    stored = read_json_object(root / PLAN_FILE, "stacks record")
-    try:
-        cells = [Cell(**cell) for cell in stored["cells"]]
-        plan = StacksPlan(str(stored["family"]), int(stored["steps"]), int(stored["world_size"]),
-                          str(stored["device"]), cells, str(stored.get("shape", "")))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise UnreadableRecords(f"{root / PLAN_FILE}: not a stacks record ({exc}); the file is damaged") from exc
-    names = [cell.name for cell in plan.cells]
-    wrong = [cell.name for cell in plan.cells if cell.skipped not in (None, *SKIPPED) or
-             cell.policy not in POLICY_LABELS or cell.stack not in STACK_NAMES]
-    if not names or len(set(names)) != len(names) or wrong:
-        raise UnreadableRecords(f"{root / PLAN_FILE}: cells {names} are not distinct stack-policy cells "
-                                f"{'(' + ', '.join(wrong) + ')' if wrong else ''}; the file is damaged or edited")
-    return plan
-
-
-def is_stacks_folder(root: Path) -> bool:
-    return (root / PLAN_FILE).is_file()
-
-
-# ------------------------------------------------------------------------------------------------------ the results
 @dataclass
 class CellResult:
     cell: Cell
@@ -189,8 +132,8 @@ def analyse_cell(root: Path, cell: Cell, on_experiment: Callable[[ExperimentAnal
         return CellResult(cell, None, [*problems, f"{cell.name}: not analysed ({exc})"])
     if on_experiment is not None:
         on_experiment(analysis)
-    manifest = analysis.manifests.get(TIMED["deterministic"].name, {})
-    audit = manifest.get("stack_native_audit") if (manifest.get("policy") or {}).get("stack_native") else None
+    manifest = analysis.manifests.get(TIMED["deterministic"].name)
+    audit = manifest.stack_native_audit if manifest is not None and manifest.stack_native else None
     return CellResult(cell, analysis.summary, problems, [str(line) for line in audit] if audit is not None else None)
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import math
 
-from taxbench.analysis.stacks_matrix import POLICY_LABELS, CellResult, StacksSummary
+from taxbench.analysis.stacks_matrix import CellResult, StacksSummary
 from taxbench.analysis.text import interval, pct
 from taxbench.analysis.verdicts import DIFFERS, IDENTICAL, Verdict
 from taxbench.design import GATES
+from taxbench.rundir.plans import POLICY_LABELS
 
 
 def parameters_text(count: int | None) -> str:

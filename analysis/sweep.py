@@ -19,8 +19,9 @@ from taxbench.analysis.experiment import ExperimentAnalysis, ExperimentSummary
 from taxbench.analysis.results import write_result
 from taxbench.analysis.summary import analyse_experiment
 from taxbench.design import GATES, TIMED
-from taxbench.rundir.read import RecordError, load_manifest
+from taxbench.rundir.read import RecordError
 from taxbench.rundir.records import MANIFEST
+from taxbench.rundir.run_manifest import load_manifest
 
 # Folders below the sweep root searched for experiments: <sweep>/<job>/<experiment>/ and one level more.
 MAX_DEPTH = 3
@@ -56,7 +57,7 @@ def point_names(root: Path, experiments: list[Path]) -> dict[Path, PointName]:
 def _launch_overrides(experiment: Path) -> dict[str, str]:
     """key -> value of the `key=value` overrides the experiment was launched with (none when not recorded)."""
     try:
-        recorded = load_manifest(experiment / TIMED["deterministic"].name).get("provenance", {}).get("overrides") or []
+        recorded = load_manifest(experiment / TIMED["deterministic"].name).overrides
     except RecordError:
         return {}
     pairs = (str(item).split("=", 1) for item in recorded if "=" in str(item))

@@ -8,7 +8,7 @@ columnar mirror, exactly as the trainer's StepWriter lays them out.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +19,23 @@ import pandas as pd
 
 from taxbench.design import ALL_RUNS
 from taxbench.rundir.provenance import config_hash
-from taxbench.rundir.records import MANIFEST, METRICS, SCHEMA_VERSION, STEPS, Stop, steps_file, write_manifest
+from taxbench.rundir.records import MANIFEST, METRICS, SCHEMA_VERSION, STEPS, Stop, steps_file
+from taxbench.rundir.run_manifest import Manifest, load_manifest
+from taxbench.rundir.step_record import (
+    ARM,
+    BLOCK,
+    DATA_S,
+    DEVICE_S,
+    GRAD_NORM,
+    LOSS,
+    RANK,
+    REPLICA,
+    SCHEMA_VERSION_FIELD,
+    STEP,
+    TIME_S,
+    TOKENS,
+    WINDOW_S,
+)
 from taxbench.rundir.step_stream import refresh_mirror
 
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -84,10 +100,10 @@ def _run_frame(spec: SyntheticExperiment, arm: str, replica: str, rng: np.random
     time_s = spec.step_time_s * warmup * slowdown * rank_offset * noise
     salt = 1 if arm == "deterministic" or spec.baseline_deterministic or replica == "0" else 2
     frame = pd.DataFrame({
-        "schema_version": SCHEMA_VERSION, "arm": arm, "replica": replica, "rank": ranks, "step": steps,
-        "block": (steps - 1) // spec.block_steps, "data_s": 1e-4, "tokens": 4096, "time_s": time_s,
-        "window_s": time_s * 1.02, "device_s": time_s * 0.98, "loss": _loss(spec, arm, replica, steps),
-        "grad_norm": 1.0,
+        SCHEMA_VERSION_FIELD: SCHEMA_VERSION, ARM: arm, REPLICA: replica, RANK: ranks, STEP: steps,
+        BLOCK: (steps - 1) // spec.block_steps, DATA_S: 1e-4, TOKENS: 4096, TIME_S: time_s,
+        WINDOW_S: time_s * 1.02, DEVICE_S: time_s * 0.98, LOSS: _loss(spec, arm, replica, steps),
+        GRAD_NORM: 1.0,
         **_fingerprints(steps, ranks, salt),
     })
     if injection is not None and injection.run == f"{arm}-{replica}":
@@ -96,7 +112,7 @@ def _run_frame(spec: SyntheticExperiment, arm: str, replica: str, rng: np.random
     return frame
 
 
-def _manifest(spec: SyntheticExperiment, name: str, arm: str, replica: str) -> dict:
+def _manifest(spec: SyntheticExperiment, name: str, arm: str, replica: str) -> Manifest:
     deterministic = arm == "deterministic"
     policy = {"name": arm, "deterministic": deterministic, "cudnn_benchmark": not deterministic,
               "allow_tf32": not deterministic, "cublas_workspace_config": ":4096:8" if deterministic else None,
@@ -109,16 +125,16 @@ def _manifest(spec: SyntheticExperiment, name: str, arm: str, replica: str) -> d
                        "checkpoint_every_steps": 0},
         "arm_overrides": {},
     }
-    return {
-        "experiment": name, "run": f"{arm}-{replica}", "arm": arm, "replica": replica,
-        "config": config,
-        "provenance": {"config_sha256": config_hash(config)},
-        "policy": policy,
-        "policy_applied": {"device": "cuda", "use_deterministic_algorithms": deterministic,
-                           "env": {"NCCL_ALGO": "Ring"} if deterministic else {}},
-        "layout": {"world_size": spec.ranks, "backend": "nccl", "data_parallel": "fsdp"},
-        "stack": {"hostname": "synthetic", "torch": "synthetic", "gpu": "synthetic GPU", "nccl": "2.0"},
-    }
+    return Manifest(
+        experiment=name, run=f"{arm}-{replica}", arm=arm, replica=replica,
+        config=config,
+        provenance={"config_sha256": config_hash(config)},
+        policy=policy,
+        policy_applied={"device": "cuda", "use_deterministic_algorithms": deterministic,
+                        "env": {"NCCL_ALGO": "Ring"} if deterministic else {}},
+        layout={"world_size": spec.ranks, "backend": "nccl", "data_parallel": "fsdp"},
+        stack={"hostname": "synthetic", "torch": "synthetic", "gpu": "synthetic GPU", "nccl": "2.0"},
+    )
 
 
 def write_experiment(root: Path, spec: SyntheticExperiment, injection: Injection | None = None) -> Path:
@@ -126,9 +142,9 @@ def write_experiment(root: Path, spec: SyntheticExperiment, injection: Injection
     rng = np.random.default_rng(spec.seed)
     for ref in ALL_RUNS:
         run_dir = root / ref.name
-        write_manifest(run_dir, _manifest(spec, root.name, ref.arm, ref.replica))
+        _manifest(spec, root.name, ref.arm, ref.replica).write(run_dir)
         frame = _run_frame(spec, ref.arm, ref.replica, rng, injection)
-        for rank, part in frame.groupby("rank", sort=True):
+        for rank, part in frame.groupby(RANK, sort=True):
             stream = steps_file(run_dir, int(rank))
             part.to_json(stream, orient="records", lines=True)
             refresh_mirror(stream)  # what a rank's StepWriter leaves behind when it closes
@@ -140,7 +156,7 @@ def change_config(root: Path, change: Callable[[dict[str, Any]], None]) -> None:
     """Apply `change` to the config in every run's manifest and hash it again: the experiment as if it had run with
     that config (a fault, a calibration pair), for tests and demos."""
     for path in root.glob(f"*/{MANIFEST}"):
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-        change(manifest["config"])
-        manifest.setdefault("provenance", {})["config_sha256"] = config_hash(manifest["config"])
-        path.write_text(json.dumps(manifest, indent=2), encoding="utf-8")
+        manifest = load_manifest(path.parent)
+        change(manifest.run_config)
+        provenance = {**(manifest.provenance or {}), "config_sha256": config_hash(manifest.run_config)}
+        dataclasses.replace(manifest, provenance=provenance).write(path.parent)

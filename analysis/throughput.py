@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from taxbench.rundir.step_record import DATA_S, MEM_PEAK_BYTES, TIME_S
+
 
 @dataclass(frozen=True)
 class ArmThroughput:
@@ -24,7 +26,7 @@ class ArmThroughput:
         return asdict(self)
 
 
-THROUGHPUT_FIELDS = ["data_s", "time_s", "mem_peak_bytes"]  # the record fields arm_throughput reads
+THROUGHPUT_FIELDS = [DATA_S, TIME_S, MEM_PEAK_BYTES]  # the record fields arm_throughput reads
 
 
 def arm_throughput(frames: list[pd.DataFrame], median_step_s: float, world: int,
@@ -38,10 +40,10 @@ def arm_throughput(frames: list[pd.DataFrame], median_step_s: float, world: int,
     tflops = flops / world / median_step_s / 1e12 if flops else None
     peak = throughput.get("peak_flops_per_device")
     mfu = tflops * 1e12 / peak if tflops is not None and peak else None
-    memory = records["mem_peak_bytes"].dropna() if "mem_peak_bytes" in records else pd.Series(dtype=float)
+    memory = records[MEM_PEAK_BYTES].dropna() if MEM_PEAK_BYTES in records else pd.Series(dtype=float)
     share = math.nan
-    if {"data_s", "time_s"} <= set(records.columns) and not records.empty:
-        share = float(np.median(records["data_s"] / (records["data_s"] + records["time_s"])))
+    if {DATA_S, TIME_S} <= set(records.columns) and not records.empty:
+        share = float(np.median(records[DATA_S] / (records[DATA_S] + records[TIME_S])))
     return ArmThroughput(
         tokens_per_s=tokens_per_s,
         tokens_per_s_per_device=tokens_per_s / world,

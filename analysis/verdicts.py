@@ -18,7 +18,8 @@ import numpy as np
 import pandas as pd
 
 from taxbench.rundir.hex_columns import alike, hex_text, unpacked
-from taxbench.rundir.records import METRICS, SKIPPED
+from taxbench.rundir.records import METRICS
+from taxbench.rundir.step_record import RANK, SKIPPED, STEP
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def compare_runs(
     metrics = _compared(reference, candidate)
     if SKIPPED in metrics:
         reference, candidate = (_with_skipped(frame) for frame in (reference, candidate))
-    columns = ["step", "rank", *metrics]
+    columns = [STEP, RANK, *metrics]
     ref, cand = _comparable(_after(reference, from_step, columns, through), _after(candidate, from_step, columns,
                                                                                    through))
     if problems:
@@ -77,14 +78,14 @@ def compare_runs(
         return _compare_aligned(gate, reference_name, ref, candidate_name, cand, from_step, metrics)
     # As text: an outer merge turns a packed column with a missing row into floats, which lose a digest's low bits.
     ref, cand = (frame.assign(**{m: unpacked(frame[m]) for m in METRICS}) for frame in (ref, cand))
-    merged = ref.merge(cand, on=["step", "rank"], how="outer", suffixes=("_ref", "_cand"), indicator=True)
-    merged = merged.sort_values(["step", "rank"], kind="stable")
+    merged = ref.merge(cand, on=[STEP, RANK], how="outer", suffixes=("_ref", "_cand"), indicator=True)
+    merged = merged.sort_values([STEP, RANK], kind="stable")
     candidates: list[Mismatch] = []
     missing = merged[merged["_merge"] != "both"]
     if not missing.empty:
         row = missing.iloc[0]
         present = "reference" if row["_merge"] == "left_only" else "candidate"
-        candidates.append(Mismatch(int(row["step"]), int(row["rank"]), "missing_record",
+        candidates.append(Mismatch(int(row[STEP]), int(row[RANK]), "missing_record",
                                    "present" if present == "reference" else None,
                                    "present" if present == "candidate" else None))
     both = merged[merged["_merge"] == "both"]
@@ -94,10 +95,10 @@ def compare_runs(
         index = bad_rows[bad_rows].index[0]
         row = both.loc[index]
         metric = next(m for m in metrics if differs.loc[index, m])
-        candidates.append(Mismatch(int(row["step"]), int(row["rank"]), metric,
+        candidates.append(Mismatch(int(row[STEP]), int(row[RANK]), metric,
                                    _text(metric, row[f"{metric}_ref"]), _text(metric, row[f"{metric}_cand"])))
     first = min(candidates, key=lambda m: (m.step, m.rank)) if candidates else None
-    return Verdict(gate, reference_name, candidate_name, first is None, int(both["step"].nunique()), first, from_step)
+    return Verdict(gate, reference_name, candidate_name, first is None, int(both[STEP].nunique()), first, from_step)
 
 
 def _compared(reference: pd.DataFrame, candidate: pd.DataFrame) -> tuple[str, ...]:
@@ -121,7 +122,7 @@ def _text(metric: str, value: object) -> str:
 
 
 def _after(frame: pd.DataFrame, from_step: int, columns: list[str], through: int | None = None) -> pd.DataFrame:
-    steps = frame["step"].to_numpy()
+    steps = frame[STEP].to_numpy()
     after = steps > from_step
     if through is not None:
         after &= steps <= through
@@ -139,8 +140,8 @@ def _comparable(ref: pd.DataFrame, cand: pd.DataFrame) -> tuple[pd.DataFrame, pd
 def _same_keys(ref: pd.DataFrame, cand: pd.DataFrame) -> bool:
     return (
         len(ref) == len(cand)
-        and bool((ref["step"].to_numpy() == cand["step"].to_numpy()).all())
-        and bool((ref["rank"].to_numpy() == cand["rank"].to_numpy()).all())
+        and bool((ref[STEP].to_numpy() == cand[STEP].to_numpy()).all())
+        and bool((ref[RANK].to_numpy() == cand[RANK].to_numpy()).all())
     )
 
 
@@ -154,11 +155,11 @@ def _compare_aligned(
                        (f"{reference_name} and {candidate_name} hold no records to compare after step {from_step}",))
     # Comparing the columns' own arrays keeps arrow-backed strings in pyarrow (40x faster than object arrays).
     differs = np.column_stack([np.asarray(ref[m].array != cand[m].array, dtype=bool) for m in metrics])
-    compared = int(ref["step"].nunique())
+    compared = int(ref[STEP].nunique())
     bad = np.flatnonzero(differs.any(axis=1))
     if bad.size == 0:
         return Verdict(gate, reference_name, candidate_name, True, compared, None, from_step)
-    steps, ranks = ref["step"].to_numpy()[bad], ref["rank"].to_numpy()[bad]
+    steps, ranks = ref[STEP].to_numpy()[bad], ref[RANK].to_numpy()[bad]
     row = int(bad[np.lexsort((ranks, steps))[0]])  # the first mismatch: the earliest step, then the lowest rank
     metric = metrics[int(np.argmax(differs[row]))]
     if metric == SKIPPED:
@@ -166,7 +167,7 @@ def _compare_aligned(
     else:
         expected = hex_text(ref[metric].iat[row], ref[metric].dtype)
         actual = hex_text(cand[metric].iat[row], cand[metric].dtype)
-    mismatch = Mismatch(int(ref["step"].iat[row]), int(ref["rank"].iat[row]), metric, expected, actual)
+    mismatch = Mismatch(int(ref[STEP].iat[row]), int(ref[RANK].iat[row]), metric, expected, actual)
     return Verdict(gate, reference_name, candidate_name, False, compared, mismatch, from_step)
 
 
@@ -175,7 +176,7 @@ def _compare_shared(
     problems: tuple[str, ...], metrics: tuple[str, ...] = METRICS,
 ) -> Verdict:
     """Incomplete runs: compare the (step, rank) records both hold exactly once; never agree."""
-    keys = ["step", "rank"]
+    keys = [STEP, RANK]
     # a record without step, rank or fingerprints, or held twice, is no evidence either way
     ref = ref.dropna(subset=[*keys, *metrics]).drop_duplicates(keys, keep=False)
     cand = cand.dropna(subset=[*keys, *metrics]).drop_duplicates(keys, keep=False)

@@ -125,13 +125,13 @@ def _experiment_config(analysis: ExperimentAnalysis) -> dict[str, Any]:
     manifest = analysis.manifests[TIMED["deterministic"].name]
     return {
         "experiment": analysis.summary.experiment,
-        "recipe": manifest["config"]["recipe"],
-        "experiment_settings": manifest["config"]["experiment"],
-        "cluster": manifest["config"]["cluster"],
-        "arms": {arm: analysis.manifests[f"{arm}-0"]["policy"] for arm in ARMS},
-        "policy_applied": {arm: analysis.manifests[f"{arm}-0"]["policy_applied"] for arm in ARMS},
-        "layout": manifest["layout"],
-        "stack": manifest["stack"],
+        "recipe": manifest.recipe,
+        "experiment_settings": manifest.experiment_config,
+        "cluster": manifest.cluster,
+        "arms": {arm: analysis.manifests[f"{arm}-0"].policy for arm in ARMS},
+        "policy_applied": {arm: analysis.manifests[f"{arm}-0"].policy_applied for arm in ARMS},
+        "layout": manifest.layout,
+        "stack": manifest.stack,
         "world_size": analysis.summary.world_size,
         "device": analysis.summary.device,
     }

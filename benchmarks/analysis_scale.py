@@ -31,7 +31,7 @@ import pandas as pd
 from taxbench.analysis.sweep import analyse_sweep
 from taxbench.analysis.synthetic import SyntheticExperiment, write_experiment
 from taxbench.design import REPEATABILITY
-from taxbench.rundir.read import load_run
+from taxbench.rundir.read import leave_mirrors, load_run
 from taxbench.rundir.step_stream import run_mirror_file
 
 
@@ -98,8 +98,9 @@ def main() -> None:
         jsonl = sum(p.stat().st_size for p in sweep.rglob("*.jsonl"))
         mirrors = sum(p.stat().st_size for p in sweep.rglob("*.arrow"))
         print(f"  on disk: JSONL {jsonl / 2**30:.2f} GiB, mirrors {mirrors / 2**30:.2f} GiB")
+        # as `taxbench analyse` does: the mirrors the ranks did not leave (the run mirrors) first, then the analysis
         result, sweep_s = timed("analyse the sweep (JSONL + mirrors as the ranks leave them)",
-                                lambda: analyse_sweep(sweep))
+                                lambda: (leave_mirrors(sweep), analyse_sweep(sweep))[1])
         largest = sweep / f"ranks{max(args.world_sizes)}" / "baseline-0"
         print(f"one run ({largest.parent.name}/baseline-0, {args.steps * max(args.world_sizes):,} records):")
         _, old = timed("  old per-line json.loads loader", lambda: per_line_loader(largest))
@@ -107,10 +108,11 @@ def main() -> None:
                           lambda: load_run(largest, use_mirrors=False))
         for mirror in largest.glob("*.arrow"):
             mirror.unlink()
-        _, first = timed("  first load of a run without mirrors (parses, writes them)", lambda: load_run(largest))
+        _, first = timed("  first load of a run without mirrors (parses, writes them)",
+                         lambda: load_run(largest, leave_mirrors=True))
         run_mirror_file(largest).unlink()
         _, per_stream = timed("  load through each stream's mirror (verified, writes the run mirror)",
-                              lambda: load_run(largest))
+                              lambda: load_run(largest, leave_mirrors=True))
         _, mirrored = timed("  load through the run mirror (verified against every JSONL)", lambda: load_run(largest))
         print(f"  records/s, whole sweep: {records / sweep_s:,.0f}")
         print(f"  run mirror vs JSON parse: {parsed / mirrored:.1f}x; vs each stream's mirror: "

@@ -38,8 +38,10 @@ from taxbench.rundir.probe_files import (
     loaded_processes,
     read_rank_facts,
 )
-from taxbench.rundir.read import load_manifest, load_run
+from taxbench.rundir.read import load_run
 from taxbench.rundir.records import MANIFEST, STEPS, TARGET, Stop
+from taxbench.rundir.run_manifest import load_manifest
+from taxbench.rundir.step_record import BLOCK, RANK, STEP, TIME_S
 from taxbench.stats.tax import estimate_pairs_tax
 
 PROBE_BOOT = Path(taxbench.__file__).parent / "probe" / "boot"
@@ -140,8 +142,8 @@ class CommandRunner:
         Stop(self.steps_of(RunRef("baseline", "0")), stopped_by, half_width, pairs=pairs).write(self.root)
 
     def half_width(self, pairs: int) -> float:
-        frames = [(load_run(self.root / f"baseline-{p}", fields={"step", "rank", "time_s", "block"}),
-                   load_run(self.root / f"deterministic-{p}", fields={"step", "rank", "time_s", "block"}))
+        frames = [(load_run(self.root / f"baseline-{p}", fields={STEP, RANK, TIME_S, BLOCK}),
+                   load_run(self.root / f"deterministic-{p}", fields={STEP, RANK, TIME_S, BLOCK}))
                   for p in range(pairs)]
         estimate = estimate_pairs_tax(frames, self.cfg.experiment.warmup_steps, self.cfg.experiment.confidence)
         print(f"taxbench: {pairs} pairs: tax {estimate.tax:+.2%}, interval half-width {estimate.half_width:.2%}",
@@ -149,8 +151,8 @@ class CommandRunner:
         return estimate.half_width
 
     def steps_of(self, ref: RunRef) -> int:
-        frame = load_run(self.root / ref.name, fields={"step", "rank"})
-        return int(frame["step"].max()) if not frame.empty else 0
+        frame = load_run(self.root / ref.name, fields={STEP, RANK})
+        return int(frame[STEP].max()) if not frame.empty else 0
 
     # -------------------------------------------------------------------------------------------------- one run
     def run_one(self, run: PlannedRun, index: int, total: int, trace: ProbeTrace | None = None) -> None:
@@ -271,14 +273,13 @@ def replay_run(original: Path, into: Path, trace: ProbeTrace) -> Path:
     save, then its resume), with the probe capturing `trace`'s steps; the command ends once they are captured. The
     replay's folder: `into/<run name>`. The environment is today's with the arm's (the launch's was not recorded)."""
     manifest = load_manifest(original)
-    cfg = load_config(manifest["config"])
-    ref = RunRef(manifest["arm"], str(manifest["replica"]))
-    recorded = manifest.get("command") or {}
+    cfg = load_config(manifest.run_config)
+    ref = RunRef(manifest.arm, str(manifest.replica))
     runner = CommandRunner(cfg, into, [], again="")  # cfg.run.cwd: the folder the command ran in
     if ref.replica != RESUMED_REPLICA:
         runner.run_one(PlannedRun(ref, int(ref.replica), gated=True), 0, 0, trace)
         return into / ref.name
-    resumed_from = int((recorded.get("probe") or {}).get("resumed_from") or 0)
+    resumed_from = manifest.resumed_from
     save, resume = restart_runs()
     if max(trace.steps) <= resumed_from:  # the saving process took the step: it alone is replayed
         runner.run_one(save, 0, 0, trace)

@@ -17,7 +17,7 @@ from pathlib import Path
 from rich.console import Console
 
 from taxbench.analysis.experiment import recipe_label
-from taxbench.analysis.layouts import PLAN_FILE, SUMMARY_FILE, LaunchRecord, LayoutsPlan
+from taxbench.analysis.layouts import SUMMARY_FILE
 from taxbench.config.layout_names import LayoutName, check_layout
 from taxbench.config.schema import ConfigError, Device, ReportConfig, TaxbenchConfig, world_size, world_size_key
 from taxbench.design import ExperimentSteps
@@ -27,6 +27,8 @@ from taxbench.launchers.worker import run_repeats_rank
 from taxbench.parallel.gpu_hours import render_total
 from taxbench.parallel.plan import cost_of
 from taxbench.preflight import check_before_launch
+from taxbench.rundir.plans import LAYOUTS_PLAN_FILE as PLAN_FILE
+from taxbench.rundir.plans import LaunchRecord, LayoutsPlan
 from taxbench.schedule.repeats import REPLICAS
 
 DEFAULT_STEPS = 8  # per run: 4 layouts x 2 runs of the moe_1t proxy take a few minutes on 2 cores

@@ -21,7 +21,6 @@ from pathlib import Path
 from omegaconf import DictConfig
 from rich.console import Console
 
-from taxbench.analysis.stacks_matrix import NEEDS_CUDA, NOT_INSTALLED, PLAN_FILE, STACK_NAMES, Cell, StacksPlan
 from taxbench.config.schema import (
     ConfigError,
     Device,
@@ -38,6 +37,8 @@ from taxbench.launchers.outcome import Launched
 from taxbench.parallel.gpu_hours import render_total
 from taxbench.parallel.plan import cost_of
 from taxbench.preflight import prepare
+from taxbench.rundir.plans import NEEDS_CUDA, NOT_INSTALLED, STACK_NAMES, Cell, StacksPlan
+from taxbench.rundir.plans import STACKS_PLAN_FILE as PLAN_FILE
 from taxbench.stacks.deepspeed import require_deepspeed
 from taxbench.stacks.megatron import require_megatron
 from taxbench.stacks.registry import stack_for

@@ -10,7 +10,9 @@ as symlinks in a temporary folder, per that mapping, and then
   import cycle between modules or subpackages, every taxbench module placed in a contract, and no function-local
   import of a taxbench module outside the command line (LAZY_IMPORTS_ALLOWED: taxbench/cli.py and the subcommands in
   taxbench/commands/ that import lazily to keep every `--help`, shell completion and `taxbench analyse` free of torch;
-  anywhere else a local import would only hide a cycle).
+  anywhere else a local import would only hide a cycle), and no module outside taxbench/rundir/ that reads a run
+  folder's format by a string (a manifest indexed by its field names, a step record's timing field named by a literal
+  of its own) instead of through rundir's models.
 
 Exit 0 when every check holds, 1 otherwise (naming each problem). Needs the `dev` extra (import-linter, grimp).
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import ast
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -178,7 +181,30 @@ def contract_modules() -> set[str]:
     return named
 
 
+# The run folder's formats are read through taxbench/rundir/'s models only: outside it no module indexes a manifest
+# by a string (manifest["config"], manifest.get("layout")) or names a step record's timing field by a string literal
+# of its own (taxbench.rundir.step_record names them); a literal followed by ":" is a key of a result's own.
+_FORMAT_OWNER = f"{PACKAGE}.rundir"
+_STRING_INDEXED = re.compile(r"""\bmanifests?(\[[^\]]+\])?(\[\s*["']|\.get\(\s*["'])"""
+                             r"""|["'](time_s|data_s|window_s|device_s|fingerprint_s|planted_s)["'](?!\s*:)""")
+
+
+def string_indexed_formats(mods: dict[str, Path]) -> list[str]:
+    """Lines outside taxbench/rundir/ that index a manifest or name a step record's timing field by a string."""
+    found = []
+    for module, path in sorted(mods.items()):
+        if module == _FORMAT_OWNER or module.startswith(_FORMAT_OWNER + "."):
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if _STRING_INDEXED.search(code):
+                found.append(f"{module}:{number}: reads a run-folder format by a string ({code.strip()[:80]}); use "
+                             "the model in taxbench/rundir/ (run_manifest.Manifest, step_record's names)")
+    return found
+
+
 def check(tree_root: Path, mods: dict[str, Path], edges: dict[str, set[str]], problems: list[str]) -> list[str]:
+    problems = problems + string_indexed_formats(mods)
     named = contract_modules()
     for module in mods:
         if module != PACKAGE and module.count(".") >= 1 and subpackage(module) not in named:

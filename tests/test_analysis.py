@@ -13,8 +13,9 @@ import pandas as pd
 import pytest
 
 from taxbench.analysis.verdicts import DIFFERS, INCOMPLETE, compare_runs
-from taxbench.rundir.read import RecordError, check_run, load_fault_events, load_manifest, load_run
+from taxbench.rundir.read import RecordError, check_run, load_fault_events, load_run
 from taxbench.rundir.records import METRICS, SCHEMA_VERSION, steps_file
+from taxbench.rundir.run_manifest import load_manifest
 from taxbench.rundir.step_stream import StepWriter
 from taxbench.stats.tax import Checkpoints, estimate_tax, steps_for_half_width
 from taxbench.stats.warmup import mser5, warmup_cut

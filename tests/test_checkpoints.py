@@ -16,7 +16,8 @@ from helpers import Crash, crash_after, fingerprints, run_schedule, tiny_config
 from taxbench.checkpoint.store import PROGRESS_FILE, CheckpointError, RunCheckpoints, commit, resume_step
 from taxbench.design import ALL_RUNS
 from taxbench.parallel.distributed import DistContext, free_port
-from taxbench.rundir.records import RunWriteError, write_atomically, write_manifest
+from taxbench.rundir.records import RunWriteError, write_atomically
+from taxbench.rundir.run_manifest import Manifest
 from taxbench.train.trainer import RunSpec, Trainer
 
 
@@ -175,7 +176,7 @@ def test_a_checkpoint_and_a_manifest_on_a_full_disk_fail_in_one_line_and_leave_n
     with pytest.raises(OSError):  # fill what is left
         filler.write_bytes(b"\0" * (1 << 20))
     with pytest.raises(RunWriteError, match=f"^no space left on {full_disk / 'run' / 'manifest.json'}"):
-        write_manifest(full_disk / "run", {"config": {"x": "y"}})
+        Manifest.of({"config": {"x": "y"}}).write(full_disk / "run")
     assert not list(full_disk.rglob("*.tmp"))
     assert checkpoints.complete() == []  # nothing was recorded as complete
 

@@ -144,7 +144,7 @@ def test_fields_of_a_run_read_batch_by_batch_are_the_records_values(tmp_path: Pa
         lines[8] = json.dumps(record | {"params": record["params"].upper()}) + "\n"
         stream.write_text("".join(lines))
     truth = load_run(run, use_mirrors=False)  # the JSONL's records, parsed
-    load_run(run)  # leaves the run mirror
+    load_run(run, leave_mirrors=True)  # leaves the run mirror
     with pa.OSFile(str(step_stream.run_mirror_file(run))) as source:
         assert sum(1 for _ in ipc.open_stream(source)) == 5  # 24 records in batches of 5
     fields = ("step", "rank", "time_s", *METRICS)
@@ -165,7 +165,7 @@ def test_fields_cut_from_a_damaged_run_mirror_are_never_used(tmp_path: Path, mon
                                                                   resume_step=4))
     run = root / "baseline-1"
     truth = load_run(run, use_mirrors=False)
-    load_run(run)  # leaves the run mirror
+    load_run(run, leave_mirrors=True)  # leaves the run mirror
     mirror = step_stream.run_mirror_file(run)
     data = bytearray(mirror.read_bytes())
     if damage == "flipped byte":  # inside a value of the last batch: it still decodes

@@ -10,7 +10,7 @@ from helpers import tiny_config
 
 from taxbench.design import KNOBS, PROFILE_REPLICA, TIMED, RunRef
 from taxbench.rundir.manifest import RunFacts, write_run_manifest
-from taxbench.rundir.read import load_manifest
+from taxbench.rundir.run_manifest import load_manifest
 
 FACTS = RunFacts(
     policy_applied={"deterministic_algorithms": True}, stack_switch={"stack": "taxbench"}, stack_native_audit=None,
@@ -25,14 +25,15 @@ def test_the_manifest_holds_the_config_the_facts_and_one_attempt_per_start(tmp_p
     root = tmp_path / "m"
     write_run_manifest(root, ref, cfg, cfg.arms["deterministic"], FACTS, "first")
     manifest = load_manifest(root / ref.name)
-    assert (manifest["experiment"], manifest["run"], manifest["arm"], manifest["replica"]) == \
+    assert (manifest.experiment, manifest.run, manifest.arm, manifest.replica) == \
         ("m", ref.name, "deterministic", "0")
-    assert manifest["config"]["experiment"]["steps"] == 12 and manifest["policy"]["deterministic"] is True
-    assert manifest["layout"] == FACTS.layout and manifest["stack"] == FACTS.stack
-    assert manifest["timing"] == {"torch_threads": 1, "interop_threads": 1, "manual_gc": cfg.experiment.manual_gc,
+    assert manifest.experiment_config["steps"] == 12 and manifest.policy["deterministic"] is True
+    assert manifest.layout == FACTS.layout and manifest.stack == FACTS.stack
+    assert manifest.timing == {"torch_threads": 1, "interop_threads": 1, "manual_gc": cfg.experiment.manual_gc,
                                   "block_steps": 3, "interleave": cfg.experiment.interleave, "shared_model": None}
-    assert "knob" not in manifest and "profile" not in manifest
-    assert manifest["provenance"]["config_sha256"]
+    assert manifest.knob is None and manifest.profile is None
+    assert manifest.config_sha256
+    assert "knob" not in json.loads((root / ref.name / "manifest.json").read_text())
 
     write_run_manifest(root, ref, cfg, cfg.arms["deterministic"], FACTS, "first")  # the same start: one attempt
     write_run_manifest(root, ref, cfg, cfg.arms["deterministic"], FACTS, "second")  # a requeue: a second one
@@ -46,5 +47,5 @@ def test_a_knob_arm_and_a_profile_run_say_what_they_are(tmp_path: Path) -> None:
     ref = RunRef(f"with_{knob.name}", PROFILE_REPLICA)
     write_run_manifest(tmp_path / "k", ref, cfg, cfg.arms["deterministic"], FACTS, "a")
     manifest = load_manifest(tmp_path / "k" / ref.name)
-    assert manifest["knob"] == {"direction": "with", "name": knob.name, "fields": list(knob.fields)}
-    assert manifest["profile"] == {"warmup_steps": 2, "profiled_steps": cfg.experiment.profile_steps}
+    assert manifest.knob == {"direction": "with", "name": knob.name, "fields": list(knob.fields)}
+    assert manifest.profile == {"warmup_steps": 2, "profiled_steps": cfg.experiment.profile_steps}

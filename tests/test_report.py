@@ -27,7 +27,8 @@ from taxbench.config.schema import ReportConfig
 from taxbench.redaction import REDACTED, redact, redact_text
 from taxbench.rundir.experiment_folder import mark_sweep
 from taxbench.rundir.read import RecordError, load_run
-from taxbench.rundir.records import SCHEMA_VERSION, write_manifest
+from taxbench.rundir.records import SCHEMA_VERSION
+from taxbench.rundir.run_manifest import Manifest
 from taxbench.rundir.step_stream import RUN_MIRROR
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -46,17 +47,17 @@ def test_loader_reads_every_record_through_the_mirrors_and_refreshes_them(tmp_pa
     run = root / "baseline-0"
     assert sorted(p.name for p in run.glob("steps.rank*.arrow")) == [f"steps.rank{r}.arrow" for r in range(3)]
     with mock.patch("taxbench.rundir.step_stream.parse_records", side_effect=AssertionError("parsed the JSONL")):
-        frame = load_run(run)  # the ranks' mirrors cover every line: nothing is parsed
+        frame = load_run(run, leave_mirrors=True)  # the ranks' mirrors cover every line: nothing is parsed
     assert len(frame) == 36 and list(frame[["rank", "step"]].iloc[11:14].itertuples(index=False)) == [
         (0, 12), (1, 1), (1, 2)]
     assert frame.equals(load_run(run, use_mirrors=False))
     stream = run / "steps.rank1.jsonl"
     with stream.open("a") as f:  # lines the mirror does not cover yet: parsed, then mirrored too
         f.write(json.dumps({**json.loads(stream.read_text().splitlines()[-1]), "step": 13}) + "\n")
-    assert len(load_run(run)) == 37
+    assert len(load_run(run, leave_mirrors=True)) == 37
     parsed = load_run(run, use_mirrors=False)
     with mock.patch("taxbench.rundir.step_stream.parse_records", side_effect=AssertionError("parsed the JSONL")):
-        assert load_run(run).equals(parsed)
+        assert load_run(run, leave_mirrors=True).equals(parsed)
 
 
 def test_loader_tolerates_a_torn_last_line_and_names_bad_lines(tmp_path: Path) -> None:
@@ -86,10 +87,11 @@ def test_a_mirror_is_tied_to_the_bytes_of_its_stream(tmp_path: Path) -> None:
     edited = text[:digit] + ("1" if text[digit] != "1" else "2") + text[digit + 1:]  # same size
     stream.write_text(edited)
     os.utime(stream, ns=(before.st_atime_ns, before.st_mtime_ns))  # and the same mtime: only the bytes tell
-    assert load_run(run).equals(load_run(run, use_mirrors=False))
-    assert (load_run(run)["params"] != load_run(run.parent / "deterministic-1")["params"]).sum() == 1
+    assert load_run(run, leave_mirrors=True).equals(load_run(run, use_mirrors=False))
+    flipped = load_run(run, leave_mirrors=True)["params"] != load_run(run.parent / "deterministic-1")["params"]
+    assert flipped.sum() == 1
     stream.write_text(text[: text.index("\n") + 1])  # cut back to one line: the mirror claims more than there is
-    assert len(load_run(run)) == 12 + 1
+    assert len(load_run(run, leave_mirrors=True)) == 12 + 1
 
 
 @pytest.mark.parametrize("name", ["steps.rank0.arrow", RUN_MIRROR])
@@ -99,7 +101,7 @@ def test_every_flipped_byte_of_a_mirror_is_caught(tmp_path: Path, name: str) -> 
     root = write_experiment(tmp_path / "exp", SyntheticExperiment(ranks=2, steps=12, block_steps=3, resume_step=6))
     run = root / "baseline-0"
     truth = load_run(run, use_mirrors=False)
-    load_run(run)  # leaves the run mirror
+    load_run(run, leave_mirrors=True)  # leaves the run mirror
     mirror = run / name
     good = mirror.read_bytes()
     offsets = sorted(set(range(0, len(good), max(1, len(good) // 300))) | set(range(len(good) - 64, len(good))))
@@ -109,7 +111,8 @@ def test_every_flipped_byte_of_a_mirror_is_caught(tmp_path: Path, name: str) -> 
         mirror.write_bytes(bytes(flipped))
         if name != RUN_MIRROR:
             (run / RUN_MIRROR).unlink()  # else the intact run mirror is read and this one never looked at
-        assert load_run(run).equals(truth), f"a flip at byte {offset} of {len(good)} changed the frame"
+        read_back = load_run(run, leave_mirrors=True)
+        assert read_back.equals(truth), f"a flip at byte {offset} of {len(good)} changed the frame"
         assert mirror.read_bytes() == good, f"a flip at byte {offset} went unnoticed"  # caught and rewritten
 
 
@@ -283,7 +286,7 @@ def _sweep(tmp_path: Path) -> Path:
     for world, where in ((32, "2/exp"), (8, "0/exp"), (16, "point1")):  # depths 2 and 1, listed out of order
         write_experiment(sweep / where, SyntheticExperiment(ranks=world, tax=0.01 * world / 8, seed=world))
     broken = sweep / "3" / "crashed"
-    write_manifest(broken / "deterministic-0", {"experiment": "crashed"})  # a job that died before its records
+    Manifest.of({"experiment": "crashed"}).write(broken / "deterministic-0")  # a job that died before its records
     return sweep
 
 
@@ -417,8 +420,8 @@ def test_redaction_removes_secrets_and_keeps_the_rest() -> None:
 
 
 def test_manifests_never_hold_secrets(tmp_path: Path) -> None:
-    write_manifest(tmp_path, {"config": {"cluster": {"setup": ["export WANDB_API_KEY=0123456789abcdef"]}},
-                              "policy_applied": {"env": {"NCCL_ALGO": "Ring", "SECRET_TOKEN": "s3cr3t"}}})
+    Manifest.of({"config": {"cluster": {"setup": ["export WANDB_API_KEY=0123456789abcdef"]}},
+                 "policy_applied": {"env": {"NCCL_ALGO": "Ring", "SECRET_TOKEN": "s3cr3t"}}}).write(tmp_path)
     text = (tmp_path / "manifest.json").read_text()
     assert "0123456789abcdef" not in text and "s3cr3t" not in text and '"NCCL_ALGO": "Ring"' in text
 

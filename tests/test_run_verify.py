@@ -23,6 +23,7 @@ from taxbench import exit_codes
 from taxbench.commands.verify import certificate_command, conclude, load_reference
 from taxbench.commands.verify_cli import main as run_verify_command
 from taxbench.rundir.certificate import RUN_FOLDER, essentials, read_certificate
+from taxbench.rundir.run_manifest import Manifest
 from taxbench.rundir.records import steps_file
 
 STEPS = 4
@@ -38,11 +39,11 @@ def test_a_command_runs_essentials_read_its_own_folder_as_a_placeholder() -> Non
                             "edits": {"config_set": {"zero_optimization.stage": 2}}, "wall_s": 1.0,
                             "probe": {"optimizers": ["AdamW"], "loaded_processes": 3}}}
 
-    reference = essentials(manifest("/runs/job/deterministic-0"))
-    rerun = essentials(manifest("/runs/verify-job/deterministic-0"))
+    reference = essentials(Manifest.of(manifest("/runs/job/deterministic-0")))
+    rerun = essentials(Manifest.of(manifest("/runs/verify-job/deterministic-0")))
     assert reference == rerun and reference["command"]["argv"][-1] == f"{RUN_FOLDER}/command-config.json"
     assert reference["command"]["optimizers"] == ["AdamW"] and "wall_s" not in reference["command"]
-    assert "command" not in essentials({"config": {}})  # a recipe run's essentials are as they were
+    assert "command" not in essentials(Manifest.of({"config": {}}))  # a recipe run's essentials are as they were
 
 
 # ------------------------------------------------------------------------------------------------ real commands

@@ -15,11 +15,12 @@ from helpers import compose_raw, compose_typed, has_deepspeed, run_taxbench
 
 from taxbench import exit_codes
 from taxbench.analysis.publish import publish
-from taxbench.analysis.stacks_matrix import NEEDS_CUDA, Cell, StacksPlan, analyse_stacks
+from taxbench.analysis.stacks_matrix import analyse_stacks
 from taxbench.analysis.wandb_log import log_stacks
 from taxbench.commands.stacks import main as run_stacks_command
 from taxbench.config.schema import ConfigError, ReportConfig
 from taxbench.launchers.stacks import DEFAULT_STEPS, cell_overrides, parse_stack_list, plan_cell
+from taxbench.rundir.plans import NEEDS_CUDA, Cell, StacksPlan
 
 REPO = Path(__file__).resolve().parent.parent
 

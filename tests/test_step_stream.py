@@ -55,11 +55,11 @@ def test_a_crash_before_close_leaves_the_jsonl_to_parse_and_analysis_mirrors_it(
     assert not mirror_file(stream).exists()
     with stream.open("a") as handle:
         handle.write('{"schema_version": 3, "step": 4, "ra')  # torn mid-line
-    frame = load_run(tmp_path)
+    frame = load_run(tmp_path, leave_mirrors=True)
     assert list(frame["step"]) == [1, 2, 3]
     read = read_stream(stream)
     assert read.mirror_current and read.covered == stream.read_bytes().rfind(b"\n") + 1  # the torn line is not
-    assert load_run(tmp_path).equals(frame)
+    assert load_run(tmp_path, leave_mirrors=True).equals(frame)
 
 
 def test_a_resumed_stream_is_mirrored_as_it_ends_up(tmp_path: Path) -> None:
@@ -72,7 +72,7 @@ def test_a_resumed_stream_is_mirrored_as_it_ends_up(tmp_path: Path) -> None:
     writer.close()
     read = read_stream(stream)
     assert read.mirror_current and read.mirrored.column("step").to_pylist() == list(range(1, 8))
-    assert load_run(tmp_path).equals(load_run(tmp_path, use_mirrors=False))
+    assert load_run(tmp_path, leave_mirrors=True).equals(load_run(tmp_path, use_mirrors=False))
 
 
 def test_lines_appended_after_the_mirror_are_parsed_and_joined_in_order(tmp_path: Path) -> None:
@@ -83,8 +83,8 @@ def test_lines_appended_after_the_mirror_are_parsed_and_joined_in_order(tmp_path
     assert read.mirrored is not None and read.mirrored.num_rows == 3 and read.rest.count(b"\n") == 1
     frame = load_run(tmp_path, use_mirrors=False)
     assert list(frame["step"]) == [1, 2, 3, 4] and frame["extra"].isna().tolist() == [True] * 3 + [False]
-    assert load_run(tmp_path).equals(frame)  # mirror + parsed rest, then the refreshed mirror
-    assert load_run(tmp_path).equals(frame)
+    assert load_run(tmp_path, leave_mirrors=True).equals(frame)  # mirror + parsed rest, then the refreshed mirror
+    assert load_run(tmp_path, leave_mirrors=True).equals(frame)
 
 
 @pytest.mark.parametrize("damage", ["other format", "empty", "foreign bytes", "stale digest"])
@@ -106,7 +106,7 @@ def test_an_unusable_mirror_is_no_error_and_no_evidence(tmp_path: Path, damage: 
         other = table.set_column(table.schema.get_field_index("params"), "params", pa.array(["f" * 16] * 4))
         write_mirror(stream, other, size, bytes(16))
     assert read_stream(stream).mirrored is None
-    assert load_run(tmp_path).equals(truth)
+    assert load_run(tmp_path, leave_mirrors=True).equals(truth)
     assert read_stream(stream).mirror_current  # analysis replaced it
 
 
@@ -126,7 +126,7 @@ def test_refresh_mirror_of_an_unparsable_stream_raises_and_the_writer_only_warns
 def test_ranks_load_in_rank_order_without_a_gather(tmp_path: Path) -> None:
     for rank in (10, 2, 0, 1):  # steps.rank10 sorts before steps.rank2 by name
         _written(tmp_path, range(1, 4), rank=rank)
-    frame = load_run(tmp_path)
+    frame = load_run(tmp_path, leave_mirrors=True)
     assert list(frame["rank"]) == [0] * 3 + [1] * 3 + [2] * 3 + [10] * 3
     assert list(frame["step"]) == [1, 2, 3] * 4
 
@@ -138,7 +138,7 @@ def _run_of(tmp_path: Path, ranks: int = 3) -> tuple[Path, pd.DataFrame]:
         _written(run, range(1, 6), rank=rank)
     truth = load_run(run, use_mirrors=False)
     assert not run_mirror_file(run).exists()  # a parse writes no mirror
-    assert load_run(run).equals(truth) and run_mirror_file(run).is_file()
+    assert load_run(run, leave_mirrors=True).equals(truth) and run_mirror_file(run).is_file()
     return run, truth
 
 
@@ -148,7 +148,7 @@ def test_a_run_mirror_is_left_by_the_first_load_and_gives_the_same_frame(tmp_pat
         stream.unlink()  # the next load reads the run mirror alone: the streams' own mirrors are not needed
     mirror = read_run_mirror(run)
     assert mirror is not None and [c.name for c in mirror[1]] == [f"steps.rank{r}.jsonl" for r in range(3)]
-    assert load_run(run).equals(truth)
+    assert load_run(run, leave_mirrors=True).equals(truth)
     assert not mirror_file(steps_file(run, 0)).exists()  # so the run mirror was used, and nothing rewritten
 
 
@@ -178,5 +178,6 @@ def test_a_run_mirror_is_used_only_for_exactly_the_streams_it_covers(tmp_path: P
     usable = covered is not None and [c.name for c in covered[1]] == [p.name for p in stream_files(run)] and all(
         covers(run / c.name, c) for c in covered[1])
     assert usable == (change == "torn tail")
-    assert load_run(run).equals(load_run(run, use_mirrors=False))  # whatever the mirrors: the JSONL's frame
-    assert read_run_mirror(run) is not None and load_run(run).equals(load_run(run, use_mirrors=False))  # rewritten
+    truth = load_run(run, use_mirrors=False)
+    assert load_run(run, leave_mirrors=True).equals(truth)  # whatever the mirrors: the JSONL's frame
+    assert read_run_mirror(run) is not None and load_run(run, leave_mirrors=True).equals(truth)  # rewritten

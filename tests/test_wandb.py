@@ -103,7 +103,7 @@ def test_summary_holds_results_only_and_history_holds_loss_grad_norm_and_tokens(
     assert by_step[5]["loss/baseline"] == pytest.approx(frame[frame["step"] == 5]["loss"].mean(), rel=1e-12)
     assert by_step[5]["grad_norm/deterministic"] == pytest.approx(
         analysis.runs["deterministic-0"].set_index(["step", "rank"]).loc[(5, 0), "grad_norm"], rel=1e-12)
-    dp = analysis.manifests["baseline-0"]["layout"].get("dp", 1)
+    dp = analysis.manifests["baseline-0"].data_parallel
     slowest = frame[frame["step"] == 5]["time_s"].max()
     assert by_step[5]["tokens_per_s/baseline"] == pytest.approx(rank0.loc[5, "tokens"] * dp / slowest, rel=1e-12)
 

@@ -35,7 +35,8 @@ from taxbench.launchers.local import die_with_parent
 from taxbench.launchers.worker import rank_process
 from taxbench.parallel.distributed import free_port
 from taxbench.rundir.probe_files import ProbeTrace
-from taxbench.rundir.read import load_manifest, load_run
+from taxbench.rundir.read import RecordError, load_run
+from taxbench.rundir.run_manifest import load_manifest
 from taxbench.tracing.diff import (
     CONTROL_FLOW,
     IDENTICAL,
@@ -77,10 +78,15 @@ class RecordedRun:
     def load(cls, run_dir: Path) -> RecordedRun:
         manifest = load_manifest(run_dir)
         try:
-            config = manifest["config"]
-            world = int(manifest.get("layout", {}).get("world_size") or 0)
-            return cls(run_dir, manifest.get("run", run_dir.name), manifest["arm"], str(manifest["replica"]),
-                       config, world, manifest.get("command") is not None)
+            config = manifest.run_config
+            world = int(manifest.layout_or_empty.get("world_size") or 0)
+            if manifest.arm is None or manifest.replica is None:
+                raise KeyError("arm" if manifest.arm is None else "replica")
+            return cls(run_dir, manifest.run if manifest.run is not None else run_dir.name, manifest.arm,
+                       str(manifest.replica), config, world, manifest.is_command_run)
+        except RecordError as exc:  # the manifest lacks its config
+            raise LocalizeError(f"{run_dir}/manifest.json lacks 'config'; localize needs a manifest written by "
+                                "`python -m taxbench`") from exc
         except KeyError as exc:
             raise LocalizeError(f"{run_dir}/manifest.json lacks {exc}; localize needs a manifest written by "
                                 "`python -m taxbench`") from exc

@@ -44,7 +44,6 @@ def main(argv: list[str]) -> int:
     if any(arg in ("-h", "--help") for arg in argv):
         print(USAGE)
         return exit_codes.OK
-    from taxbench.analysis.stacks_matrix import StacksPlan
     from taxbench.launchers.outcome import publish_launch
     from taxbench.launchers.stacks import (
         DEFAULT_STEPS,
@@ -55,6 +54,7 @@ def main(argv: list[str]) -> int:
         run_stacks,
         shape_text,
     )
+    from taxbench.rundir.plans import StacksPlan
 
     own, overrides = split_own_settings(argv, OWN_KEYS, lists=("stacks",))
     given = {override_key(o) for o in overrides}

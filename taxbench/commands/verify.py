@@ -52,11 +52,11 @@ from taxbench.rundir.read import (
     config_problems,
     identity_problems,
     load_checked_run,
-    load_manifest,
     load_run,
-    manifest_value,
 )
 from taxbench.rundir.records import MANIFEST, STOP_FILE, read_stop, write_text_atomically
+from taxbench.rundir.run_manifest import Manifest, load_manifest
+from taxbench.rundir.step_record import STEP
 from taxbench.schedule.rerun import RERUN
 
 SUMMARY_FILE = "verify.json"  # in the rerun's experiment folder
@@ -127,8 +127,8 @@ def load_reference(path: Path) -> Reference:
     run_dir = _run_dir_of(path)
     _refuse_a_running_experiment(run_dir)
     manifest = load_manifest(run_dir)
-    config = manifest.get("config")
-    if f"{manifest.get('arm')}-{manifest.get('replica')}" != RERUN.name:
+    config = manifest.config
+    if f"{manifest.arm}-{manifest.replica}" != RERUN.name:
         raise RecordError(f"{run_dir / MANIFEST}: not the manifest of a {RERUN.name} run; verify checks against an "
                           "experiment's deterministic-0")
     if not isinstance(config, dict):
@@ -147,12 +147,12 @@ def load_reference(path: Path) -> Reference:
                                 "(verify needs the manifest an experiment wrote)") from None
     frame = load_run(run_dir, empty_ok=True)
     problems += stop_problems + identity_problems(run_dir, manifest, frame)
-    world = int(manifest_value(manifest, run_dir, "layout.world_size"))
-    return Reference(str(path), run_dir, str(run_dir), str(manifest.get("experiment")), config, steps, world,
+    world = manifest.world_size
+    return Reference(str(path), run_dir, str(run_dir), str(manifest.experiment), config, steps, world,
                      essentials(manifest), frame, tuple(problems))
 
 
-def _command_reference(path: Path, run_dir: Path, manifest: dict[str, Any], config: dict[str, Any],
+def _command_reference(path: Path, run_dir: Path, manifest: Manifest, config: dict[str, Any],
                        problems: list[str]) -> Reference:
     """The deterministic-0 of a `taxbench run -- COMMAND` experiment: as long as the command took (stop.json, which
     every run of the experiment is checked against), its records with the live flags (a command that turned the
@@ -163,10 +163,9 @@ def _command_reference(path: Path, run_dir: Path, manifest: dict[str, Any], conf
         problems = [*problems, f"{run_dir.parent / STOP_FILE}: missing or damaged: the experiment's runs never all "
                                "ended, so the command's length is unknown; continue the experiment "
                                "(experiment.continue_existing=true)"]
-    steps = stop.steps if stop is not None else int(frame["step"].max()) if not frame.empty else 0
+    steps = stop.steps if stop is not None else int(frame[STEP].max()) if not frame.empty else 0
     problems += identity_problems(run_dir, manifest, frame) + flag_problems(RERUN.name, manifest, frame)
-    world = int(manifest_value(manifest, run_dir, "layout.world_size"))
-    return Reference(str(path), run_dir, str(run_dir), str(manifest.get("experiment")), config, steps, world,
+    return Reference(str(path), run_dir, str(run_dir), str(manifest.experiment), config, steps, manifest.world_size,
                      essentials(manifest), _observed(frame), tuple(problems))
 
 
@@ -403,7 +402,7 @@ def conclude(reference: Reference, root: Path) -> VerifyResult:
     """Compare the rerun in experiment folder `root` with the reference over the steps both have; write verify.json."""
     run_dir = root / RERUN.name
     manifest = load_manifest(run_dir)
-    config = manifest["config"]
+    config = manifest.run_config
     if runs_a_command(config):
         steps, problems = _command_rerun_steps(reference, run_dir)
         frame, found = load_checked_run(run_dir, manifest, steps, config)

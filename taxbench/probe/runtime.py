@@ -34,7 +34,19 @@ from taxbench.config.schema import Device, PolicyConfig
 from taxbench.probe.adapters import Adapters
 from taxbench.probe.steps import ClosedStep, StepFolder
 from taxbench.rundir.probe_files import LiveFlags, ProbeSettings, RankFacts, mark_loaded, read_probe_settings
-from taxbench.rundir.records import SKIPPED, steps_file
+from taxbench.rundir.records import steps_file
+from taxbench.rundir.step_record import (
+    ARM,
+    BLOCK,
+    CALLS,
+    FLAGS,
+    OPTIMIZER_STEP,
+    RANK,
+    REPLICA,
+    SKIPPED,
+    STEP,
+    TOKENS,
+)
 from taxbench.rundir.step_stream import StepWriter
 from taxbench.runtime.determinism import applied_state, apply_flags
 
@@ -252,15 +264,15 @@ class Probe:
         assert self.facts is not None
         step = closed.number + self.offset
         record = {
-            "arm": self.settings.arm,
-            "replica": self.settings.replica,
-            "rank": self.facts.rank,
-            "step": step,
-            "block": self.settings.block,
-            "tokens": None,
-            "flags": live_flags().text(),
-            "optimizer_step": closed.own_count,
-            "calls": closed.calls,
+            ARM: self.settings.arm,
+            REPLICA: self.settings.replica,
+            RANK: self.facts.rank,
+            STEP: step,
+            BLOCK: self.settings.block,
+            TOKENS: None,
+            FLAGS: live_flags().text(),
+            OPTIMIZER_STEP: closed.own_count,
+            CALLS: closed.calls,
             SKIPPED: closed.skipped,
         }
         self.pending.append((record, closed))

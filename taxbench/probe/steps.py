@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from taxbench import fingerprint
+from taxbench.rundir.step_record import DEVICE_S, FINGERPRINT_S, GRAD_NORM, LOSS, TIME_S
 
 Digest = Any  # an int (host) or a 0-d int64 tensor on a device (taxbench.fingerprint.Digest)
 
@@ -68,13 +69,13 @@ class ClosedStep:
         losses = [(_host_int(bits), dtype) for bits, dtype in self.losses]
         digested = bool(self.params)
         return {
-            "time_s": device_s if device_s is not None else self.time_s,
-            "device_s": device_s,
-            "fingerprint_s": self.overhead_s,
-            "loss": sum(_bits_value(b, d) for b, d in losses) / len(losses) if losses else None,
+            TIME_S: device_s if device_s is not None else self.time_s,
+            DEVICE_S: device_s,
+            FINGERPRINT_S: self.overhead_s,
+            LOSS: sum(_bits_value(b, d) for b, d in losses) / len(losses) if losses else None,
             "loss_bits": "".join(fingerprint.bits_hex(b, d) for b, d in losses),  # "" where no backward was seen
             "grads": fingerprint.to_hex(_combined(self.grads)) if digested else None,
-            "grad_norm": None,  # the command's own clipping norm is not observed
+            GRAD_NORM: None,  # the command's own clipping norm is not observed
             "grad_norm_bits": "",
             "params": fingerprint.to_hex(_combined(self.params)) if digested else None,
             "optim": fingerprint.to_hex(_combined(self.optim)) if digested else None,

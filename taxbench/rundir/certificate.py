@@ -27,6 +27,7 @@ import pyarrow as pa
 from taxbench.rundir.provenance import canonical_json, config_hash
 from taxbench.rundir.read import RecordError, UnreadableRecords, read_json_object
 from taxbench.rundir.records import METRICS, SCHEMA_VERSION, write_text_atomically
+from taxbench.rundir.run_manifest import Manifest
 from taxbench.rundir.step_stream import STEP_FIELDS
 
 FORMAT = "taxbench.certificate"
@@ -56,21 +57,21 @@ class DamagedCertificate(UnreadableRecords, CertificateError):
     incomplete (exit 4, as every piece of damaged evidence: docs/records-and-trust.md)."""
 
 
-def essentials(manifest: dict[str, Any]) -> dict[str, Any]:
+def essentials(manifest: Manifest) -> dict[str, Any]:
     """What a manifest says about where and how its run executed (ESSENTIAL_SECTIONS), plus its cluster config and
     the model's stack: the same shape from a run folder and from a certificate, so that two can be diffed."""
     out: dict[str, Any] = {}
     for section, keys in ESSENTIAL_SECTIONS.items():
-        value = manifest.get(section)
+        value = manifest.section(section)
         if not isinstance(value, dict):
             out[section] = value
             continue
         kept = keys if keys is not None else [k for k in value if k not in _LEFT_OUT.get(section, ())]
         out[section] = {key: value.get(key) for key in kept}
-    config = manifest.get("config") or {}
+    config = manifest.config or {}
     out["cluster"] = config.get("cluster")
     out["model_kind"] = ((config.get("recipe") or {}).get("model") or {}).get("kind")
-    command = manifest.get("command")
+    command = manifest.command
     if isinstance(command, dict):  # a run of `taxbench run -- COMMAND` (recipe runs have no such section)
         out["command"] = command_essentials(command)
     return out
@@ -130,9 +131,9 @@ class Certificate:
         return pa.table(columns).to_pandas(split_blocks=True)
 
 
-def make_certificate(manifest: dict[str, Any], frame: pd.DataFrame, steps: int, made_from: str) -> dict[str, Any]:
+def make_certificate(manifest: Manifest, frame: pd.DataFrame, steps: int, made_from: str) -> dict[str, Any]:
     """The certificate of a complete run (every rank of its world, every step 1..steps once: the caller checked)."""
-    world = int(manifest["layout"]["world_size"])
+    world = manifest.world_size
     ordered = frame.sort_values(["rank", "step"], kind="stable")
     fingerprints = {
         str(rank): {metric: [str(v) for v in group[metric].tolist()] for metric in METRICS}
@@ -142,13 +143,13 @@ def make_certificate(manifest: dict[str, Any], frame: pd.DataFrame, steps: int, 
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "schema_version": SCHEMA_VERSION,
-        "experiment": manifest.get("experiment"),
-        "run": manifest.get("run"),
+        "experiment": manifest.experiment,
+        "run": manifest.run,
         "made_from": made_from,
         "steps": steps,
         "world_size": world,
-        "config": manifest["config"],
-        "config_sha256": config_hash(manifest["config"]),
+        "config": manifest.run_config,
+        "config_sha256": config_hash(manifest.run_config),
         "essentials": essentials(manifest),
         "metrics": list(METRICS),
         "fingerprints": fingerprints,

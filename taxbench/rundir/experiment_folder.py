@@ -31,7 +31,8 @@ from taxbench.design import ALL_RUNS, TIMED
 from taxbench.oserrors import describe_os_error
 from taxbench.redaction import redact, redact_text
 from taxbench.rundir.evidence import check_regular, open_regular
-from taxbench.rundir.read import RecordError, load_manifest
+from taxbench.rundir.read import RecordError
+from taxbench.rundir.run_manifest import load_manifest
 
 LOCK_FILE = ".taxbench.lock"
 # In the folder a Hydra multirun creates for its points (<out_dir>/<name>/point<N>/): the mark that makes it a sweep
@@ -115,7 +116,7 @@ def _check_reuse(root: Path, cfg: TaxbenchConfig) -> None:
 
 def _require_same_config(root: Path, cfg: TaxbenchConfig) -> None:
     try:
-        stored = load_manifest(root / TIMED["deterministic"].name)["config"]
+        stored = load_manifest(root / TIMED["deterministic"].name).run_config
     except RecordError as exc:
         raise ConfigError(f"cannot continue {root}: {exc}; start a new experiment.name") from exc
 

@@ -18,8 +18,8 @@ from omegaconf import OmegaConf
 from taxbench.config.schema import PolicyConfig, TaxbenchConfig
 from taxbench.design import KNOBS_BY_NAME, PROFILE_REPLICA, RunRef, knob_of
 from taxbench.rundir import provenance
-from taxbench.rundir.read import load_manifest
-from taxbench.rundir.records import MANIFEST, write_manifest
+from taxbench.rundir.records import MANIFEST
+from taxbench.rundir.run_manifest import Manifest, load_manifest
 
 
 @dataclass(frozen=True)
@@ -42,42 +42,39 @@ def write_run_manifest(root: Path, ref: RunRef, cfg: TaxbenchConfig, arm_policy:
     (`attempt_id`) added to the attempts an earlier start recorded. `command`: a run of `taxbench run -- COMMAND`,
     the exact command line, its edits and what the probe saw."""
     config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
-    write_manifest(
-        root / ref.name,
-        {
-            "experiment": root.name,
-            "run": ref.name,
-            "arm": ref.arm,
-            "replica": ref.replica,
-            "config": config,
-            "policy": OmegaConf.to_container(OmegaConf.structured(arm_policy)),
-            "policy_applied": facts.policy_applied,
-            "stack_switch": facts.stack_switch,
-            "stack_native_audit": facts.stack_native_audit,
-            # Rank 0's view; fingerprints stay per rank in steps.rank<R>.jsonl.
-            "layout": facts.layout,
-            "stack": facts.stack,
-            "timing": {
-                **facts.threads,
-                "manual_gc": cfg.experiment.manual_gc,
-                "block_steps": cfg.experiment.block_steps,
-                "interleave": cfg.experiment.interleave,
-                "shared_model": facts.shared_model,
-            },
-            "throughput": facts.throughput,
-            "attempts": attempts(root / ref.name, attempt_id, facts.stack["hostnames"]),
-            "provenance": provenance.manifest_provenance(config),
-            **ablation_entry(cfg, ref),
-            **({} if command is None else {"command": command}),
+    Manifest(
+        experiment=root.name,
+        run=ref.name,
+        arm=ref.arm,
+        replica=ref.replica,
+        config=config,
+        policy=OmegaConf.to_container(OmegaConf.structured(arm_policy)),
+        policy_applied=facts.policy_applied,
+        stack_switch=facts.stack_switch,
+        stack_native_audit=facts.stack_native_audit,
+        # Rank 0's view; fingerprints stay per rank in steps.rank<R>.jsonl.
+        layout=facts.layout,
+        stack=facts.stack,
+        timing={
+            **facts.threads,
+            "manual_gc": cfg.experiment.manual_gc,
+            "block_steps": cfg.experiment.block_steps,
+            "interleave": cfg.experiment.interleave,
+            "shared_model": facts.shared_model,
         },
-    )
+        throughput=facts.throughput,
+        attempts=attempts(root / ref.name, attempt_id, facts.stack["hostnames"]),
+        provenance=provenance.manifest_provenance(config),
+        **ablation_entry(cfg, ref),
+        command=command,
+    ).write(root / ref.name)
 
 
 def attempts(run_dir: Path, attempt_id: str, hostnames: list[str]) -> list[dict[str, Any]]:
     """Every start of this run's processes (a requeue or continue adds one), with where it ran."""
     found = []
     if (run_dir / MANIFEST).exists():
-        found = load_manifest(run_dir).get("attempts", [])
+        found = list(load_manifest(run_dir).attempt_list)
     if not found or found[-1]["id"] != attempt_id:
         found.append({
             "id": attempt_id,

@@ -8,7 +8,7 @@
   devices, the policy as torch reports it, its optimizers, where a resumed process started. Written at the rank's
   first step and again when it closes.
 - `steps.rank<R>.jsonl`: the same step records as the trainer writes (taxbench.rundir.records), plus `flags`, the
-  live determinism flags of the step, and `skipped` (taxbench.rundir.records.SKIPPED).
+  live determinism flags of the step, and `skipped` (taxbench.rundir.step_record.SKIPPED).
 """
 
 from __future__ import annotations

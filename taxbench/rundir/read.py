@@ -4,10 +4,11 @@ A run is read through its run mirror (taxbench.rundir.step_stream: every stream'
 provably covers the run's streams, byte for byte. Otherwise each rank's stream is read through its own columnar
 mirror (used only as far as it provably matches the JSONL's bytes), and whatever the mirror does not cover is parsed
 by pyarrow's JSON reader (a thousand times fewer Python calls than `json.loads` per line); a parse problem falls back
-to a line-by-line reader only to name the offending line. A stream whose mirror is missing or behind gets a new one,
-and the run a new run mirror, so the next analysis reads columnar data: an edited, added or removed stream, a stale or
-foreign mirror, or a flipped byte anywhere in a mirror means the per-stream path or parsing the JSONL, never a
-different frame. mtimes play no part: a copy (cp, rsync without -t) keeps its mirrors.
+to a line-by-line reader only to name the offending line. Reading writes nothing: writing mirrors is a step the
+caller asks for (`leave_mirrors`, or load_run(leave_mirrors=True)), which gives a stream whose mirror is missing or
+behind a new one, and the run a new run mirror, so the next analysis reads columnar data. An edited, added or removed
+stream, a stale or foreign mirror, or a flipped byte anywhere in a mirror means the per-stream path or parsing the
+JSONL, never a different frame. mtimes play no part: a copy (cp, rsync without -t) keeps its mirrors.
 
 `check_run` checks a loaded run against its manifest: every rank of the world, every step 1..steps, nothing twice,
 nothing outside that grid. `identity_problems` and `config_problems` check that the evidence is its run's: the
@@ -33,15 +34,23 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from taxbench import exit_codes
 from taxbench.config.pairing import differences, experiment_differences
 from taxbench.config.schema import load_config
 from taxbench.design import knob_of, knob_policies, plan_ablation
 from taxbench.redaction import redact
 from taxbench.rundir.evidence import experiment_of, read_regular
 from taxbench.rundir.hex_columns import pack_column
+from taxbench.rundir.json_object import (  # noqa: F401 (ResultWriteError, read_json_object: their old address)
+    JSON_OBJECT_LIMIT,
+    RecordError,
+    ResultWriteError,
+    UnreadableRecords,
+    read_json_object,
+)
 from taxbench.rundir.provenance import config_hash
 from taxbench.rundir.records import MANIFEST, METRICS, SCHEMA_VERSION
+from taxbench.rundir.run_manifest import Manifest
+from taxbench.rundir.step_record import STEP
 from taxbench.rundir.step_stream import (
     STEP_SCHEMA,
     Covered,
@@ -58,26 +67,7 @@ from taxbench.rundir.write_scope import may_write
 
 _STREAM_NAME = re.compile(r"steps\.rank(\d+)\.jsonl")
 _FAULTS_NAME = re.compile(r"faults\.rank(\d+)\.jsonl")
-JSON_OBJECT_LIMIT = 64 << 20  # manifests, op tables, layouts and weight records are KiB to a few MiB
 _READERS = 2  # streams read, hashed and parsed side by side (file reads, xxh3 and pyarrow release the GIL)
-
-
-class RecordError(ValueError):
-    """A run directory or record file that cannot be analysed; the message names the file. Exit 2 (bad input: not
-    a taxbench folder, records of another schema version) unless a subclass says otherwise."""
-
-    exit_code = exit_codes.CONFIG_ERROR
-
-
-class UnreadableRecords(RecordError):
-    """Evidence that is there but cannot be read: a line that is not a JSON record, a damaged manifest, a file that
-    cannot be opened or is no regular file inside the experiment. Incomplete evidence, exit 4 (README "exit codes")."""
-
-    exit_code = exit_codes.INCOMPLETE
-
-
-class ResultWriteError(RecordError):
-    """A result of the analysis (summary.json, sweep.csv, the report) that cannot be written; names the path."""
 
 
 # ------------------------------------------------------------------------------------------------ reading streams
@@ -119,10 +109,10 @@ def _version_ok(table: pa.Table) -> bool:
     return versions.null_count == 0 and bool((versions.to_numpy() == SCHEMA_VERSION).all())
 
 
-def _stream_records(path: Path, use_mirror: bool) -> tuple[pa.Table, Covered]:
+def _stream_records(path: Path, use_mirror: bool, leave_mirror: bool) -> tuple[pa.Table, Covered]:
     """One stream's records and the bytes they are the rows of: its verified mirror, then its JSONL lines after what
-    the mirror covers, parsed; with `use_mirror` a mirror that does not cover every complete line is (re)written for
-    the next reader."""
+    the mirror covers, parsed; with `leave_mirror` a mirror that does not cover every complete line is (re)written
+    for the next reader."""
     try:
         read = read_stream(path, use_mirror)
     except OSError as exc:  # also taxbench.rundir.evidence.NotEvidence: a FIFO, a device, a symlink leaving it
@@ -131,7 +121,7 @@ def _stream_records(path: Path, use_mirror: bool) -> tuple[pa.Table, Covered]:
         table = records_of(read)
     except (pa.ArrowInvalid, pa.ArrowTypeError):
         raise _diagnose(path) from None
-    if use_mirror and not read.mirror_current:
+    if leave_mirror and not read.mirror_current:
         _leave(mirror_file(path), lambda: write_mirror(path, table, read.complete, read.digest))
     return table, Covered(path.name, read.complete, read.digest)
 
@@ -164,15 +154,16 @@ def stream_files(run_dir: Path) -> list[Path]:
 
 
 def load_run(run_dir: Path, use_mirrors: bool = True, empty_ok: bool = False,
-             fields: Collection[str] | None = None) -> pd.DataFrame:
+             fields: Collection[str] | None = None, leave_mirrors: bool = False) -> pd.DataFrame:
     """All ranks' step records of one run, sorted by (rank, step).
 
     Rank-major because that is how the records lie (a stream per rank, in step order): the frame of 1,000 ranks x
     1,000 steps needs no gather. The run is read through its run mirror when that provably covers every stream, else
     each stream through its own mirror as far as that provably matches it (taxbench.rundir.step_stream);
-    `use_mirrors=False` parses every JSONL line instead (and writes no mirror).
-    Either way the frame is the same. A run without records is an error unless `empty_ok` (the completeness check
-    then reports every step missing).
+    `use_mirrors=False` parses every JSONL line instead. Either way the frame is the same. Reading writes nothing
+    unless the caller asks for it: `leave_mirrors` (re)writes every mirror that is missing or behind, and the run
+    mirror, for the next reader (not in a folder a live launch holds: taxbench.rundir.write_scope). A run without
+    records is an error unless `empty_ok` (the completeness check then reports every step missing).
 
     `fields`: only those record fields (as far as the run has them), the fingerprints among them packed
     (taxbench.rundir.hex_columns): what an analysis keeps of a big run. The run mirror is then cut to them batch by
@@ -186,7 +177,7 @@ def load_run(run_dir: Path, use_mirrors: bool = True, empty_ok: bool = False,
     keep = None if fields is None else partial(_kept_batch, fields={*fields, "schema_version", "step", "rank"})
     table = _run_mirrored(run_dir, files, keep) if use_mirrors else None
     if table is None:
-        table = _streams_read(run_dir, files, use_mirrors)
+        table = _streams_read(run_dir, files, use_mirrors, use_mirrors and leave_mirrors)
         if keep is not None:
             table = keep(table)
     if not table.num_rows:
@@ -248,13 +239,14 @@ def _run_mirrored(run_dir: Path, files: list[Path],
     return table if proven else None
 
 
-def _streams_read(run_dir: Path, files: list[Path], use_mirrors: bool) -> pa.Table:
+def _streams_read(run_dir: Path, files: list[Path], use_mirrors: bool, leave_mirrors: bool) -> pa.Table:
     """The run's rows stream by stream (each through its own mirror as far as it goes), in memory of their own; with
-    `use_mirrors` a run mirror of them is left for the next reader."""
+    `leave_mirrors` the streams' mirrors and a run mirror of them are left for the next reader."""
     with ThreadPoolExecutor(_READERS) as pool:
-        reads = [r for part in pool.map(lambda part: _records_of(part, use_mirrors), _halves(files)) for r in part]
+        reads = [r for part in pool.map(lambda part: _records_of(part, use_mirrors, leave_mirrors), _halves(files))
+                 for r in part]
     table = _copied(_concat(run_dir, [t for t, _ in reads]))
-    if use_mirrors and table.num_rows and _version_ok(table):
+    if leave_mirrors and table.num_rows and _version_ok(table):
         _leave(run_mirror_file(run_dir), lambda: write_run_mirror(run_dir, table, [c for _, c in reads]))
     return table
 
@@ -266,8 +258,20 @@ def _copied(table: pa.Table) -> pa.Table:
     return pa.Table.from_arrays(columns, schema=table.schema)
 
 
-def _records_of(files: list[Path], use_mirrors: bool) -> list[tuple[pa.Table, Covered]]:
-    return [_stream_records(path, use_mirrors) for path in files]
+def _records_of(files: list[Path], use_mirrors: bool, leave_mirrors: bool) -> list[tuple[pa.Table, Covered]]:
+    return [_stream_records(path, use_mirrors, leave_mirrors) for path in files]
+
+
+def leave_mirrors(root: Path) -> None:
+    """The step of its own that writes Arrow mirrors: for every run folder at or below `root` (an experiment, a sweep,
+    a layouts or stacks folder), the mirrors of its streams and the run mirror, where missing or behind, so that the
+    analysis that follows, and every later one, reads columnar data. Nothing in a folder a live launch holds
+    (taxbench.rundir.write_scope); a run that cannot be read is left to the analysis to report."""
+    for run_dir in sorted({stream.parent for stream in root.rglob("steps.rank*.jsonl")}):
+        try:
+            load_run(run_dir, empty_ok=True, fields=(STEP,), leave_mirrors=True)
+        except RecordError:
+            continue
 
 
 def _sorted_by_rank_and_step(table: pa.Table) -> pa.Table:
@@ -281,41 +285,6 @@ def _sorted_by_rank_and_step(table: pa.Table) -> pa.Table:
 
 
 # ------------------------------------------------------------------------------------------------------ manifest
-def read_json_object(path: Path, what: str, inside: Path | None = None) -> dict:
-    """A JSON object from `path`, a regular file inside `inside` (default: its own folder); UnreadableRecords naming
-    the path (and `what` it should be) otherwise."""
-    try:
-        stored = json.loads(read_regular(path, inside or path.parent, JSON_OBJECT_LIMIT).decode("utf-8"))
-    except OSError as exc:
-        raise UnreadableRecords(f"{path}: cannot be read ({exc.strerror or exc})") from exc
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UnreadableRecords(f"{path}: not valid JSON ({exc}); the {what} is damaged") from exc
-    if not isinstance(stored, dict):
-        raise UnreadableRecords(f"{path}: not a JSON object; the {what} is damaged")
-    return stored
-
-
-def load_manifest(run_dir: Path) -> dict:
-    path = run_dir / MANIFEST
-    if not path.exists() and not path.is_symlink():
-        raise RecordError(f"{path}: missing manifest; the run never started (or this is not a taxbench run folder)")
-    manifest = read_json_object(path, "manifest", experiment_of(run_dir))
-    if manifest.get("schema_version") != SCHEMA_VERSION:
-        raise RecordError(f"{path}: schema_version={manifest.get('schema_version')!r}, expected {SCHEMA_VERSION}")
-    return manifest
-
-
-def manifest_value(manifest: dict, run_dir: Path, dotted: str) -> Any:
-    """manifest[a][b]... for "a.b...", or a RecordError naming the manifest and the key it lacks."""
-    node: Any = manifest
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            raise UnreadableRecords(f"{run_dir / MANIFEST}: lacks {dotted}; the manifest is damaged or from another "
-                                    "tool")
-        node = node[part]
-    return node
-
-
 def step_times(frame: pd.DataFrame) -> pd.DataFrame:
     """Per-step time of the whole job (the slowest rank) with its block, sorted by step."""
     grouped = frame.groupby("step", sort=True).agg(time_s=("time_s", "max"), block=("block", "first"))
@@ -417,13 +386,13 @@ def stream_ranks(run_dir: Path) -> tuple[list[int], list[str]]:
 CHECKED_FIELDS = ("arm", "replica", "step", "rank", *METRICS)
 
 
-def load_checked_run(run_dir: Path, manifest: dict, steps: int, config: dict[str, Any],
+def load_checked_run(run_dir: Path, manifest: Manifest, steps: int, config: dict[str, Any],
                      fields: Collection[str] | None = None) -> tuple[pd.DataFrame, list[str]]:
     """One run's records and what keeps them from covering `steps` x its manifest's ranks, or from being this run's
     own: a manifest or records of another run copied into its folder, a config edited or not the experiment's
     (`config`). `fields`: the frame holds only those, as load_run(fields=...) gives them (the checks read theirs
     first)."""
-    world = int(manifest_value(manifest, run_dir, "layout.world_size"))
+    world = manifest.world_size
     frame = load_run(run_dir, empty_ok=True, fields=None if fields is None else {*fields, *CHECKED_FIELDS})
     problems = (identity_problems(run_dir, manifest, frame) + config_problems(run_dir, manifest, config)
                 + check_run(run_dir.name, run_dir, frame, steps, world))
@@ -432,12 +401,12 @@ def load_checked_run(run_dir: Path, manifest: dict, steps: int, config: dict[str
     return frame, problems
 
 
-def config_problems(run_dir: Path, manifest: dict, config: dict[str, Any]) -> list[str]:
+def config_problems(run_dir: Path, manifest: Manifest, config: dict[str, Any]) -> list[str]:
     """What says the manifest's config is not this experiment's: a config that is not the one its config_sha256 was
     taken of (edited after the run), one that differs from the experiment's `config` in anything a continue may not
     change, a policy that is not the config's for the run's arm."""
     where = run_dir / MANIFEST
-    own, stored = manifest.get("config"), (manifest.get("provenance") or {}).get("config_sha256")
+    own, stored = manifest.config, manifest.config_sha256
     if not isinstance(own, dict) or not isinstance(stored, str):
         return [f"{where}: lacks its config or provenance.config_sha256; the manifest is damaged or edited"]
     problems = []
@@ -447,15 +416,15 @@ def config_problems(run_dir: Path, manifest: dict, config: dict[str, Any]) -> li
     changed = experiment_differences(own, config)
     if changed:
         problems.append(f"{where}: config differs from the experiment's: {_changed_text(changed)}")
-    arm = manifest.get("arm")
+    arm = manifest.arm
     try:
         policy = arm_policy(config, arm)
     except (KeyError, TypeError, ValueError) as exc:
         return [*problems, f"{where}: the experiment's config gives arm {arm} no policy to check it against "
                            f"({type(exc).__name__}: {exc})"]
-    if policy is not None and differences(manifest.get("policy"), policy):
+    if policy is not None and differences(manifest.policy, policy):
         problems.append(f"{where}: policy is not the one the config gives arm {arm}: "
-                        f"{_changed_text(differences(manifest.get('policy'), policy))}")
+                        f"{_changed_text(differences(manifest.policy, policy))}")
     return problems
 
 
@@ -479,10 +448,10 @@ def _changed_text(changed: list[tuple[str, Any, Any]], limit: int = 3) -> str:
     return shown + (f"; ... ({len(changed)} settings)" if len(changed) > limit else "")
 
 
-def identity_problems(run_dir: Path, manifest: dict, frame: pd.DataFrame) -> list[str]:
+def identity_problems(run_dir: Path, manifest: Manifest, frame: pd.DataFrame) -> list[str]:
     """Whether the manifest and every record name the run whose folder they sit in, one line per finding."""
     run = run_dir.name
-    named = {key: str(manifest.get(key)) for key in ("run", "arm", "replica")}
+    named = {"run": str(manifest.run), "arm": str(manifest.arm), "replica": str(manifest.replica)}
     if named["run"] != run or f"{named['arm']}-{named['replica']}" != run:
         return [f"{run_dir / 'manifest.json'}: describes run {named['run']} (arm {named['arm']}, replica "
                 f"{named['replica']}), not {run}; was it copied from another run?"]

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import IO, Any
 
 from taxbench.oserrors import describe_os_error
-from taxbench.redaction import redact
 from taxbench.rundir.evidence import read_regular
 
 # 2: fingerprint format 2 (shape in the digest header); 3: layout-invariant initial weights (taxbench.workloads.init):
@@ -32,11 +31,6 @@ SCHEMA_VERSION = 3
 # Fingerprinted metrics in the order they are produced within a step; the first mismatch is reported in this order.
 METRICS = ("loss_bits", "grads", "grad_norm_bits", "params", "optim")
 
-# A step whose optimizer update the stack skipped (a loss scaler's overflow), as `taxbench run`'s probe records it:
-# true or false in its records. An optional field: a record without it (the trainer's, an older probe's) is a step
-# that was taken, so the schema version stays. The gates compare it beside the fingerprints (analysis.verdicts).
-SKIPPED = "skipped"
-
 MANIFEST = "manifest.json"
 
 
@@ -44,6 +38,8 @@ STOP_FILE = "stop.json"  # <experiment>/stop.json: how many steps every run took
 COMMITS_FILE = "commits.json"  # <experiment>/commits.json: the timed rounds' checkpoint commits while they run
 
 
+# stop.json's format_version; a file without one is of version 1, as every stop.json before the field was.
+STOP_FORMAT = 1
 # What stopped the timed rounds (Stop.stopped_by).
 STEPS, TARGET, CAP = "steps", "target_half_width", "max_steps"
 
@@ -63,22 +59,25 @@ class Stop:
     pairs: int | None = None
 
     def write(self, root: Path) -> None:
-        stored = {key: value for key, value in asdict(self).items() if key != "pairs" or value is not None}
+        stored = {"format_version": STOP_FORMAT,
+                  **{key: value for key, value in asdict(self).items() if key != "pairs" or value is not None}}
         write_text_atomically(root / STOP_FILE, json.dumps(stored, indent=2))
 
 
 def read_stop(root: Path) -> Stop | None:
     """The stored stop of an experiment whose interleaved rounds finished (None before that, or when the record is
-    damaged: the rounds then run again from their newest checkpoint)."""
+    damaged or of another format version: the rounds then run again from their newest checkpoint)."""
     try:
         stored = json.loads(read_regular(root / STOP_FILE, root).decode("utf-8"))
+        if stored.get("format_version", 1) != STOP_FORMAT:
+            return None
         commits = stored.get("commits")
         pairs = stored.get("pairs")
         return Stop(int(stored["steps"]), str(stored["stopped_by"]), stored.get("half_width"),
                     None if commits is None else tuple(int(step) for step in commits),
                     None if pairs is None else int(pairs))
     # missing, unreadable (a FIFO or device is refused unopened), not JSON, or not a stop record
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # AttributeError: JSON that is no object
         return None
 
 
@@ -280,10 +279,10 @@ def _jsonl_records(path: Path) -> list[tuple[str, dict[str, Any]]]:
     return records
 
 
-def write_manifest(run_dir: Path, manifest: dict[str, Any]) -> None:
+def write_manifest_text(run_dir: Path, text: str) -> None:
+    """<run_dir>/manifest.json, atomically (taxbench.rundir.run_manifest.Manifest.write makes the text)."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise _as_write_error(run_dir, exc) from exc
-    text = json.dumps({"schema_version": SCHEMA_VERSION, **redact(manifest)}, indent=2, default=str)
     write_text_atomically(run_dir / MANIFEST, text)

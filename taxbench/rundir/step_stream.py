@@ -38,6 +38,7 @@ import pyarrow.json as pa_json
 import xxhash
 
 from taxbench.diagnostics import logger
+from taxbench.rundir import step_record as record
 from taxbench.rundir.evidence import check_regular, experiment_of, open_regular
 from taxbench.rundir.records import METRICS, JsonlWriter
 
@@ -54,23 +55,23 @@ RUN_BATCH_ROWS = 1 << 16  # rows per record batch of a run's mirror: ~17 MiB of 
 # stream (device_s on CPU) and a number in another from failing to concatenate. Strings are large_string, what pandas'
 # string dtype holds: anything else is cast (copied) on every to_pandas.
 STEP_FIELDS: dict[str, pa.DataType] = {
-    "schema_version": pa.int64(),
-    "arm": pa.large_string(),
-    "replica": pa.large_string(),
-    "rank": pa.int64(),
-    "step": pa.int64(),
-    "block": pa.int64(),
-    "data_s": pa.float64(),
-    "tokens": pa.int64(),
-    "time_s": pa.float64(),
-    "window_s": pa.float64(),
-    "fingerprint_s": pa.float64(),
-    "device_s": pa.float64(),
-    "planted_s": pa.float64(),
-    "mem_peak_bytes": pa.int64(),
-    "mem_reserved_bytes": pa.int64(),
-    "loss": pa.float64(),
-    "grad_norm": pa.float64(),
+    record.SCHEMA_VERSION_FIELD: pa.int64(),
+    record.ARM: pa.large_string(),
+    record.REPLICA: pa.large_string(),
+    record.RANK: pa.int64(),
+    record.STEP: pa.int64(),
+    record.BLOCK: pa.int64(),
+    record.DATA_S: pa.float64(),
+    record.TOKENS: pa.int64(),
+    record.TIME_S: pa.float64(),
+    record.WINDOW_S: pa.float64(),
+    record.FINGERPRINT_S: pa.float64(),
+    record.DEVICE_S: pa.float64(),
+    record.PLANTED_S: pa.float64(),
+    record.MEM_PEAK_BYTES: pa.int64(),
+    record.MEM_RESERVED_BYTES: pa.int64(),
+    record.LOSS: pa.float64(),
+    record.GRAD_NORM: pa.float64(),
     **{metric: pa.large_string() for metric in METRICS},
 }
 STEP_SCHEMA = pa.schema(STEP_FIELDS)

@@ -1,9 +1,9 @@
 """Where a reading command (`taxbench analyse`, `taxbench report`) may write: only inside the folder it was pointed
 at, and nothing at all in a folder a live launch holds.
 
-Analysis writes its results (summary.json, sweep.csv, report/, columnar mirrors) through taxbench.analysis.results'
-write_result and the record reader; both ask `may_write` first. Outside a `reading` block (a launch analysing its own
-experiment) every write is allowed, as before.
+Analysis writes its results (summary.json, sweep.csv, report/, the layouts and stacks plans) through `write_result`
+below, and columnar mirrors when asked to (taxbench.rundir.read.write_mirrors); both ask `may_write` first. Outside
+a `reading` block (a launch analysing its own experiment) every write is allowed, as before.
 """
 
 from __future__ import annotations
@@ -12,6 +12,10 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from taxbench.oserrors import describe_os_error
+from taxbench.rundir.json_object import ResultWriteError
+from taxbench.rundir.records import RunWriteError, write_atomically
 
 
 class OutsideScope(OSError):
@@ -59,3 +63,26 @@ def running(folder: Path) -> str | None:
         return None
     where = folder.resolve()
     return next((holder for held, holder in _scopes[-1].held.items() if where.is_relative_to(held)), None)
+
+
+def may_write_result(path: Path) -> bool:
+    """Whether a result may be written at `path` now (taxbench.rundir.write_scope: not in a folder a live launch
+    holds); a path outside the folder a reading command was pointed at is a ResultWriteError."""
+    try:
+        return may_write(path)
+    except OutsideScope as exc:
+        raise ResultWriteError(str(exc)) from exc
+
+
+def write_result(path: Path, data: str | bytes) -> None:
+    """Write an analysis result whole (a .tmp renamed into place); a failure is one line naming the path. Skipped in
+    a folder a live launch holds (taxbench.rundir.write_scope)."""
+    if not may_write_result(path):
+        return
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    try:
+        write_atomically(path, lambda handle: handle.write(payload))
+    except OSError as exc:
+        reason = str(exc) if isinstance(exc, RunWriteError) else describe_os_error(exc, path)
+        raise ResultWriteError(f"cannot write {reason}; make {path.parent} writable (or copy the results to a "
+                               "writable folder) and analyse again") from exc

@@ -26,6 +26,7 @@ from taxbench.config.schema import ExperimentConfig, max_steps
 from taxbench.design import RunRef
 from taxbench.parallel.distributed import DistContext
 from taxbench.rundir.records import CAP, STEPS, TARGET, Stop, read_commits, steps_file
+from taxbench.rundir.step_record import BLOCK, RANK, STEP, TIME_S
 from taxbench.stats.tax import Checkpoints, estimate_tax
 
 MIN_ROUNDS = 10  # post-warmup rounds before the precision rule may stop
@@ -62,8 +63,8 @@ class StoppingRule:
             with steps_file(root / ref.name, self.ctx.rank).open(encoding="utf-8") as stream:
                 for line in stream:
                     record = json.loads(line)
-                    if record["step"] <= step:
-                        by_step[record["step"]] = float(record["time_s"])
+                    if record[STEP] <= step:
+                        by_step[record[STEP]] = float(record[TIME_S])
             local.append([by_step[s] for s in range(1, step + 1)])
         for name, values in zip(self.times, self._slowest(local)[0], strict=True):
             self.times[name] = values
@@ -105,8 +106,8 @@ class StoppingRule:
     def _precise_enough(self, step: int) -> bool:
         block = self.exp.block_steps
         frames = {
-            name: pd.DataFrame({"step": range(1, step + 1), "rank": 0, "time_s": values,
-                                "block": [(s - 1) // block for s in range(1, step + 1)]})
+            name: pd.DataFrame({STEP: range(1, step + 1), RANK: 0, TIME_S: values,
+                                BLOCK: [(s - 1) // block for s in range(1, step + 1)]})
             for name, values in self.times.items()
         }
         arms = {arm: [frames[ref.name] for ref in self.runs if ref.arm == arm] for arm in ("baseline", "deterministic")}

@@ -21,6 +21,7 @@ from scipy import special  # ndtri, stdtrit: the normal and t quantiles (scipy.s
 
 from taxbench.design import checkpoint_after
 from taxbench.rundir.read import step_times
+from taxbench.rundir.step_record import BLOCK, STEP, TIME_S
 from taxbench.stats.warmup import WarmupCut, warmup_cut
 
 PRECISE_HALF_WIDTH = 0.005  # what "steps needed" is quoted for: a +/-0.5% interval
@@ -87,10 +88,10 @@ def _log_block_medians(runs: Sequence[pd.DataFrame], warmup: int, checkpoints: C
     logs = []
     for frame in runs:
         times = step_times(frame)
-        times = times[times["step"] > warmup]
+        times = times[times[STEP] > warmup]
         if checkpoints is not None:
-            times = times[~times["step"].map(checkpoints.follows).astype(bool)]
-        logs.append(np.log(times.groupby("block")["time_s"].median()))
+            times = times[~times[STEP].map(checkpoints.follows).astype(bool)]
+        logs.append(np.log(times.groupby(BLOCK)[TIME_S].median()))
     return pd.concat(logs, axis=1, join="inner").mean(axis=1)
 
 
@@ -141,7 +142,7 @@ def estimate_tax(
 ) -> TaxEstimate:
     """The tax from each arm's timed runs (records of every rank; the slowest rank's time per step counts), without
     the first step after each checkpoint commit (`checkpoints`; taxbench.design.checkpoint_after says why)."""
-    series = {(arm, i): step_times(f)["time_s"].to_numpy() for arm, runs in
+    series = {(arm, i): step_times(f)[TIME_S].to_numpy() for arm, runs in
               (("baseline", baselines), ("deterministic", deterministics)) for i, f in enumerate(runs)}
     cuts: dict[tuple[str, int], WarmupCut] = {key: warmup_cut(values, min_warmup) for key, values in series.items()}
     warmup = max(cut.steps for cut in cuts.values())
@@ -155,7 +156,7 @@ def pair_ratios(pairs: Sequence[tuple[pd.DataFrame, pd.DataFrame]], warmup: int)
     indexed by pair."""
     rows = {}
     for index, (baseline, deterministic) in enumerate(pairs):
-        medians = [float(np.median(times[times["step"] > warmup]["time_s"])) if (times["step"] > warmup).any()
+        medians = [float(np.median(times[times[STEP] > warmup][TIME_S])) if (times[STEP] > warmup).any()
                    else math.nan for times in (step_times(baseline), step_times(deterministic))]
         rows[index] = {"baseline": medians[0], "deterministic": medians[1]}
     paired = pd.DataFrame.from_dict(rows, orient="index", columns=["baseline", "deterministic"]).dropna()
@@ -169,7 +170,7 @@ def estimate_pairs_tax(pairs: Sequence[tuple[pd.DataFrame, pd.DataFrame]], min_w
     """The tax from whole-run pairs: per pair, the ratio of the runs' steady-state median step times; the interval
     across pairs (a pair is the unit, as a round is for interleaved blocks: the runs of one pair share the machine's
     state). Warmup: the longest of every run's cut (a fixed minimum checked by MSER-5)."""
-    series = {(arm, i): step_times(frame)["time_s"].to_numpy() for i, pair in enumerate(pairs)
+    series = {(arm, i): step_times(frame)[TIME_S].to_numpy() for i, pair in enumerate(pairs)
               for arm, frame in zip(("baseline", "deterministic"), pair, strict=True)}
     cuts = {key: warmup_cut(values, min_warmup) for key, values in series.items()}
     warmup = max(cut.steps for cut in cuts.values())

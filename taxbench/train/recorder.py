@@ -19,6 +19,20 @@ import torch
 from taxbench import fingerprint
 from taxbench.checkpoint.store import CheckpointError
 from taxbench.rundir.records import step_record
+from taxbench.rundir.step_record import (
+    DEVICE_S,
+    FINGERPRINT_S,
+    GRAD_NORM,
+    GRAD_NORM_BITS,
+    GRADS,
+    LOSS,
+    LOSS_BITS,
+    OPTIM,
+    PARAMS,
+    TIME_S,
+    TRAJECTORY_STEP,
+    WINDOW_S,
+)
 from taxbench.rundir.step_stream import StepWriter
 from taxbench.train.planted import PlantedDelay
 from taxbench.train.timer import StepTimer
@@ -69,21 +83,21 @@ class StepRecorder:
             if self.planted is not None and self.timer.cuda:
                 self.planted.observe(measured[0], planted_mark)
             loss_bits, grads, norm_bits, params, optim = values
-            record.update(
-                time_s=seconds,  # the analysed step time: CUDA events on GPU, perf_counter on CPU
-                device_s=seconds if self.timer.cuda else None,
+            record.update({
+                TIME_S: seconds,  # the analysed step time: CUDA events on GPU, perf_counter on CPU
+                DEVICE_S: seconds if self.timer.cuda else None,
                 # GPU: the block's synchronized wall-clock window per step (data loading and the harness's own work
                 # included), a cross-check on the event times. On CPU time_s is already wall-clock.
-                window_s=window_per_step,
-                fingerprint_s=self.timer.seconds(fingerprint_measured),
-                loss=_bits_to_float(loss_bits),
-                loss_bits=fingerprint.bits_hex(loss_bits, torch.float32),
-                grad_norm=_bits_to_float(norm_bits),
-                grad_norm_bits=fingerprint.bits_hex(norm_bits, torch.float32),
-                grads=fingerprint.to_hex(grads),
-                params=fingerprint.to_hex(params),
-                optim=fingerprint.to_hex(optim),
-            )
+                WINDOW_S: window_per_step,
+                FINGERPRINT_S: self.timer.seconds(fingerprint_measured),
+                LOSS: _bits_to_float(loss_bits),
+                LOSS_BITS: fingerprint.bits_hex(loss_bits, torch.float32),
+                GRAD_NORM: _bits_to_float(norm_bits),
+                GRAD_NORM_BITS: fingerprint.bits_hex(norm_bits, torch.float32),
+                GRADS: fingerprint.to_hex(grads),
+                PARAMS: fingerprint.to_hex(params),
+                OPTIM: fingerprint.to_hex(optim),
+            })
             # Flushed per line (a killed process loses none); fsynced only where a checkpoint commits and at close:
             # a resume drops every record past its checkpoint, so syncing each block bought nothing a restart keeps.
             self.writer.write(record)
@@ -96,11 +110,11 @@ class StepRecorder:
         differ for a lane of a shared model, whose record of `step` describes the model only when it was the last
         to train it). Runs without a record of that step (a replay elsewhere) pass."""
         record = step_record(self.writer.path, step)
-        if record is None or record.get("trajectory_step", step) != model_step:
+        if record is None or record.get(TRAJECTORY_STEP, step) != model_step:
             return
         restored = {
-            "params": fingerprint.to_hex(int(self.digest(params))),
-            "optim": fingerprint.to_hex(int(self.digest(optimizer))),
+            PARAMS: fingerprint.to_hex(int(self.digest(params))),
+            OPTIM: fingerprint.to_hex(int(self.digest(optimizer))),
         }
         differing = [f"{metric} {value} vs recorded {record.get(metric)}" for metric, value in restored.items()
                      if record.get(metric) != value]

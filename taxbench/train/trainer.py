@@ -29,6 +29,18 @@ from taxbench.design import run_name
 from taxbench.parallel.distributed import DistContext
 from taxbench.parallel.layout import layout_for
 from taxbench.rundir.records import FaultLog, steps_file
+from taxbench.rundir.step_record import (
+    ARM,
+    BLOCK,
+    DATA_S,
+    PLANTED_S,
+    RANK,
+    REPLICA,
+    STAGES,
+    STEP,
+    TOKENS,
+    TRAJECTORY_STEP,
+)
 from taxbench.runtime import determinism
 from taxbench.stacks.registry import stack_for
 from taxbench.stacks.step import Batch
@@ -267,20 +279,20 @@ class Trainer:
         digests = self.recorder.fingerprints(loss_mean, grads, grad_norm, params, self.optimizer_tensors())
         fingerprint_measured = self.timer.stop(fingerprint_started)
         record = {
-            "arm": lane.arm,
-            "replica": lane.replica,
-            "rank": self.ctx.rank,
-            "step": lane.step,
-            "block": block,
-            "data_s": data_s,
-            "tokens": self.tokens_per_step,
-            "planted_s": planted_s,
+            ARM: lane.arm,
+            REPLICA: lane.replica,
+            RANK: self.ctx.rank,
+            STEP: lane.step,
+            BLOCK: block,
+            DATA_S: data_s,
+            TOKENS: self.tokens_per_step,
+            PLANTED_S: planted_s,
             **peak_memory(self.ctx.device),
         }
         if self.split is not None:  # which pipeline stages this rank's fingerprints cover
-            record["stages"] = list(self.split.stages)
+            record[STAGES] = list(self.split.stages)
         if len(self.lanes) > 1:  # the model's own step, every lane's steps counted
-            record["trajectory_step"] = self.step
+            record[TRAJECTORY_STEP] = self.step
         lane.recorder.add(record, measured, fingerprint_measured, planted_mark, digests)
 
     def next_batches(self) -> list[Batch]:
