@@ -15,7 +15,7 @@ from pathlib import Path
 
 from taxbench.analysis.results import may_write_result, write_result
 from taxbench.oserrors import describe_os_error
-from taxbench.rundir.read import ResultWriteError
+from taxbench.rundir.json_object import ResultWriteError
 
 REPORT_DIR = "report"
 HTML_FILE = "report.html"

@@ -33,13 +33,10 @@ from taxbench.analysis.verdicts import DIFFERS, Verdict, compare_runs
 from taxbench.config.layout_names import parse_layout_name
 from taxbench.config.schema import ConfigError
 from taxbench.design import run_name
+from taxbench.rundir.json_object import read_json_object
 from taxbench.rundir.plans import LaunchRecord, LayoutsPlan
 from taxbench.rundir.plans import read_layouts_plan as read_plan
-from taxbench.rundir.read import (
-    RecordError,
-    load_checked_run,
-    read_json_object,
-)
+from taxbench.rundir.read import RecordError, load_checked_run
 from taxbench.rundir.records import WEIGHTS_FORMAT, weights_file
 from taxbench.rundir.run_manifest import Manifest, load_manifest
 from taxbench.rundir.step_record import GRAD_NORM, GRAD_NORM_BITS, LOSS, LOSS_BITS, RANK, STEP, TIME_S

@@ -50,8 +50,9 @@ from taxbench.config.schema import ReportConfig
 from taxbench.design import ALL_RUNS, TIMED
 from taxbench.diagnostics import logger
 from taxbench.rundir.experiment_folder import LOCK_FILE, SWEEP_MARKER, Holder, held_by, is_marked_sweep
+from taxbench.rundir.json_object import ResultWriteError
 from taxbench.rundir.plans import is_layouts_folder, is_stacks_folder
-from taxbench.rundir.read import RecordError, ResultWriteError, leave_mirrors
+from taxbench.rundir.read import RecordError, leave_mirrors
 from taxbench.rundir.records import MANIFEST
 from taxbench.rundir.write_scope import reading
 

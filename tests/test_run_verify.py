@@ -23,8 +23,8 @@ from taxbench import exit_codes
 from taxbench.commands.verify import certificate_command, conclude, load_reference
 from taxbench.commands.verify_cli import main as run_verify_command
 from taxbench.rundir.certificate import RUN_FOLDER, essentials, read_certificate
-from taxbench.rundir.run_manifest import Manifest
 from taxbench.rundir.records import steps_file
+from taxbench.rundir.run_manifest import Manifest
 
 STEPS = 4
 SECRET_NAME, SECRET = "TB_VERIFY_TOKEN", "s3cr3t-v4lue"  # an environment edit the command gets: never written down

@@ -58,7 +58,6 @@ from taxbench.parallel.gpu_hours import GpuHours, gpu_hours, render_gpu_hours
 from taxbench.parallel.layout import expert_modules, tensor_parallel_plan
 from taxbench.workloads import build_model
 
-BYTES_PER_PARAM = {"weights": 4, "grads": 4, "optimizer": 8}  # taxbench's trainer: fp32 weights, grads, moments
 GIB = 1024**3
 GPU_MEMORY = {"80 GB H100": 80e9, "141 GB H200": 141e9}  # bytes, as the vendors count them
 RECOMPUTE_MODES = (ActivationCheckpointing.none, ActivationCheckpointing.selective, ActivationCheckpointing.full)

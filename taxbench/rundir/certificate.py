@@ -24,8 +24,8 @@ from typing import Any
 import pandas as pd
 import pyarrow as pa
 
+from taxbench.rundir.json_object import RecordError, UnreadableRecords, read_json_object
 from taxbench.rundir.provenance import canonical_json, config_hash
-from taxbench.rundir.read import RecordError, UnreadableRecords, read_json_object
 from taxbench.rundir.records import METRICS, SCHEMA_VERSION, write_text_atomically
 from taxbench.rundir.run_manifest import Manifest
 from taxbench.rundir.step_stream import STEP_FIELDS

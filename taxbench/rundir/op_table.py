@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from taxbench.rundir.read import RecordError, UnreadableRecords, read_json_object
+from taxbench.rundir.json_object import RecordError, UnreadableRecords, read_json_object
 from taxbench.rundir.records import write_text_atomically
 
 OP_TABLE_SCHEMA_VERSION = 1

@@ -67,7 +67,7 @@ def is_layouts_folder(root: Path) -> bool:
 # ---------------------------------------------------------------------------------------------- the stacks plan
 @dataclass
 class Cell:
-    stack: str  # the stack's short name: native, titan, megatron, deepspeed
+    stack: str  # the stack's short name: one of STACK_NAMES
     policy: str  # the deterministic arm's mode: stack_native or deterministic
     recipe: str
     parameters: int | None  # the recipe's model on the meta device (None: the stack is not installed)
@@ -114,6 +114,3 @@ def read_stacks_plan(root: Path) -> StacksPlan:
 
 def is_stacks_folder(root: Path) -> bool:
     return (root / STACKS_PLAN_FILE).is_file()
-
-
-# ------------------------------------------------------------------------------------------------------ the results

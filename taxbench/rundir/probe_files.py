@@ -157,16 +157,3 @@ def expected_flags(policy: dict[str, Any]) -> dict[str, bool]:
     if policy.get("allow_tf32") is not None:
         wanted["tf32"] = bool(policy["allow_tf32"])
     return wanted
-
-
-@dataclass
-class FlagViolation:
-    step: int
-    rank: int
-    flag: str
-    live: bool
-    wanted: bool
-
-    def describe(self) -> str:
-        return (f"step {self.step}, rank {self.rank}: {FLAG_NAMES[self.flag]} was {'on' if self.live else 'off'} "
-                f"where the arm's policy sets it {'on' if self.wanted else 'off'}")

@@ -40,13 +40,7 @@ from taxbench.design import knob_of, knob_policies, plan_ablation
 from taxbench.redaction import redact
 from taxbench.rundir.evidence import experiment_of, read_regular
 from taxbench.rundir.hex_columns import pack_column
-from taxbench.rundir.json_object import (  # noqa: F401 (ResultWriteError, read_json_object: their old address)
-    JSON_OBJECT_LIMIT,
-    RecordError,
-    ResultWriteError,
-    UnreadableRecords,
-    read_json_object,
-)
+from taxbench.rundir.json_object import RecordError, UnreadableRecords
 from taxbench.rundir.provenance import config_hash
 from taxbench.rundir.records import MANIFEST, METRICS, SCHEMA_VERSION
 from taxbench.rundir.run_manifest import Manifest

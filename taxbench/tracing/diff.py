@@ -48,7 +48,6 @@ ORIGIN = "origin"
 VIA_VIEW = "origin_before_view"
 MISSING_IN_A = "missing_in_a"
 MISSING_IN_B = "missing_in_b"
-DOWNSTREAM = "downstream"
 
 IDENTICAL = "identical"
 CONTROL_FLOW = "control_flow"
