@@ -44,9 +44,10 @@ from taxbench.design import EQUIVALENCE_RUNS, GATES, RESUMED
 from taxbench.rundir.cost_file import read_cost
 from taxbench.rundir.probe_files import FLAG_NAMES, LiveFlags, expected_flags
 from taxbench.rundir.read import RecordError, load_checked_run
-from taxbench.rundir.records import MANIFEST, STOP_FILE, read_stop
+from taxbench.rundir.records import MANIFEST
 from taxbench.rundir.run_manifest import Manifest, load_manifest
 from taxbench.rundir.step_record import FINGERPRINT_S, FLAGS, GRAD_NORM, RANK, SKIPPED, STEP
+from taxbench.rundir.stop_file import STOP_FILE, read_stop
 from taxbench.stats.tax import estimate_pairs_tax, no_estimate, pair_ratios, steps_for_half_width
 
 NOT_RUN = ("not run: the command's own save and resume were not given (run.restart.save_args and "

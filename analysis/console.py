@@ -52,7 +52,7 @@ from taxbench.analysis.text import (
 )
 from taxbench.analysis.verdicts import IDENTICAL, INCOMPLETE, Verdict
 from taxbench.design import GATES, MEASURED
-from taxbench.rundir.records import TARGET
+from taxbench.rundir.stop_file import TARGET
 
 TONE_COLOURS = {"good": "green", "bad": "red", "warn": "yellow"}  # a line's tone (taxbench.analysis.text) as colour
 SHOWN_PROBLEMS = 3  # console lines of incompleteness; summary.json and the report hold them all

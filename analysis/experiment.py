@@ -59,7 +59,7 @@ from taxbench.rundir.read import (
     step_losses,
     step_times,
 )
-from taxbench.rundir.records import MANIFEST, METRICS, STEPS, STOP_FILE, read_stop
+from taxbench.rundir.records import MANIFEST, METRICS
 from taxbench.rundir.run_manifest import Manifest, load_manifest
 from taxbench.rundir.step_record import (
     BLOCK,
@@ -73,6 +73,7 @@ from taxbench.rundir.step_record import (
     TIME_S,
     TOKENS,
 )
+from taxbench.rundir.stop_file import STEPS, STOP_FILE, read_stop
 from taxbench.rundir.write_scope import running as still_running
 from taxbench.stats.tax import (
     Checkpoints,

@@ -19,7 +19,7 @@ import pandas as pd
 
 from taxbench.design import ALL_RUNS
 from taxbench.rundir.provenance import config_hash
-from taxbench.rundir.records import MANIFEST, METRICS, SCHEMA_VERSION, STEPS, Stop, steps_file
+from taxbench.rundir.records import MANIFEST, METRICS, SCHEMA_VERSION, steps_file
 from taxbench.rundir.run_manifest import Manifest, load_manifest
 from taxbench.rundir.step_record import (
     ARM,
@@ -37,6 +37,7 @@ from taxbench.rundir.step_record import (
     WINDOW_S,
 )
 from taxbench.rundir.step_stream import refresh_mirror
+from taxbench.rundir.stop_file import STEPS, Stop
 
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 

@@ -39,9 +39,10 @@ from taxbench.rundir.probe_files import (
     read_rank_facts,
 )
 from taxbench.rundir.read import load_run
-from taxbench.rundir.records import MANIFEST, STEPS, TARGET, Stop
+from taxbench.rundir.records import MANIFEST
 from taxbench.rundir.run_manifest import load_manifest
 from taxbench.rundir.step_record import BLOCK, RANK, STEP, TIME_S
+from taxbench.rundir.stop_file import STEPS, TARGET, Stop
 from taxbench.stats.tax import estimate_pairs_tax
 
 PROBE_BOOT = Path(taxbench.__file__).parent / "probe" / "boot"

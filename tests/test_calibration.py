@@ -22,7 +22,7 @@ from taxbench.analysis.summary import analyse, analyse_experiment
 from taxbench.config.schema import ConfigError
 from taxbench.design import INTERLEAVED
 from taxbench.parallel.distributed import DistContext
-from taxbench.rundir.records import CAP, STOP_FILE, TARGET, Stop
+from taxbench.rundir.stop_file import CAP, STOP_FILE, TARGET, Stop
 from taxbench.schedule.stopping import MIN_ROUNDS, StoppingRule
 from taxbench.stats.tax import estimate_tax
 

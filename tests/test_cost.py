@@ -19,7 +19,8 @@ from taxbench.config.schema import ConfigError
 from taxbench.design import ALL_RUNS, INTERLEAVED, RESUMED
 from taxbench.launchers.local import launch_inprocess
 from taxbench.parallel.distributed import DistContext
-from taxbench.rundir.records import STOP_FILE, steps_file
+from taxbench.rundir.records import steps_file
+from taxbench.rundir.stop_file import STOP_FILE
 from taxbench.schedule.checkpoint_clock import UNTIMED_STRETCH_BLOCKS, CheckpointClock
 from taxbench.schedule.cost import STARTED_ENV
 

@@ -121,6 +121,22 @@ def test_a_cell_whose_experiment_is_missing_is_incomplete_and_skipped_cells_do_n
         analyse_stacks(root)
 
 
+def test_a_plan_reads_across_format_versions_it_knows_and_names_one_it_does_not(tmp_path: Path) -> None:
+    root = _prepared(tmp_path / "plan", [
+        Cell("megatron", "stack_native", "megatron_gpt_debug", None, NEEDS_CUDA, "Megatron-Core trains on CUDA")])
+    plan = json.loads((root / "stacks.json").read_text())
+    assert plan["format_version"] == 1
+    expected = analyse_stacks(root).cells
+    (root / "stacks.json").write_text(json.dumps({k: v for k, v in plan.items() if k != "format_version"}))
+    assert analyse_stacks(root).cells == expected  # a plan written before the field was: version 1
+
+    (root / "stacks.json").write_text(json.dumps({**plan, "format_version": 2}))
+    result = run_taxbench("analyse", str(root), cwd=tmp_path)
+    assert result.returncode == exit_codes.CONFIG_ERROR, result.stderr
+    assert "stacks.json: a stacks record of format_version=2, expected 1" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 # ------------------------------------------------------------------------------------------- the matrix, for real
 def _stacks(out: Path, name: str, *extra: str) -> subprocess.CompletedProcess[str]:
     return run_taxbench("stacks", "experiment.steps=4", "report.wandb=false", f"experiment.out_dir={out}",

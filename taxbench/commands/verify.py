@@ -54,9 +54,10 @@ from taxbench.rundir.read import (
     load_checked_run,
     load_run,
 )
-from taxbench.rundir.records import MANIFEST, STOP_FILE, read_stop, write_text_atomically
+from taxbench.rundir.records import MANIFEST, write_text_atomically
 from taxbench.rundir.run_manifest import Manifest, load_manifest
 from taxbench.rundir.step_record import STEP
+from taxbench.rundir.stop_file import STOP_FILE, read_stop
 from taxbench.schedule.rerun import RERUN
 
 SUMMARY_FILE = "verify.json"  # in the rerun's experiment folder

@@ -3,8 +3,9 @@ and how each one's launch went) and `taxbench stacks` (<root>/stacks.json: the c
 a cell did not). The launchers write them (launchers/layouts.py, launchers/stacks.py) and analysis reads them back
 (taxbench.analysis.layouts, taxbench.analysis.stacks_matrix): one model, one writer and one reader each, here.
 
-Neither file carries a version: their fields have not changed since they were introduced, and a reader refuses what
-is not one of them (UnreadableRecords, exit 4).
+Both carry `format_version` (PLANS_FORMAT); a plan without one is of version 1, as every plan before the field was.
+A plan of another version is refused as bad input (RecordError, exit 2, as a manifest of another schema version is),
+and what is not a plan at all as damaged evidence (UnreadableRecords, exit 4).
 """
 
 from __future__ import annotations
@@ -13,16 +14,25 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from taxbench.rundir.json_object import UnreadableRecords, read_json_object
+from taxbench.rundir.json_object import RecordError, UnreadableRecords, read_json_object
 from taxbench.rundir.write_scope import write_result
 
 LAYOUTS_PLAN_FILE = "layouts.json"
 STACKS_PLAN_FILE = "stacks.json"
+PLANS_FORMAT = 1
 NOT_INSTALLED, NEEDS_CUDA = "not installed", "needs CUDA"
 SKIPPED = (NOT_INSTALLED, NEEDS_CUDA)
 STACK_NAMES = ("taxbench", "titan", "megatron", "deepspeed")  # a cell's stack, as the table and its folder name it
 # The deterministic arm's mode (conf/mode/) per policy column, and how the table names it
 POLICY_LABELS = {"stack_native": "own switch", "deterministic": "taxbench's policy"}
+
+
+def _read_plan(path: Path, what: str) -> dict:
+    stored = read_json_object(path, what)
+    version = stored.pop("format_version", 1)
+    if version != PLANS_FORMAT:
+        raise RecordError(f"{path}: a {what} of format_version={version!r}, expected {PLANS_FORMAT}")
+    return stored
 
 
 # --------------------------------------------------------------------------------------------- the layouts plan
@@ -42,11 +52,11 @@ class LayoutsPlan:
     launches: dict[str, LaunchRecord] = field(default_factory=dict)
 
     def write(self, root: Path) -> None:
-        write_result(root / LAYOUTS_PLAN_FILE, json.dumps(asdict(self), indent=2))
+        write_result(root / LAYOUTS_PLAN_FILE, json.dumps({"format_version": PLANS_FORMAT, **asdict(self)}, indent=2))
 
 
 def read_layouts_plan(root: Path) -> LayoutsPlan:
-    stored = read_json_object(root / LAYOUTS_PLAN_FILE, "layouts record")
+    stored = _read_plan(root / LAYOUTS_PLAN_FILE, "layouts record")
     try:
         launches = {name: LaunchRecord(**value) for name, value in stored.get("launches", {}).items()}
         plan = LayoutsPlan(str(stored["recipe"]), str(stored["arm"]), int(stored["steps"]),
@@ -92,11 +102,11 @@ class StacksPlan:
     shape: str = ""  # the model and batch fields given to every stack that builds its model from them
 
     def write(self, root: Path) -> None:
-        write_result(root / STACKS_PLAN_FILE, json.dumps(asdict(self), indent=2))
+        write_result(root / STACKS_PLAN_FILE, json.dumps({"format_version": PLANS_FORMAT, **asdict(self)}, indent=2))
 
 
 def read_stacks_plan(root: Path) -> StacksPlan:
-    stored = read_json_object(root / STACKS_PLAN_FILE, "stacks record")
+    stored = _read_plan(root / STACKS_PLAN_FILE, "stacks record")
     try:
         cells = [Cell(**cell) for cell in stored["cells"]]
         plan = StacksPlan(str(stored["family"]), int(stored["steps"]), int(stored["world_size"]),

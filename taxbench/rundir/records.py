@@ -17,12 +17,10 @@ import errno
 import json
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from taxbench.oserrors import describe_os_error
-from taxbench.rundir.evidence import read_regular
 
 # 2: fingerprint format 2 (shape in the digest header); 3: layout-invariant initial weights (taxbench.workloads.init):
 # the same recipe starts from other values than under 2, so fingerprints of 2 and 3 are not comparable
@@ -32,68 +30,6 @@ SCHEMA_VERSION = 3
 METRICS = ("loss_bits", "grads", "grad_norm_bits", "params", "optim")
 
 MANIFEST = "manifest.json"
-
-
-STOP_FILE = "stop.json"  # <experiment>/stop.json: how many steps every run took and what stopped the timed rounds
-COMMITS_FILE = "commits.json"  # <experiment>/commits.json: the timed rounds' checkpoint commits while they run
-
-
-# stop.json's format_version; a file without one is of version 1, as every stop.json before the field was.
-STOP_FORMAT = 1
-# What stopped the timed rounds (Stop.stopped_by).
-STEPS, TARGET, CAP = "steps", "target_half_width", "max_steps"
-
-
-@dataclass(frozen=True)
-class Stop:
-    """How many steps every run took and what stopped the timed rounds (<experiment>/stop.json;
-    taxbench.schedule.stopping decides it)."""
-
-    steps: int  # every timed run takes this many steps (gate-only runs: taxbench.design.run_steps)
-    stopped_by: str  # STEPS (fixed length), TARGET (precision reached) or CAP (max_steps reached first)
-    half_width: float | None  # at the last look (None without a target)
-    # The steps after which the timed rounds committed a checkpoint (the step after each is left out of the tax);
-    # None in experiments from before checkpoints by time, whose commits follow experiment.checkpoint_every_steps.
-    commits: tuple[int, ...] | None = None
-    # `taxbench run -- COMMAND`: the whole-run pairs that ran (stopped_by then counts pairs, not steps)
-    pairs: int | None = None
-
-    def write(self, root: Path) -> None:
-        stored = {"format_version": STOP_FORMAT,
-                  **{key: value for key, value in asdict(self).items() if key != "pairs" or value is not None}}
-        write_text_atomically(root / STOP_FILE, json.dumps(stored, indent=2))
-
-
-def read_stop(root: Path) -> Stop | None:
-    """The stored stop of an experiment whose interleaved rounds finished (None before that, or when the record is
-    damaged or of another format version: the rounds then run again from their newest checkpoint)."""
-    try:
-        stored = json.loads(read_regular(root / STOP_FILE, root).decode("utf-8"))
-        if stored.get("format_version", 1) != STOP_FORMAT:
-            return None
-        commits = stored.get("commits")
-        pairs = stored.get("pairs")
-        return Stop(int(stored["steps"]), str(stored["stopped_by"]), stored.get("half_width"),
-                    None if commits is None else tuple(int(step) for step in commits),
-                    None if pairs is None else int(pairs))
-    # missing, unreadable (a FIFO or device is refused unopened), not JSON, or not a stop record
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # AttributeError: JSON that is no object
-        return None
-
-
-def write_commits(root: Path, commits: tuple[int, ...]) -> None:
-    """Record the timed rounds' commits so far (<experiment>/commits.json), for a continue to carry into stop.json."""
-    write_text_atomically(root / COMMITS_FILE, json.dumps(list(commits)))
-
-
-def read_commits(root: Path, through: int) -> tuple[int, ...]:
-    """The timed rounds' commits up to step `through` (the checkpoint a continue resumes from, which is one)."""
-    try:
-        stored = json.loads((root / COMMITS_FILE).read_text(encoding="utf-8"))
-        steps = {int(step) for step in stored}
-    except (OSError, ValueError, TypeError):  # missing or damaged: only the resumed-from commit is certain
-        steps = set()
-    return tuple(sorted(step for step in steps | {through} if step <= through))
 
 
 def steps_file(run_dir: Path, rank: int) -> Path:

@@ -45,7 +45,8 @@ from taxbench.parallel.stack_facts import gather_stack
 from taxbench.progress import IDLE, StepProgress
 from taxbench.rundir.cost_file import ScheduleCost
 from taxbench.rundir.manifest import RunFacts, write_run_manifest
-from taxbench.rundir.records import Stop, op_table_file, read_stop, write_commits
+from taxbench.rundir.records import op_table_file
+from taxbench.rundir.stop_file import Stop, read_stop, write_commits
 from taxbench.runtime import determinism
 from taxbench.schedule.checkpoint_clock import CheckpointClock
 from taxbench.schedule.cost import Stopwatch, command_started_unix, process_start_unix

@@ -25,8 +25,9 @@ import torch.distributed as dist
 from taxbench.config.schema import ExperimentConfig, max_steps
 from taxbench.design import RunRef
 from taxbench.parallel.distributed import DistContext
-from taxbench.rundir.records import CAP, STEPS, TARGET, Stop, read_commits, steps_file
+from taxbench.rundir.records import steps_file
 from taxbench.rundir.step_record import BLOCK, RANK, STEP, TIME_S
+from taxbench.rundir.stop_file import CAP, STEPS, TARGET, Stop, read_commits
 from taxbench.stats.tax import Checkpoints, estimate_tax
 
 MIN_ROUNDS = 10  # post-warmup rounds before the precision rule may stop
