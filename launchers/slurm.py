@@ -272,16 +272,33 @@ def _submit(cfg: TaxbenchConfig, root: Path, task: Callable[[], Any], in_batch_s
     return job
 
 
-def wait(job: submitit.Job[Any], root: Path) -> list[dict[str, Any]]:
-    """Block until the job (including any requeues) has finished; results of every task."""
-    try:
-        return job.results()
-    except (FailedJobError, UncompletedJobError) as exc:
-        raise SlurmJobFailed(
-            f"Slurm job {job.job_id} for {root} ended without results (state {job.state}); logs: {job.paths.stderr} "
-            f"and {job.paths.stdout}. Records and complete checkpoints written so far are "
-            f"kept.\n{str(exc)[-2000:]}"
-        ) from exc
+# Slurm states of a job that has not ended: a requeued job is pending again, then runs again.
+LIVE_STATES = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "RUNNING", "RESIZING",
+                         "SUSPENDED", "COMPLETING", "PREEMPTED"})
+
+
+def wait(job: submitit.Job[Any], root: Path, poll_s: float = 2.0) -> list[dict[str, Any]]:
+    """Block until the job (including any requeues) has finished; results of every task.
+
+    An attempt that is being requeued can end in an error of its own: submitit's `scontrol requeue` runs inside the
+    job step that the requeue cancels, and on a busy node the step's SIGTERM reaches it before it exits, so the task
+    writes that error as its result. While the job lives on (pending or running again), that result is stale: the
+    wait goes on until the job has ended, and its last attempt's results are the job's."""
+    while True:
+        try:
+            return job.results()
+        except (FailedJobError, UncompletedJobError) as exc:
+            state = job.get_info(mode="force").get("State") or "UNKNOWN"
+            if state.split()[0] not in LIVE_STATES:
+                raise SlurmJobFailed(
+                    f"Slurm job {job.job_id} for {root} ended without results (state {state}); logs: "
+                    f"{job.paths.stderr} and {job.paths.stdout}. Records and complete checkpoints written so far "
+                    f"are kept.\n{str(exc)[-2000:]}"
+                ) from exc
+            log.warning(f"Slurm job {job.job_id}: an attempt ended in an error, but the job is {state} (requeued): "
+                        "waiting for its next attempt")
+            while (job.get_info(mode="force").get("State") or "UNKNOWN").split()[0] in LIVE_STATES:
+                time.sleep(poll_s)
 
 
 def launch_slurm(cfg: TaxbenchConfig, root: Path, block: bool = True,

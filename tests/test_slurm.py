@@ -436,6 +436,37 @@ def test_cancelled_job_fails_clearly_and_keeps_its_records(tmp_path: Path) -> No
 
 @pytest.mark.slow
 @needs_slurm
+def test_an_error_an_attempt_wrote_as_it_was_requeued_is_not_the_jobs_result(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """On a busy node submitit's own `scontrol requeue` was once killed by the SIGTERM of the step it cancels, and
+    the task wrote that error as its result while the job went back to pending. Here the first attempt's rank 0
+    requeues the job and then raises (SIGTERM is bypassed by submitit and KillWait is 1 s, so the error is written):
+    the wait must go on to the requeued attempt, whose results are the job's."""
+    cfg = compose_config("cluster=slurm_cpu", f"experiment.out_dir={tmp_path}", "experiment.name=r", *TINY)
+    root = tmp_path / "r"
+
+    def requeue_then_fail_once(rank: int, *_: Any) -> None:
+        if rank == 0 and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
+            subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True, timeout=60)
+            raise RuntimeError("the requeue's scontrol was killed")
+
+    job = slurm.submit(cfg, root, requeue_then_fail_once)
+
+    def requeued() -> bool:
+        shown = subprocess.run(["scontrol", "show", "job", job.job_id], capture_output=True, text=True).stdout
+        return "Restarts=1" in shown and "JobState=PENDING" in shown
+
+    wait_until(requeued, 120, "the job to be requeued")
+    subprocess.run(["scontrol", "update", f"JobId={job.job_id}", "StartTime=now"], check=True)
+    with caplog.at_level("WARNING", logger="taxbench"):
+        results = slurm.wait(job, root, poll_s=0.5)
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    assert all(r["restarts"] == 1 for r in results), results
+    assert any("an attempt ended in an error" in message for message in caplog.messages)
+
+
+@pytest.mark.slow
+@needs_slurm
 def test_a_slurm_multirun_queues_every_point_then_publishes_each_and_the_sweep(tmp_path: Path) -> None:
     done = run_taxbench("-m", "cluster=slurm_cpu", "experiment.order_seed=0,1", f"experiment.out_dir={tmp_path}",
                         "experiment.name=sweep", "report.wandb=false", *TINY, cwd=tmp_path, timeout=480)
