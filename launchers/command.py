@@ -56,7 +56,8 @@ class CommandFailed(RuntimeError):
 
 
 class NoEvidence(RuntimeError):
-    """A run of the command left no step records: the probe never loaded or no optimizer stepped (exit 4)."""
+    """A run of the command left no step records of its own: the probe never loaded, no optimizer stepped, or a
+    resumed process recorded nothing (exit 4)."""
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,10 @@ class CommandRunner:
             raise NoEvidence(self._no_records(run_dir))
         if run.part == "save":
             return  # the resume process completes this run
+        if run.part == "resume" and any(f.resumed_from is None for f in facts):  # the saving process's facts remain
+            raise NoEvidence(f"{run_dir.name}: the resumed process recorded no step of its own: it took none, or the "
+                             f"probe could not place its first step in the run (its output: {run_dir / LOG_FILE}); "
+                             "restart replay has no evidence")
         self._write_manifest(run, command, facts, wall)
         steps = max(f.steps + (f.resumed_from or 0) for f in facts)
         print(f"taxbench: {run.label}: {steps} steps on {facts[0].world_size} ranks in {wall:.1f} s", flush=True)

@@ -29,7 +29,7 @@ from taxbench.config.command import (
     validate_command,
     with_args,
 )
-from taxbench.probe.steps import StepFolder
+from taxbench.probe.steps import ClosedStep, NotAligned, StepFolder, resumed_after
 from taxbench.stats.tax import estimate_pairs_tax
 
 PROGRAMS = Path(__file__).parent / "user_programs"
@@ -119,6 +119,25 @@ def test_gates_compare_the_skipped_mark() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ edits
+def _first_step(own_count: int | None, skipped: bool = False) -> ClosedStep:
+    return ClosedStep(1, 0 if skipped else 1, skipped, own_count, 0.1, 0.0, [], [], [], [], None, None)
+
+
+def test_a_resumed_process_is_placed_by_the_saving_runs_optimizer_counts() -> None:
+    no_skip = [(step, step, False) for step in range(1, 9)]
+    assert resumed_after(_first_step(6), no_skip) == 5
+    assert resumed_after(_first_step(6), []) == 5  # no records to read: the count is the step, as without skips
+    skip_at_3 = [(1, 1, False), (2, 2, False), (3, 2, True), (4, 3, False), (5, 4, False), (6, 5, False)]
+    assert resumed_after(_first_step(5), skip_at_3) == 5  # loaded 4: held after step 5
+    assert resumed_after(_first_step(4, skipped=True), skip_at_3) == 5  # its own first step skipped: loaded 4
+    with pytest.raises(NotAligned, match=r"held after steps \[2, 3\]"):
+        resumed_after(_first_step(3), skip_at_3)  # loaded 2: after step 2 or after step 3
+    with pytest.raises(NotAligned, match="held after no step"):
+        resumed_after(_first_step(9), skip_at_3)
+    with pytest.raises(NotAligned, match="keeps no step count"):
+        resumed_after(_first_step(None), no_skip)
+
+
 def test_arguments_are_appended_or_replace_the_same_flag() -> None:
     argv = ["torchrun", "train.py", "--lr", "1e-3", "--mode=fast"]
     assert with_args(argv, ["--deterministic-mode"]) == [*argv, "--deterministic-mode"]
@@ -282,20 +301,25 @@ def test_a_deepspeed_script_with_its_json_passes_its_gates_under_its_own_launche
     """At ZeRO-3 the model's parameters do not divide by the world of 2 (width 63): the last rank's flat partitions
     end in uninitialized padding, which the probe leaves out (fill_uninitialized_memory stays off). Under fp16 the
     loss scaler skips the steps that overflow (the first ones, from its initial scale, and a planted one): each is
-    recorded as skipped."""
+    recorded as skipped. Restart replay runs through the script's own DeepSpeed checkpoint after step 4, after the
+    first skips under fp16: the resumed process is placed by the saving run's records (docs/your-job.md)."""
     (tmp_path / "ds_config.json").write_text((PROGRAMS / "ds_config.json").read_text())
     edits = [f"run.{arm}.config_file=ds_config.json" for arm in ("baseline", "deterministic")]
     edits += [f"+run.{arm}.config_set={{zero_optimization.stage: {stage}, fp16.enabled: {str(fp16).lower()}}}"
               for arm in ("baseline", "deterministic")]
     launcher = str(Path(sys.executable).parent / "deepspeed")
     overflow = ["--cpu-fp16", "--overflow-step", "6"] if fp16 else []
-    result = _taxbench_run(tmp_path, *edits, command=[launcher, "--num_gpus", "2", str(PROGRAMS / "ds_train.py"),
-                                                      "--deepspeed_config", "ds_config.json", "--width", str(width),
-                                                      *overflow])
-    assert result.returncode == 4, result.stdout + result.stderr  # the restart gate is not run: never a pass
+    restart = ["run.restart.save_args=[--save,{checkpoint},--save-step,4]",
+               "run.restart.resume_args=[--resume,{checkpoint}]"]
+    command = [launcher, "--num_gpus", "2", str(PROGRAMS / "ds_train.py"), "--deepspeed_config", "ds_config.json",
+               "--width", str(width), *overflow]
+    result = _taxbench_run(tmp_path, *edits, *restart, command=command)
+    assert result.returncode == 0, result.stdout + result.stderr
     summary = _summary(tmp_path)
-    outcomes = {v["gate"]: v["outcome"] for v in summary["verdicts"]}
-    assert outcomes == {"repeatability": "identical", "restart_replay": "incomplete", "baseline_sanity": "identical"}
+    verdicts = {v["gate"]: v for v in summary["verdicts"]}
+    assert {gate: v["outcome"] for gate, v in verdicts.items()} == {
+        "repeatability": "identical", "restart_replay": "identical", "baseline_sanity": "identical"}
+    assert verdicts["restart_replay"]["from_step"] == 4 and verdicts["restart_replay"]["compared_steps"] == 4
     assert summary["world_size"] == 2 and summary["steps"] == 8
     manifest = json.loads((tmp_path / "job" / "deterministic-0" / "manifest.json").read_text())
     copy = Path(manifest["command"]["config_copy"])
@@ -312,13 +336,23 @@ def test_a_deepspeed_script_with_its_json_passes_its_gates_under_its_own_launche
         assert all(r["calls"] == 0 for r in records if r["skipped"])
 
 
+def _amp_save_resume(save_step: int) -> tuple[str, str]:
+    return (f"run.restart.save_args=[--save,{{checkpoint}},--save-step,{save_step}]",
+            "run.restart.resume_args=[--resume,{checkpoint}]")
+
+
 @pytest.mark.slow
 def test_a_step_the_loss_scaler_skips_is_recorded_as_skipped_and_repeats(tmp_path: Path) -> None:
-    result = _taxbench_run(tmp_path, command=[sys.executable, str(PROGRAMS / "amp_train.py"), "--overflow-step", "3"])
-    assert result.returncode == 4, result.stdout + result.stderr  # the restart gate is not run: never a pass
+    """The skip at step 3 leaves the optimizer's count a step behind the run's: the resume from the checkpoint after
+    step 5 (count 4) is placed after step 5 by the saving run's records, and restart replay passes from there."""
+    result = _taxbench_run(tmp_path, *_amp_save_resume(5),
+                           command=[sys.executable, str(PROGRAMS / "amp_train.py"), "--overflow-step", "3"])
+    assert result.returncode == 0, result.stdout + result.stderr
     summary = _summary(tmp_path)
-    outcomes = {v["gate"]: v["outcome"] for v in summary["verdicts"]}
-    assert outcomes == {"repeatability": "identical", "restart_replay": "incomplete", "baseline_sanity": "identical"}
+    verdicts = {v["gate"]: v for v in summary["verdicts"]}
+    assert {gate: v["outcome"] for gate, v in verdicts.items()} == {
+        "repeatability": "identical", "restart_replay": "identical", "baseline_sanity": "identical"}
+    assert verdicts["restart_replay"]["from_step"] == 5 and verdicts["restart_replay"]["compared_steps"] == 3
     assert not summary["nonfinite"]  # the overflow the scaler caught is no divergence
     records = [json.loads(line) for line in (tmp_path / "job" / "deterministic-0" / "steps.rank0.jsonl").open()]
     assert [r["step"] for r in records] == list(range(1, 9))
@@ -328,13 +362,36 @@ def test_a_step_the_loss_scaler_skips_is_recorded_as_skipped_and_repeats(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("steps", "code"), [(8, 1), (3, 4)])
+def test_a_resume_from_a_checkpoint_next_to_a_skipped_step_is_refused_not_guessed(
+        tmp_path: Path, steps: int, code: int) -> None:
+    """Saved after step 2, then step 3 skipped: both left the optimizer at count 2, so the step the resumed process
+    continues from is not known. With steps to go the probe stops the resumed command with the reason (exit 1); when
+    its one step is closed only as the process exits, the process records nothing of its own (exit 4). Never a pass:
+    the saving process's records are no evidence of the resume."""
+    result = _taxbench_run(tmp_path, *_amp_save_resume(2), command=[
+        sys.executable, str(PROGRAMS / "amp_train.py"), "--overflow-step", "3", "--steps", str(steps)])
+    assert result.returncode == code, result.stdout + result.stderr
+    assert "deterministic-resumed" in result.stderr
+    log = (tmp_path / "job" / "deterministic-resumed" / "command.log").read_text()
+    assert "held after steps [2, 3] (a loss scaler skipped steps there)" in log
+    if code == 4:
+        assert "the resumed process recorded no step of its own" in result.stderr
+
+
+@pytest.mark.slow
 def test_a_hugging_face_trainer_script_passes_its_gates(tmp_path: Path) -> None:
     pytest.importorskip("accelerate")
-    result = _taxbench_run(tmp_path, command=[sys.executable, str(PROGRAMS / "hf_train.py"), "--output",
-                                              str(tmp_path / "hf-out")])
-    assert result.returncode == 4, result.stdout + result.stderr  # the restart gate is not run: never a pass
-    outcomes = {v["gate"]: v["outcome"] for v in _summary(tmp_path)["verdicts"]}
-    assert outcomes == {"repeatability": "identical", "restart_replay": "incomplete", "baseline_sanity": "identical"}
+    # the Trainer's own checkpoint-4 (optimizer, scheduler, RNG states), and its own resume from it
+    restart = ["run.restart.save_args=[--output,{checkpoint},--save-steps,4]",
+               "run.restart.resume_args=[--output,{checkpoint},--resume,{checkpoint}/checkpoint-4]"]
+    result = _taxbench_run(tmp_path, *restart, command=[sys.executable, str(PROGRAMS / "hf_train.py"), "--output",
+                                                        str(tmp_path / "hf-out")])
+    assert result.returncode == 0, result.stdout + result.stderr
+    verdicts = {v["gate"]: v for v in _summary(tmp_path)["verdicts"]}
+    assert {gate: v["outcome"] for gate, v in verdicts.items()} == {
+        "repeatability": "identical", "restart_replay": "identical", "baseline_sanity": "identical"}
+    assert verdicts["restart_replay"]["from_step"] == 4 and verdicts["restart_replay"]["compared_steps"] == 2
     records = [json.loads(line) for line in (tmp_path / "job" / "deterministic-0" / "steps.rank0.jsonl").open()]
     assert [r["step"] for r in records] == list(range(1, 7)) and all(r["loss_bits"] for r in records)
 

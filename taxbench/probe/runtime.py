@@ -17,6 +17,7 @@ Its own work is measured and taken out of the step times it records.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import socket
 import sys
@@ -32,7 +33,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from taxbench import fingerprint
 from taxbench.config.schema import Device, PolicyConfig
 from taxbench.probe.adapters import Adapters
-from taxbench.probe.steps import ClosedStep, StepFolder
+from taxbench.probe.steps import ClosedStep, StepFolder, resumed_after
 from taxbench.rundir.probe_files import LiveFlags, ProbeSettings, RankFacts, mark_loaded, read_probe_settings
 from taxbench.rundir.records import steps_file
 from taxbench.rundir.step_record import (
@@ -242,10 +243,7 @@ class Probe:
     def _open(self, closed: ClosedStep) -> None:
         rank, world, local_rank = self._rank()
         if self.settings.resume:
-            if closed.own_count is None:
-                raise RuntimeError("taxbench probe: the optimizer keeps no step count of its own, so a resumed run "
-                                   "cannot be aligned with the uninterrupted one")
-            self.offset = closed.own_count - 1
+            self.offset = resumed_after(closed, _saved_steps(steps_file(self.run_dir, rank)))
         device = f"cuda:{torch.cuda.current_device()}" if self.cuda and closed.on_device else "cpu"
         self.writer = StepWriter(steps_file(self.run_dir, rank))
         if self.settings.resume:
@@ -309,6 +307,22 @@ class Probe:
             if self.facts is not None:
                 facts = self.facts.__dict__ | {"steps": self.folder.next_step - 1, "optimizers": self.optimizer_classes}
                 RankFacts(**facts).write(self.run_dir)
+
+
+def _saved_steps(stream: Path) -> list[tuple[int, int | None, bool]]:
+    """(step, optimizer count, skipped) of each record the saving process wrote (a torn last line left out)."""
+    found = []
+    try:
+        lines = stream.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        try:
+            record = json.loads(line)
+            found.append((int(record[STEP]), record.get(OPTIMIZER_STEP), bool(record.get(SKIPPED))))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return found
 
 
 def _software() -> dict[str, Any]:

@@ -188,3 +188,29 @@ class StepFolder:
         self.next_step += 1
         self._open = None
         return closed
+
+
+class NotAligned(RuntimeError):
+    """A resumed process whose first step cannot be placed in the run it continues."""
+
+
+def resumed_after(first: ClosedStep, saved: list[tuple[int, int | None, bool]]) -> int:
+    """The run's step after which a resumed process starts, from its first step and the records that the saving
+    process left in the same stream, as (step, the optimizer's own count after it, skipped).
+
+    The checkpoint holds the optimizer's count, which a step a loss scaler skipped leaves where it was: without a skip
+    the count is the step, and otherwise the saving process's records say after which step the optimizer held it.
+    When several steps left that count (a skip right after the step it saved at), which one saved is unknown, and
+    NotAligned says so, as it does when the optimizer keeps no count of its own."""
+    if first.own_count is None:
+        raise NotAligned("taxbench probe: the optimizer keeps no step count of its own, so a resumed run cannot be "
+                         "aligned with the uninterrupted one")
+    loaded = first.own_count - (0 if first.skipped else 1)
+    if not any(skipped for _, _, skipped in saved):
+        return loaded
+    at = [step for step, count, _ in saved if count == loaded]
+    if len(at) != 1:
+        raise NotAligned(f"taxbench probe: the resumed optimizer's step count is {loaded}, which the saving run held "
+                         f"after {'steps ' + str(at) if at else 'no step'} (a loss scaler skipped steps there), so "
+                         "the step it resumed from is not known; save at a step no skip follows")
+    return at[0]

@@ -3,6 +3,10 @@
 `--overflow-step N` makes step N's loss overflow: under fp16 (`"fp16": {"enabled": true}` in the JSON) DeepSpeed's
 loss scaler then skips that optimizer step. DeepSpeed refuses fp16 on a CPU without mkldnn fp16 (this machine), though
 its fp16 path runs there: `--cpu-fp16` lifts that check.
+
+`--save DIR --save-step N` saves DeepSpeed's checkpoint after step N (`engine.save_checkpoint`, the step in its
+client state); `--resume DIR` loads it (`engine.load_checkpoint`) and goes on from the next step. Each step's batch is
+drawn from a generator seeded by the step and rank, so a resumed run reads what the uninterrupted one read.
 """
 
 import argparse
@@ -22,6 +26,9 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--overflow-step", type=int, default=0)
     parser.add_argument("--cpu-fp16", action="store_true")
+    parser.add_argument("--save", default=None)
+    parser.add_argument("--save-step", type=int, default=0)
+    parser.add_argument("--resume", default=None)
     parser.add_argument("--local_rank", type=int, default=0)
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
@@ -34,14 +41,20 @@ def main() -> None:
                           nn.Linear(width, 1, bias=False))
     engine, _, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
     dtype = torch.float16 if engine.fp16_enabled() else torch.float32
-    data = torch.Generator().manual_seed(100 + engine.global_rank)
-    for step in range(1, args.steps + 1):
+    first = 1
+    if args.resume:
+        _, client_state = engine.load_checkpoint(args.resume)
+        first = client_state["step"] + 1
+    for step in range(first, args.steps + 1):
+        data = torch.Generator().manual_seed(1000 * step + engine.global_rank)
         x, y = torch.randn(16, 32, generator=data), torch.randn(16, 1, generator=data)
         loss = nn.functional.mse_loss(engine(x.to(dtype)), y.to(dtype))
         if step == args.overflow_step:
             loss = loss * float("inf")
         engine.backward(loss)
         engine.step()
+        if args.save and step == args.save_step:
+            engine.save_checkpoint(args.save, client_state={"step": step})
 
 
 if __name__ == "__main__":
