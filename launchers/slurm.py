@@ -288,7 +288,7 @@ def wait(job: submitit.Job[Any], root: Path, poll_s: float = 2.0) -> list[dict[s
         try:
             return job.results()
         except (FailedJobError, UncompletedJobError) as exc:
-            state = job.get_info(mode="force").get("State") or "UNKNOWN"
+            state = _state(job)
             if state.split()[0] not in LIVE_STATES:
                 raise SlurmJobFailed(
                     f"Slurm job {job.job_id} for {root} ended without results (state {state}); logs: "
@@ -297,8 +297,13 @@ def wait(job: submitit.Job[Any], root: Path, poll_s: float = 2.0) -> list[dict[s
                 ) from exc
             log.warning(f"Slurm job {job.job_id}: an attempt ended in an error, but the job is {state} (requeued): "
                         "waiting for its next attempt")
-            while (job.get_info(mode="force").get("State") or "UNKNOWN").split()[0] in LIVE_STATES:
+            while _state(job).split()[0] in LIVE_STATES:
                 time.sleep(poll_s)
+
+
+def _state(job: submitit.Job[Any]) -> str:
+    """The job's state as sacct reports it now ("CANCELLED by 0": its first word is the state)."""
+    return job.get_info(mode="force").get("State") or "UNKNOWN"
 
 
 def launch_slurm(cfg: TaxbenchConfig, root: Path, block: bool = True,

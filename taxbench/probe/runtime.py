@@ -17,7 +17,6 @@ Its own work is measured and taken out of the step times it records.
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import socket
 import sys
@@ -35,7 +34,7 @@ from taxbench.config.schema import Device, PolicyConfig
 from taxbench.probe.adapters import Adapters
 from taxbench.probe.steps import ClosedStep, StepFolder, resumed_after
 from taxbench.rundir.probe_files import LiveFlags, ProbeSettings, RankFacts, mark_loaded, read_probe_settings
-from taxbench.rundir.records import steps_file
+from taxbench.rundir.records import jsonl_records, steps_file
 from taxbench.rundir.step_record import (
     ARM,
     BLOCK,
@@ -310,19 +309,11 @@ class Probe:
 
 
 def _saved_steps(stream: Path) -> list[tuple[int, int | None, bool]]:
-    """(step, optimizer count, skipped) of each record the saving process wrote (a torn last line left out)."""
-    found = []
-    try:
-        lines = stream.read_text(encoding="utf-8").splitlines()
-    except OSError:
+    """(step, optimizer count, skipped) of each record the saving process wrote."""
+    if not stream.exists():
         return []
-    for line in lines:
-        try:
-            record = json.loads(line)
-            found.append((int(record[STEP]), record.get(OPTIMIZER_STEP), bool(record.get(SKIPPED))))
-        except (ValueError, KeyError, TypeError):
-            continue
-    return found
+    return [(record[STEP], record.get(OPTIMIZER_STEP), bool(record.get(SKIPPED)))
+            for _, record in jsonl_records(stream) if isinstance(record.get(STEP), int)]
 
 
 def _software() -> dict[str, Any]:

@@ -189,7 +189,7 @@ def truncate_jsonl_after(path: Path, step: int) -> None:
     """Atomically keep only the records of a JSONL stream whose "step" is <= `step` (and drop a torn last line)."""
     if not path.exists():
         return
-    kept = [line for line, record in _jsonl_records(path) if record.get("step", 0) <= step]
+    kept = [line for line, record in jsonl_records(path) if record.get("step", 0) <= step]
     write_text_atomically(path, "".join(k + "\n" for k in kept))  # a mirror of more than this no longer verifies
 
 
@@ -197,13 +197,14 @@ def step_record(path: Path, step: int) -> dict[str, Any] | None:
     """The last record of `step` in a JSONL stream (None when there is none)."""
     found = None
     if path.exists():
-        for _, record in _jsonl_records(path):
+        for _, record in jsonl_records(path):
             if record.get("step") == step:
                 found = record
     return found
 
 
-def _jsonl_records(path: Path) -> list[tuple[str, dict[str, Any]]]:
+def jsonl_records(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """Every (line, record) of a JSONL stream, a torn last line left out."""
     records = []
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
